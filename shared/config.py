@@ -1,0 +1,38 @@
+"""Configuration helpers: every setting is a CLI flag whose default comes from an env variable.
+
+Each service keeps one typed dataclass of its own settings (units in the field names); these
+helpers only spare each of them the env-parsing boilerplate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import uuid
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+
+def env(name: str, default):
+    """`CORRAL_<NAME>` from the environment, cast to the type of `default` (None: str)."""
+    raw = os.environ.get(f"CORRAL_{name}")
+    if raw is None:
+        return default
+    if isinstance(default, bool):
+        return raw.strip().lower() in {"1", "true", "yes", "on"}
+    if default is None:
+        return raw
+    try:
+        return type(default)(raw)
+    except ValueError as exc:
+        raise SystemExit(f"CORRAL_{name}={raw!r}: expected a {type(default).__name__}") from exc
+
+
+def add_nats_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--nats-url", default=env("NATS_URL", DEFAULT_NATS_URL), help="NATS server URL (env CORRAL_NATS_URL)"
+    )
+
+
+def short_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"

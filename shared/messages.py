@@ -1,0 +1,207 @@
+"""Wire messages between Corral services: typed, MessagePack-encoded, validated on decode.
+
+Every message that crosses NATS is defined here and nowhere else. `encode`/`decode` are the only
+way in and out: a malformed payload raises `WireError` at the edge instead of an AttributeError
+deep inside a handler.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+
+
+class WireError(ValueError):
+    """A payload that does not decode into the expected message type."""
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class Struct(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
+    """Base for wire structs; unknown fields are ignored so old and new services interoperate."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests and their output stream
+# ---------------------------------------------------------------------------------------------
+
+
+class SamplingParams(Struct):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    repetition_penalty: float = 1.0
+
+
+class GenerateRequest(Struct):
+    """Gateway → llumlet: run this request and stream its tokens to `reply_subject`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    reply_subject: str
+    priority: int = 0
+    arrival_time: float = 0.0
+    # Output length a trace asked for (the simulated engine stops there); None: until max_tokens/EOS.
+    target_output_len: int | None = None
+
+
+class TokenChunk(Struct):
+    """Llumlet → gateway: new output tokens of one request, starting at token index `start_index`.
+
+    Whichever instance holds the request publishes; after a migration the destination continues
+    from the next index, so the gateway orders by index and drops what it has already seen.
+    """
+
+    request_id: str
+    instance_id: str
+    start_index: int
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class AbortRequest(Struct):
+    request_id: str
+    reason: str = "client disconnected"
+
+
+class Ack(Struct):
+    ok: bool
+    error: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Load reports and dispatch
+# ---------------------------------------------------------------------------------------------
+
+
+class PriorityLoad(Struct):
+    """Aggregates of one priority level on one instance (lower value = more important)."""
+
+    priority: int
+    num_running: int = 0
+    running_blocks: int = 0
+    num_waiting: int = 0
+    waiting_demand_blocks: int = 0
+
+
+class LoadReport(Struct):
+    """Llumlet → global scheduler (and gateways, for bypass mode): one instance's load.
+
+    Carries the raw numbers; freeness is computed from them by the pure functions in
+    `shared.policy`, so the scheduler, the gateway's bypass path and the simulator agree.
+    """
+
+    instance_id: str
+    seq: int
+    sent_at: float
+    num_blocks_total: int
+    num_blocks_free: int
+    block_size: int
+    num_running: int
+    num_waiting: int
+    head_demand_blocks: int
+    waiting_demand_blocks: int
+    num_preemptions_total: int
+    by_priority: list[PriorityLoad] = []
+    num_migrating: int = 0
+    reserved_blocks: int = 0
+    draining: bool = False
+    kv_address: str = ""
+    max_model_len: int = 0
+    model: str = ""
+    engine: str = ""
+    # Freeness as the llumlet computed it (for dashboards); the scheduler recomputes.
+    freeness: float = 0.0
+    dispatch_freeness: float = 0.0
+
+
+class DispatchRequest(Struct):
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    priority: int = 0
+    exclude: list[str] = []
+
+
+class DispatchReply(Struct):
+    instance_id: str | None = None
+    rejected: str | None = None
+    retry_after_s: float | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Migration orders (scheduler → llumlet) and handshake (llumlet ↔ llumlet)
+# ---------------------------------------------------------------------------------------------
+
+
+class MigrateOrder(Struct):
+    """Scheduler → source llumlet: keep migrating to `dst_instance_id` while the pair stands."""
+
+    pair_id: str
+    dst_instance_id: str
+    cancel: bool = False
+    round: int = 0
+
+
+class DrainOrder(Struct):
+    drain: bool = True
+
+
+class PreAlloc(Struct):
+    migration_id: str
+    request_id: str
+    num_blocks: int
+    lease_s: float
+    stage: int
+
+
+class PreAllocReply(Struct):
+    ok: bool
+    reason: str | None = None
+    block_ids: list[int] = []
+
+
+class MigrationAbort(Struct):
+    migration_id: str
+    reason: str = ""
+
+
+class MigrationCommit(Struct):
+    migration_id: str
+    request: GenerateRequest
+    output_token_ids: list[int]
+    num_computed_tokens: int
+    num_preemptions: int = 0
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, type_: type[T]) -> T:
+    try:
+        return msgspec.msgpack.decode(data, type=type_)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"bad {type_.__name__} payload: {exc}") from exc
+
+
+_encoder = msgspec.msgpack.Encoder()

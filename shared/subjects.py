@@ -1,0 +1,55 @@
+"""NATS subject names, built here and nowhere else.
+
+Layout: `corral.<role>.<id>.<verb>`. Instance and gateway ids are restricted to NATS-safe tokens
+(see `valid_token`), so a subject can never be split or wildcarded by an id.
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "corral"
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+def valid_token(value: str) -> str:
+    if not _TOKEN.match(value):
+        raise ValueError(f"{value!r} is not a valid subject token (letters, digits, '_' and '-')")
+    return value
+
+
+# Load reports: every llumlet publishes on its own subject; schedulers and gateways subscribe to all.
+def load_report(instance_id: str) -> str:
+    return f"{PREFIX}.load.{valid_token(instance_id)}"
+
+
+LOAD_REPORTS_ALL = f"{PREFIX}.load.*"
+
+# Dispatch decisions: request/reply to the global scheduler (a queue group, so replicas share it).
+DISPATCH = f"{PREFIX}.scheduler.dispatch"
+SCHEDULER_QUEUE = "corral-scheduler"
+
+
+def llumlet(instance_id: str, verb: str) -> str:
+    """Orders to one llumlet: generate, abort, migrate, drain, shutdown."""
+    return f"{PREFIX}.llumlet.{valid_token(instance_id)}.{verb}"
+
+
+# Aborts are broadcast: after a migration the gateway may not yet know which instance holds the
+# request (or one may hold a reservation for it), and every llumlet drops what it has of it.
+ABORT_ALL = f"{PREFIX}.abort"
+
+
+def migration(instance_id: str, verb: str) -> str:
+    """Migration handshake addressed to a destination llumlet: prealloc, abort, commit."""
+    return f"{PREFIX}.migration.{valid_token(instance_id)}.{verb}"
+
+
+def gateway_output(gateway_id: str) -> str:
+    """Token stream into one gateway; it demultiplexes by request id."""
+    return f"{PREFIX}.gateway.{valid_token(gateway_id)}.out"
+
+
+# Autoscaler events (scale decisions, drains) for observers and tests.
+SCALING_EVENTS = f"{PREFIX}.scaling.events"
