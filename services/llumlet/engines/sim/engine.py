@@ -1,0 +1,296 @@
+"""SimEngine: the simulated inference engine a llumlet drives (the `Engine` protocol).
+
+A thin asyncio wrapper around the synchronous `SimScheduler`: each step schedules, sleeps for
+the latency model's step time × `time_scale`, applies the step, writes the computed tokens' KV
+pattern (when a pool is configured) and returns the new synthetic tokens. Migration verbs
+(reserve / export / import / suspend / commit) are exposed for the llumlet's coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.llumlet.engine import EngineError, RequestView, StepOutput
+from services.llumlet.engines.sim.kv_pool import KVPool, request_key
+from services.llumlet.engines.sim.latency import LatencyModel
+from services.llumlet.engines.sim.request import RequestStatus, SimRequest
+from services.llumlet.engines.sim.scheduler import SchedulerConfig, SchedulerLoad, SimScheduler
+from shared.messages import GenerateRequest, MigrationCommit
+
+_MASK64 = (1 << 64) - 1
+_IDLE_STEP_S = 0.005  # unscaled pause of a step that could schedule nothing (e.g. blocks reserved)
+_MIN_IDLE_SLEEP_S = 0.001  # never spin, whatever the time scale
+
+
+@dataclass(frozen=True)
+class SimEngineConfig:
+    num_blocks: int = 851  # A10 (24 GB) with LLaMA-7B at gpu_memory_utilization 0.9
+    block_size: int = 16
+    max_model_len: int = 8192
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    queue_policy: str = "fcfs"  # "fcfs" | "priority" | "sjf"
+    step_mode: str = "v1"  # "v1" (chunked prefill, mixed steps) | "v0" (vLLM 0.2, prefill stalls decode)
+    enable_chunked_prefill: bool = True
+    watermark_blocks: int = 0
+    gpu: str = "A10"  # "A10" | "A100" | "H100"
+    fine_latency: bool = False  # the operator-level A10 form
+    time_scale: float = 1.0  # real seconds slept per simulated second (0.01: 100x faster)
+    kv_bytes_per_token: int = 64  # bytes of fake KV per token (multiple of 8); 0: no KV bytes at all
+    vocab_size: int = 32000
+    eos_token_id: int | None = None
+    seed: int = 0
+    model_name: str = "sim-llama-7b"
+
+    def __post_init__(self) -> None:
+        if self.time_scale < 0:
+            raise ValueError("time_scale must be >= 0")
+        if self.vocab_size < 2:
+            raise ValueError("vocab_size must be at least 2")
+        if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
+            raise ValueError("eos_token_id must be inside the vocabulary")
+        if self.kv_bytes_per_token < 0 or self.kv_bytes_per_token % 8:
+            raise ValueError("kv_bytes_per_token must be 0 or a positive multiple of 8")
+        self.scheduler_config()  # validates the scheduling fields
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            queue_policy=self.queue_policy,
+            step_mode=self.step_mode,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            watermark_blocks=self.watermark_blocks,
+        )
+
+
+class SyntheticTokens:
+    """Deterministic token ids from (seed, request id, index): the same stream on any instance,
+    so a migrated request continues exactly where it would have. Never draws `eos_token_id`."""
+
+    def __init__(self, vocab_size: int, eos_token_id: int | None, seed: int) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.seed = seed
+
+    def key(self, request_id: str) -> int:
+        return request_key(request_id, self.seed)
+
+    def token(self, key: int, index: int) -> int:
+        x = (key + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64  # splitmix64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+        x ^= x >> 31
+        eos = self.eos_token_id
+        if eos is None:
+            return x % self.vocab_size
+        token = x % (self.vocab_size - 1)
+        return token + 1 if token >= eos else token
+
+
+class SimEngine:
+    kind = "sim"
+
+    def __init__(self, config: SimEngineConfig | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.config = config = config or SimEngineConfig()
+        self.model_name = config.model_name
+        self.block_size = config.block_size
+        self.num_blocks_total = config.num_blocks
+        self.max_model_len = config.max_model_len
+        self.scheduler = SimScheduler(config.scheduler_config())
+        self.latency = LatencyModel(config.gpu, fine=config.fine_latency)
+        self.kv_pool: KVPool | None = None
+        if config.kv_bytes_per_token:
+            self.kv_pool = KVPool(config.num_blocks, config.block_size, config.kv_bytes_per_token)
+        self.tokens = SyntheticTokens(config.vocab_size, config.eos_token_id, config.seed)
+        self._clock = clock
+        self._inputs: dict[str, GenerateRequest] = {}  # live requests as they came in
+        self._keys: dict[str, int] = {}
+
+    # -- Engine protocol -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    def add_request(self, request: GenerateRequest) -> None:
+        self._admit(request, self._to_sim(request), migrated_lease=None)
+
+    def abort_request(self, request_id: str) -> bool:
+        aborted = self.scheduler.abort_request(request_id, self._clock())
+        self._forget(request_id)
+        return aborted is not None
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    async def step(self) -> list[StepOutput]:
+        out = self.scheduler.schedule(self._clock())
+        if out.is_empty:
+            # Nothing fits (blocks held by reservations) or everything was just preempted.
+            await asyncio.sleep(0 if out.preempted else max(_IDLE_STEP_S * self.config.time_scale, _MIN_IDLE_SLEEP_S))
+            return []
+        await asyncio.sleep(self.latency.step_time_of(out) * self.config.time_scale)
+        if self.kv_pool is not None:
+            self._write_kv(out.requests, out.num_new_tokens)
+        events = self.scheduler.update_from_output(out, self._clock())
+        outputs = [self._emit(request) for request in events.new_token]
+        for request in events.finished:
+            self._forget(request.request_id)
+        return outputs
+
+    def num_free_blocks(self) -> int:
+        return self.scheduler.block_manager.num_free
+
+    def num_preemptions_total(self) -> int:
+        return self.scheduler.num_preemptions_total
+
+    def request_views(self) -> list[RequestView]:
+        return self.scheduler.request_views()
+
+    # -- extras for load reports and the migration coordinator ---------------------------------
+
+    def load(self) -> SchedulerLoad:
+        return self.scheduler.load()
+
+    def num_reserved_blocks(self) -> int:
+        return self.scheduler.block_manager.num_reserved
+
+    def get_request(self, request_id: str) -> SimRequest | None:
+        return self.scheduler.get(request_id)
+
+    def block_ids_of(self, request_id: str) -> list[int]:
+        return self.scheduler.block_ids_of(request_id)
+
+    def reserve_blocks(self, lease_id: str, num_blocks: int) -> list[int] | None:
+        """Destination: hold `num_blocks` more blocks under a lease; None if they are not free."""
+        return self.scheduler.reserve(lease_id, num_blocks)
+
+    def release_reservation(self, lease_id: str) -> int:
+        """Destination: drop a lease (abort or expiry); idempotent."""
+        return self.scheduler.release(lease_id)
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block in a fused KV buffer (0 when the engine keeps no KV bytes)."""
+        return 0 if self.kv_pool is None else self.kv_pool.block_bytes
+
+    def export_kv(self, block_ids: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
+        """Source: the blocks' bytes fused into one contiguous buffer (empty without a pool)."""
+        if self.kv_pool is None:
+            return np.zeros((len(block_ids), 0), dtype=np.uint8)
+        return self.kv_pool.gather(block_ids, out)
+
+    def import_kv(self, block_ids: Sequence[int], buffer: np.ndarray | bytes | memoryview) -> None:
+        """Destination: write a fused buffer into (reserved) blocks."""
+        if self.kv_pool is not None:
+            self.kv_pool.scatter(block_ids, buffer)
+
+    def verify_kv(self, request_id: str) -> bool:
+        """True if the request's computed tokens hold its expected bytes (True without a pool)."""
+        request = self.scheduler.get(request_id)
+        if request is None:
+            return False
+        if self.kv_pool is None:
+            return True
+        key = self._keys[request_id]
+        return self.kv_pool.verify(key, self.scheduler.block_ids_of(request_id), request.num_computed_tokens)
+
+    def suspend(self, request_id: str) -> bool:
+        return self.scheduler.suspend(request_id)
+
+    def resume(self, request_id: str) -> bool:
+        return self.scheduler.resume(request_id)
+
+    def migration_commit(self, request_id: str, migration_id: str) -> MigrationCommit:
+        """Source: what the destination needs to continue a suspended request."""
+        request = self.scheduler.get(request_id)
+        if request is None or request.status != RequestStatus.SUSPENDED:
+            raise EngineError(f"request {request_id} is not suspended for migration")
+        return MigrationCommit(
+            migration_id=migration_id,
+            request=self._inputs[request_id],
+            output_token_ids=list(request.output_token_ids),
+            num_computed_tokens=request.num_computed_tokens,
+            num_preemptions=request.num_preemptions,
+        )
+
+    def release_migrated(self, request_id: str) -> bool:
+        """Source, after the destination committed: free the blocks; no more output here."""
+        released = self.scheduler.release_migrated(request_id, self._clock())
+        if released:
+            self._forget(request_id)
+        return released
+
+    def add_migrated(self, commit: MigrationCommit, lease_id: str | None = None) -> None:
+        """Destination commit: the request resumes here on the blocks reserved under the lease
+        (default: the migration id), continuing its output from the next token index."""
+        request = self._to_sim(commit.request)
+        request.output_token_ids = list(commit.output_token_ids)
+        request.num_output_tokens = len(commit.output_token_ids)
+        request.num_computed_tokens = commit.num_computed_tokens
+        request.num_preemptions = commit.num_preemptions
+        self._admit(commit.request, request, migrated_lease=lease_id or commit.migration_id)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _to_sim(self, request: GenerateRequest) -> SimRequest:
+        sampling = request.sampling
+        if not request.prompt_token_ids:
+            raise EngineError(f"request {request.request_id}: empty prompt")
+        if sampling.max_tokens < 1:
+            raise EngineError(f"request {request.request_id}: max_tokens must be at least 1")
+        target = request.target_output_len
+        if target is not None:
+            target = max(target, sampling.min_tokens)  # a trace's "EOS" cannot come before min_tokens
+        return SimRequest(
+            request_id=request.request_id,
+            prompt_len=len(request.prompt_token_ids),
+            max_tokens=sampling.max_tokens,
+            target_output_len=target,
+            priority=request.priority,
+            arrival_time=request.arrival_time or self._clock(),
+        )
+
+    def _admit(self, request: GenerateRequest, sim: SimRequest, migrated_lease: str | None) -> None:
+        if migrated_lease is None:
+            self.scheduler.add_request(sim)
+        else:
+            self.scheduler.add_migrated(sim, migrated_lease)
+        self._inputs[request.request_id] = request
+        self._keys[request.request_id] = self.tokens.key(request.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._inputs.pop(request_id, None)
+        self._keys.pop(request_id, None)
+
+    def _write_kv(self, requests: list[SimRequest], num_new_tokens: list[int]) -> None:
+        assert self.kv_pool is not None
+        for request, num_new in zip(requests, num_new_tokens):
+            if request.status is RequestStatus.RUNNING:  # skip those aborted/suspended mid-step
+                start = request.num_computed_tokens
+                blocks = self.scheduler.block_ids_of(request.request_id)
+                self.kv_pool.write_tokens(self._keys[request.request_id], blocks, start, start + num_new)
+
+    def _emit(self, request: SimRequest) -> StepOutput:
+        index = request.num_output_tokens - 1
+        token = self.tokens.token(self._keys[request.request_id], index)
+        request.output_token_ids.append(token)
+        return StepOutput(
+            request_id=request.request_id,
+            start_index=index,
+            token_ids=[token],
+            finish_reason=request.finish_reason if request.is_finished else None,
+            num_prompt_tokens=request.prompt_len,
+            num_preemptions=request.num_preemptions,
+        )

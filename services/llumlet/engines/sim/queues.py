@@ -1,0 +1,135 @@
+"""Waiting queues behind one small interface, and the matching preemption victim choice.
+
+Policies: "fcfs" (arrival order; preempted requests go back to the front), "priority" (lower
+value first, then arrival), "sjf" (least total work first: prompt + expected output).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
+from services.llumlet.engines.sim.request import SimRequest
+
+QUEUE_POLICIES = ("fcfs", "priority", "sjf")
+
+
+class RequestQueue(Protocol):
+    def add(self, request: SimRequest) -> None: ...
+
+    def add_front(self, request: SimRequest) -> None:
+        """Requeue a preempted request ahead of those that would otherwise tie with it."""
+
+    def peek(self) -> SimRequest: ...
+
+    def pop(self) -> SimRequest: ...
+
+    def remove(self, request: SimRequest) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def __bool__(self) -> bool: ...
+
+    def __iter__(self) -> Iterator[SimRequest]:
+        """In scheduling order."""
+
+
+class FCFSQueue:
+    def __init__(self) -> None:
+        self._queue: deque[SimRequest] = deque()
+
+    def add(self, request: SimRequest) -> None:
+        self._queue.append(request)
+
+    def add_front(self, request: SimRequest) -> None:
+        self._queue.appendleft(request)
+
+    def peek(self) -> SimRequest:
+        return self._queue[0]
+
+    def pop(self) -> SimRequest:
+        return self._queue.popleft()
+
+    def remove(self, request: SimRequest) -> None:
+        self._queue.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __bool__(self) -> bool:
+        return bool(self._queue)
+
+    def __iter__(self) -> Iterator[SimRequest]:
+        return iter(self._queue)
+
+
+class HeapQueue:
+    """A heap on `key(request)`, ties broken by insertion order."""
+
+    def __init__(self, key: Callable[[SimRequest], tuple]) -> None:
+        self._key = key
+        self._heap: list[tuple[tuple, int, SimRequest]] = []
+        self._seq = itertools.count()
+
+    def add(self, request: SimRequest) -> None:
+        heapq.heappush(self._heap, (self._key(request), next(self._seq), request))
+
+    def add_front(self, request: SimRequest) -> None:
+        # The key already puts an older request ahead of later arrivals of equal rank.
+        self.add(request)
+
+    def peek(self) -> SimRequest:
+        return self._heap[0][2]
+
+    def pop(self) -> SimRequest:
+        return heapq.heappop(self._heap)[2]
+
+    def remove(self, request: SimRequest) -> None:
+        index = next(i for i, entry in enumerate(self._heap) if entry[2] is request)
+        last = self._heap.pop()
+        if index < len(self._heap):
+            self._heap[index] = last
+            heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __iter__(self) -> Iterator[SimRequest]:
+        return (entry[2] for entry in sorted(self._heap, key=lambda e: (e[0], e[1])))
+
+
+def priority_key(request: SimRequest) -> tuple:
+    return (request.priority, request.arrival_time)
+
+
+def sjf_key(request: SimRequest) -> tuple:
+    return (request.prompt_len + request.expected_output_len, request.arrival_time)
+
+
+def create_request_queue(policy: str) -> RequestQueue:
+    if policy == "fcfs":
+        return FCFSQueue()
+    if policy == "priority":
+        return HeapQueue(priority_key)
+    if policy == "sjf":
+        return HeapQueue(sjf_key)
+    raise ValueError(f"unknown queue policy {policy!r}; expected one of {QUEUE_POLICIES}")
+
+
+def select_victim(policy: str, running: Sequence[SimRequest]) -> SimRequest:
+    """The running request to preempt: the least important one under the queue's order.
+
+    FCFS takes the last in running order (vLLM: `running.pop()`); the heap policies take the
+    maximum of their key, as vLLM's priority scheduler does.
+    """
+    assert running, "no running request to preempt"
+    if policy == "fcfs":
+        return running[-1]
+    key = priority_key if policy == "priority" else sjf_key
+    return max(running, key=key)

@@ -1,0 +1,470 @@
+"""vLLM-style local scheduler: WAITING and RUNNING queues, paged KV blocks, recompute preemption.
+
+Synchronous and allocation-light on purpose: the live engine wraps it in asyncio, and the
+discrete-event simulator calls `schedule()`/`update_from_output()` millions of times in virtual
+time. Per-step work is O(batch) (O(1) per scheduled request on the common decode path).
+
+Step modes:
+- "v1" (vLLM v1): one token budget per step. Running requests are served first (one decode
+  token each, or their next prefill chunk); the rest of the budget admits waiting requests, with
+  chunked prefill. A chunk that does not finish the prompt samples no token.
+- "v0" (vLLM 0.2, the Llumnix testbed): if waiting requests can be admitted, the step prefills
+  whole prompts only (the running batch stalls); otherwise it decodes all running requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.llumlet.engine import EngineError, RequestPhase, RequestView
+from services.llumlet.engines.sim.block_manager import BlockManager, blocks_for_tokens
+from services.llumlet.engines.sim.queues import QUEUE_POLICIES, create_request_queue, select_victim
+from services.llumlet.engines.sim.request import RequestStatus, SimRequest
+from shared.messages import PriorityLoad
+
+STEP_MODES = ("v1", "v0")
+_RUNNING = RequestStatus.RUNNING
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int = 851  # A10 with LLaMA-7B at gpu_memory_utilization 0.9
+    block_size: int = 16
+    max_model_len: int = 8192
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    queue_policy: str = "fcfs"
+    step_mode: str = "v1"
+    enable_chunked_prefill: bool = True  # v1 only; v0 always prefills whole prompts
+    watermark_blocks: int = 0  # kept free at admission (vLLM v0 used 1 % of the blocks)
+
+    def __post_init__(self) -> None:
+        if self.queue_policy not in QUEUE_POLICIES:
+            raise ValueError(f"queue_policy must be one of {QUEUE_POLICIES}, not {self.queue_policy!r}")
+        if self.step_mode not in STEP_MODES:
+            raise ValueError(f"step_mode must be one of {STEP_MODES}, not {self.step_mode!r}")
+        for name in ("num_blocks", "block_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
+        unchunked_v1 = self.step_mode == "v1" and not self.enable_chunked_prefill
+        if unchunked_v1 and self.max_num_batched_tokens < self.max_model_len:
+            # As vLLM: without chunking a long prompt must fit the budget, or decodes starve it.
+            raise ValueError("v1 without chunked prefill needs max_num_batched_tokens >= max_model_len")
+        if not 0 <= self.watermark_blocks < self.num_blocks:
+            raise ValueError("watermark_blocks must be in [0, num_blocks)")
+
+
+@dataclass(slots=True, eq=False)
+class SchedulerOutput:
+    """One step's plan: parallel lists of scheduled requests and their new token counts, plus
+    the aggregates the latency model needs."""
+
+    requests: list[SimRequest] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[SimRequest] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    prefill_tokens: int = 0
+    prefill_chunks: list[tuple[int, int]] = field(default_factory=list)  # (tokens, context before)
+    decode_batch_size: int = 0
+    decode_context_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass(slots=True)
+class StepEvents:
+    """What a step produced: each request in `new_token` sampled exactly one token (its index is
+    `num_output_tokens - 1`); `finished` ones are done and hold no blocks any more."""
+
+    new_token: list[SimRequest]
+    finished: list[SimRequest]
+
+
+@dataclass(frozen=True)
+class SchedulerLoad:
+    """Aggregates for a load report, without building a view per request."""
+
+    num_running: int  # includes the suspended ones
+    num_waiting: int
+    num_suspended: int
+    num_free_blocks: int
+    num_reserved_blocks: int
+    head_demand_blocks: int
+    waiting_demand_blocks: int
+    by_priority: list[PriorityLoad]
+
+
+class SimScheduler:
+    def __init__(self, config: SchedulerConfig | None = None) -> None:
+        self.config = config = config or SchedulerConfig()
+        self.block_size = config.block_size
+        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        # Longest sequence that can ever run here: generation stops (LENGTH) at this many tokens.
+        self.max_seq_len = min(config.max_model_len, config.num_blocks * config.block_size)
+        self.waiting = create_request_queue(config.queue_policy)
+        self.running: list[SimRequest] = []
+        self.suspended: dict[str, SimRequest] = {}
+        self.requests: dict[str, SimRequest] = {}  # every live request: waiting, running, suspended
+        self.num_preemptions_total = 0
+        self._waiting_demand_blocks = 0
+        self._waiting_levels: dict[int, list[int]] = {}  # priority -> [count, demand blocks]
+
+    # -- intake --------------------------------------------------------------------------------
+
+    def add_request(self, request: SimRequest) -> None:
+        self._validate(request)
+        if request.prompt_len + 1 > self.max_seq_len:
+            capacity = self.config.num_blocks * self.block_size
+            raise EngineError(
+                f"request {request.request_id}: prompt of {request.prompt_len} tokens (+1 generated) does not fit "
+                f"(max_model_len {self.config.max_model_len}, KV capacity {capacity} tokens)"
+            )
+        assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 0
+        request.set_stop(self.max_seq_len)
+        self.requests[request.request_id] = request
+        self._push_waiting(request, front=False)
+
+    def abort_request(self, request_id: str, now: float = 0.0) -> SimRequest | None:
+        """Drop a live request wherever it is and free its blocks; None if it is not here."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.SUSPENDED:
+            del self.suspended[request_id]
+            self.block_manager.free(request_id)
+        elif request.status == _RUNNING:
+            self.running.remove(request)
+            self.block_manager.free(request_id)
+        else:
+            self.waiting.remove(request)
+            self._count_waiting(request, -1)
+        self._finish(request, RequestStatus.FINISHED_ABORTED, now)
+        return request
+
+    def has_work(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    def get(self, request_id: str) -> SimRequest | None:
+        return self.requests.get(request_id)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self, now: float = 0.0) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if self.config.step_mode == "v1":
+            self._schedule_running(out, now, self.config.max_num_batched_tokens)
+            if not out.preempted:  # as vLLM v1: a step that had to preempt admits nobody
+                self._admit_waiting(out, now, chunked=self.config.enable_chunked_prefill)
+        elif not (self.waiting and self._admit_waiting(out, now, chunked=False)):
+            self._schedule_running(out, now, None)  # v0: decode everything, no token budget
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, now: float = 0.0) -> StepEvents:
+        """Apply a finished step: advance computed tokens, sample, finish. Requests aborted,
+        suspended or preempted while the step ran are skipped (their work is discarded)."""
+        new_token: list[SimRequest] = []
+        finished: list[SimRequest] = []
+        for request, num_new in zip(out.requests, out.num_new_tokens):
+            if request.status is not _RUNNING:
+                continue
+            computed = request.num_computed_tokens + num_new
+            request.num_computed_tokens = computed
+            if computed < request.prompt_len + request.num_output_tokens:
+                continue  # a prefill chunk that did not reach the end of the sequence
+            num_output = request.num_output_tokens = request.num_output_tokens + 1
+            if request.first_token_time is None or request.preempted_at is not None:
+                request.note_token_time(now)
+            new_token.append(request)
+            if num_output >= request.stop_at_output:
+                self.block_manager.free(request.request_id)
+                self._finish(request, request.stop_status, now)
+                finished.append(request)
+        if finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        return StepEvents(new_token, finished)
+
+    # -- migration hooks -----------------------------------------------------------------------
+
+    def suspend(self, request_id: str) -> bool:
+        """Take a running request out of the batch (last migration stage); its blocks stay.
+        False if it is not running (finished, preempted or aborted meanwhile)."""
+        request = self.requests.get(request_id)
+        if request is None or request.status is not _RUNNING:
+            return False
+        self.running.remove(request)
+        request.suspend()
+        self.suspended[request_id] = request
+        return True
+
+    def resume(self, request_id: str) -> bool:
+        """Back into the batch after an aborted migration; False if it is not suspended."""
+        request = self.suspended.pop(request_id, None)
+        if request is None:
+            return False
+        request.resume()
+        self.running.append(request)
+        return True
+
+    def release_migrated(self, request_id: str, now: float = 0.0) -> bool:
+        """The destination committed: free the blocks here; the request produces nothing more."""
+        request = self.suspended.pop(request_id, None)
+        if request is None:
+            return False
+        self.block_manager.free(request_id)
+        self._finish(request, RequestStatus.FINISHED_MIGRATED, now)
+        return True
+
+    def add_migrated(self, request: SimRequest, lease_id: str) -> None:
+        """Destination commit: the lease's reserved blocks become the request's block table and
+        it joins the running batch with `num_computed_tokens` already computed."""
+        self._validate(request)
+        request.set_stop(self.max_seq_len)
+        reserved = len(self.block_manager.reserved_blocks(lease_id))
+        if not 0 < request.num_computed_tokens < request.num_tokens <= self.max_seq_len:
+            raise EngineError(f"migrated request {request.request_id}: inconsistent token counts")
+        if request.num_output_tokens >= request.stop_at_output:
+            raise EngineError(f"migrated request {request.request_id} has nothing left to generate")
+        if reserved < blocks_for_tokens(request.num_computed_tokens, self.block_size):
+            raise EngineError(f"lease {lease_id} holds {reserved} blocks, too few for request {request.request_id}")
+        self.block_manager.adopt(lease_id, request.request_id)
+        request.start_migrated_in()
+        self.requests[request.request_id] = request
+        self.running.append(request)
+
+    def block_ids_of(self, request_id: str) -> list[int]:
+        return self.block_manager.blocks_of(request_id)
+
+    def reserve(self, lease_id: str, num_blocks: int) -> list[int] | None:
+        return self.block_manager.reserve(lease_id, num_blocks)
+
+    def release(self, lease_id: str) -> int:
+        return self.block_manager.release(lease_id)
+
+    # -- load ----------------------------------------------------------------------------------
+
+    def demand_blocks(self, request: SimRequest) -> int:
+        return self._demand_blocks(request)
+
+    def request_views(self) -> list[RequestView]:
+        """Waiting requests in scheduling order, then running, then suspended ones."""
+        waiting, running = RequestPhase.WAITING, RequestPhase.RUNNING
+        views = [
+            RequestView(r.request_id, r.priority, waiting, 0, self._demand_blocks(r), r.num_tokens, r.num_preemptions)
+            for r in self.waiting
+        ]
+        num_blocks_of = self.block_manager.num_blocks_of
+        for r in (*self.running, *self.suspended.values()):
+            blocks = num_blocks_of(r.request_id)
+            views.append(RequestView(r.request_id, r.priority, running, blocks, 0, r.num_tokens, r.num_preemptions))
+        return views
+
+    def load(self) -> SchedulerLoad:
+        """Aggregates for a load report in O(running + priority levels); waiting totals are
+        kept up to date incrementally. Suspended requests count as running, as in
+        `request_views`: they hold their blocks and are out of the batch only briefly."""
+        levels: dict[int, PriorityLoad] = {}
+        num_blocks_of = self.block_manager.num_blocks_of
+        for r in (*self.running, *self.suspended.values()):
+            level = levels.get(r.priority) or levels.setdefault(r.priority, PriorityLoad(r.priority))
+            level.num_running += 1
+            level.running_blocks += num_blocks_of(r.request_id)
+        head_demand = 0
+        if self.waiting:
+            head_demand = self._demand_blocks(self.waiting.peek())
+        for priority, (num_waiting, demand) in self._waiting_levels.items():
+            if num_waiting:
+                level = levels.get(priority) or levels.setdefault(priority, PriorityLoad(priority))
+                level.num_waiting = num_waiting
+                level.waiting_demand_blocks = demand
+        return SchedulerLoad(
+            num_running=len(self.running) + len(self.suspended),
+            num_waiting=len(self.waiting),
+            num_suspended=len(self.suspended),
+            num_free_blocks=self.block_manager.num_free,
+            num_reserved_blocks=self.block_manager.num_reserved,
+            head_demand_blocks=head_demand,
+            waiting_demand_blocks=self._waiting_demand_blocks,
+            by_priority=[levels[p] for p in sorted(levels)],
+        )
+
+    def check_invariants(self) -> None:
+        bm = self.block_manager
+        bm.check_invariants()
+        for r in self.running:
+            assert r.status is _RUNNING, r
+            assert bm.num_blocks_of(r.request_id) * self.block_size >= r.num_computed_tokens
+        for r in self.suspended.values():
+            assert r.status == RequestStatus.SUSPENDED and bm.has_owner(r.request_id)
+        waiting = list(self.waiting)
+        for r in waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and r.num_computed_tokens == 0
+            assert not bm.has_owner(r.request_id)
+        assert len(self.requests) == len(waiting) + len(self.running) + len(self.suspended)
+        assert self._waiting_demand_blocks == sum(self._demand_blocks(r) for r in waiting)
+        assert sum(level[0] for level in self._waiting_levels.values()) == len(waiting)
+        owners = {r.request_id for r in self.running} | set(self.suspended)
+        assert bm.num_used == sum(bm.num_blocks_of(o) for o in owners)
+
+    # -- internals: scheduling -----------------------------------------------------------------
+
+    def _schedule_running(self, out: SchedulerOutput, now: float, budget_limit: int | None) -> None:
+        """Give every running request its next tokens (one for a decode), in running order,
+        preempting victims when blocks run out; stops when the budget (if any) is spent.
+
+        The hot loop of the simulator: bookkeeping is inlined and kept in locals, and the block
+        table is consulted only when the request may cross into a new block."""
+        running = self.running
+        blocks_needed = self.block_manager.blocks_needed
+        block_size = self.block_size
+        limit = budget_limit if budget_limit is not None else 1 << 62
+        requests, num_new_tokens = out.requests, out.num_new_tokens
+        scheduled = out.num_scheduled_tokens
+        decode_batch = decode_context = 0
+        i = 0
+        while i < len(running) and scheduled < limit:
+            request = running[i]
+            computed = request.num_computed_tokens
+            num_new = request.prompt_len + request.num_output_tokens - computed
+            if num_new > limit - scheduled:
+                num_new = limit - scheduled
+            # A block table always covers the computed tokens, so a single new token needs a new
+            # block only when the computed ones fill whole blocks.
+            if (num_new > 1 or computed % block_size == 0) and blocks_needed(request.request_id, computed + num_new):
+                out.num_scheduled_tokens = scheduled
+                out.decode_batch_size += decode_batch
+                out.decode_context_tokens += decode_context
+                decode_batch = decode_context = 0
+                i = self._make_room(request, computed + num_new, i, out, now)
+                scheduled = out.num_scheduled_tokens
+                if i < 0:
+                    break  # the request itself was the victim
+            requests.append(request)
+            num_new_tokens.append(num_new)
+            scheduled += num_new
+            if num_new == 1 and computed >= request.prompt_len:
+                decode_batch += 1
+                decode_context += computed + 1
+            else:
+                out.prefill_tokens += num_new
+                out.prefill_chunks.append((num_new, computed))
+            i += 1
+        out.num_scheduled_tokens = scheduled
+        out.decode_batch_size += decode_batch
+        out.decode_context_tokens += decode_context
+
+    def _admit_waiting(self, out: SchedulerOutput, now: float, chunked: bool) -> bool:
+        """Move waiting requests into the batch while budget, sequence slots and blocks allow.
+        Unchunked (v0, or v1 without chunked prefill): whole sequences only, and one longer than
+        the budget is admitted when nothing else is in the step (vLLM 0.2 sized its budget to at
+        least max_model_len instead)."""
+        waiting, running, bm = self.waiting, self.running, self.block_manager
+        config = self.config
+        admitted = False
+        while waiting and len(running) < config.max_num_seqs:
+            budget = config.max_num_batched_tokens - out.num_scheduled_tokens
+            request = waiting.peek()
+            num_new = request.num_tokens
+            if num_new > budget:
+                if chunked and budget > 0:
+                    num_new = budget
+                elif chunked or out.requests:
+                    break  # (an unchunked prompt above the budget runs alone in its step)
+            num_blocks = blocks_for_tokens(num_new, self.block_size)
+            if num_blocks + config.watermark_blocks > bm.num_free:
+                break
+            waiting.pop()
+            self._count_waiting(request, -1)
+            bm.allocate(request.request_id, num_blocks)
+            request.start_running(now)
+            running.append(request)
+            self._record(out, request, num_new, 0)
+            admitted = True
+        return admitted
+
+    def _record(self, out: SchedulerOutput, request: SimRequest, num_new: int, computed: int) -> None:
+        out.requests.append(request)
+        out.num_new_tokens.append(num_new)
+        out.num_scheduled_tokens += num_new
+        if num_new == 1 and computed >= request.prompt_len:
+            out.decode_batch_size += 1
+            out.decode_context_tokens += computed + 1
+        else:
+            out.prefill_tokens += num_new
+            out.prefill_chunks.append((num_new, computed))
+
+    def _unrecord(self, out: SchedulerOutput, request: SimRequest) -> None:
+        k = len(out.requests) - 1 - out.requests[::-1].index(request)
+        num_new = out.num_new_tokens[k]
+        computed = request.num_computed_tokens
+        del out.requests[k], out.num_new_tokens[k]
+        out.num_scheduled_tokens -= num_new
+        if num_new == 1 and computed >= request.prompt_len:
+            out.decode_batch_size -= 1
+            out.decode_context_tokens -= computed + 1
+        else:
+            out.prefill_tokens -= num_new
+            out.prefill_chunks.remove((num_new, computed))
+
+    def _make_room(self, request: SimRequest, num_tokens: int, index: int, out: SchedulerOutput, now: float) -> int:
+        """Preempt victims until `request` can hold `num_tokens`, then grow its table. Returns
+        the request's index in `running` (victims before it shift it), or -1 if it was itself
+        preempted."""
+        running, bm = self.running, self.block_manager
+        policy = self.config.queue_policy
+        while not bm.can_append(request.request_id, num_tokens):
+            victim = select_victim(policy, running)
+            victim_index = len(running) - 1 if victim is running[-1] else running.index(victim)
+            del running[victim_index]
+            if victim_index < index:  # already scheduled in this step: take it back out
+                self._unrecord(out, victim)
+                index -= 1
+            self._preempt(victim, out, now)
+            if victim is request:
+                return -1
+        bm.append_slots(request.request_id, num_tokens)
+        return index
+
+    def _preempt(self, request: SimRequest, out: SchedulerOutput, now: float) -> None:
+        self.block_manager.free(request.request_id)
+        request.preempt(now)
+        self.num_preemptions_total += 1
+        out.preempted.append(request)
+        self._push_waiting(request, front=True)
+
+    # -- internals: bookkeeping ----------------------------------------------------------------
+
+    def _validate(self, request: SimRequest) -> None:
+        if request.request_id in self.requests:
+            raise EngineError(f"duplicate request id {request.request_id}")
+        if request.prompt_len < 1:
+            raise EngineError(f"request {request.request_id}: empty prompt")
+        if request.max_tokens < 1:
+            raise EngineError(f"request {request.request_id}: max_tokens must be at least 1")
+        if request.target_output_len is not None and request.target_output_len < 1:
+            raise EngineError(f"request {request.request_id}: target_output_len must be at least 1")
+
+    def _demand_blocks(self, request: SimRequest) -> int:
+        """Blocks a queued request needs to be (re)scheduled: its whole sequence plus the next token."""
+        return blocks_for_tokens(request.num_tokens + 1, self.block_size)
+
+    def _push_waiting(self, request: SimRequest, front: bool) -> None:
+        if front:
+            self.waiting.add_front(request)
+        else:
+            self.waiting.add(request)
+        self._count_waiting(request, +1)
+
+    def _finish(self, request: SimRequest, status: RequestStatus, now: float) -> None:
+        request.finish(status, now)
+        del self.requests[request.request_id]
+
+    def _count_waiting(self, request: SimRequest, sign: int) -> None:
+        demand = sign * self._demand_blocks(request)
+        self._waiting_demand_blocks += demand
+        level = self._waiting_levels.get(request.priority)
+        if level is None:
+            level = self._waiting_levels[request.priority] = [0, 0]
+        level[0] += sign
+        level[1] += demand
