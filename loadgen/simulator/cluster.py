@@ -1,0 +1,256 @@
+"""The cluster simulation: arrivals, dispatch, engine steps per instance, and the periodic
+migration rounds, scaling ticks and timeline samples, in virtual time.
+
+Dispatch sees each instance's last load report (at most `report_interval_s` old) plus its own
+`account_dispatch` bookkeeping since, as the global scheduler does. A report is produced the
+first time a policy looks after the previous one has aged out, so staleness stays bounded
+without paying for reports nobody reads.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from loadgen.simulator.autoscale import Autoscaler, ScalingEvent
+from loadgen.simulator.config import SimConfig
+from loadgen.simulator.events import EventQueue
+from loadgen.simulator.instance import InstanceState, SimInstance
+from loadgen.simulator.migration import MigrationStats, Migrator
+from loadgen.simulator.timeline import Timeline
+from loadgen.simulator.workload import SimArrival, Workload
+from services.llumlet.engines.sim.latency import LatencyModel
+from services.llumlet.engines.sim.request import SimRequest
+from services.llumlet.engines.sim.scheduler import SimScheduler
+from shared.messages import DispatchRequest, LoadReport
+from shared.policy.baselines import DispatchRule, SchedulingPolicy, dispatch
+from shared.policy.dispatch import account_dispatch
+
+
+@dataclass
+class DispatchRecord:
+    request_id: str
+    instance_id: str | None
+    rejected: str | None = None
+
+
+@dataclass
+class SimResult:
+    policy: str
+    workload: str
+    finished: list[SimRequest]  # final state of every completed request (on its last instance)
+    labels: dict[str, int]  # request id -> priority as labelled by the workload
+    num_requests: int
+    rejected: list[DispatchRecord]
+    migrations: MigrationStats
+    scaling_events: list[ScalingEvent]
+    lifetimes: list[tuple[str, float, float]]  # (instance, launched at, stopped at or end)
+    timeline: Timeline
+    makespan_s: float
+    wall_s: float
+    num_steps: int
+    num_preemptions: int
+    dispatches: list[DispatchRecord] = field(default_factory=list)  # when record_dispatches
+
+    @property
+    def instance_seconds(self) -> float:
+        return sum(stop - start for _, start, stop in self.lifetimes)
+
+
+class ClusterSimulator:
+    def __init__(
+        self, config: SimConfig, policy: SchedulingPolicy, workload: Workload, *, record_dispatches: bool = False
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self.policy_config = policy.policy_config(config.policy)
+        self.workload = workload
+        self.events = EventQueue()
+        self.now = 0.0
+        self.latency = LatencyModel(config.gpu, fine=config.fine_latency)
+        self.instances: dict[str, SimInstance] = {}
+        self.serving: list[SimInstance] = []  # live and draining, in launch order
+        self.labels: dict[str, int] = {}
+        self.placed_at: dict[str, float] = {}  # request id -> when it reached its current instance
+        self.finished: list[SimRequest] = []
+        self.rejected: list[DispatchRecord] = []
+        self.dispatches: list[DispatchRecord] | None = [] if record_dispatches else None
+        self.done = not workload.arrivals
+        self._turn = 0
+        self._next_arrival = 0
+        self._fresh_reports = policy.dispatch is not DispatchRule.ROUND_ROBIN
+        self.migrator = Migrator(self) if policy.migration else None
+        self.autoscaler = Autoscaler(self, config.autoscale) if config.autoscale else None
+        self.timeline = Timeline()
+        for _ in range(config.num_instances):
+            self.launch_instance(ready_after_s=0.0)
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        started = time.perf_counter()
+        if self.workload.arrivals:
+            self.events.push(self.workload.arrivals[0].time_s, self._on_arrival)
+        if self.migrator is not None:
+            self.events.push(self.config.migration_interval_s, self.migrator.on_round)
+        if self.autoscaler is not None:
+            self.events.push(self.config.autoscale.interval_s, self.autoscaler.on_tick)
+        self.events.push(0.0, self._on_timeline)
+        events = self.events
+        while not self.done:
+            if not events:
+                raise RuntimeError(f"simulation stalled at t={self.now:.3f}s: {self._stall_report()}")
+            self.now, handler, payload = events.pop()
+            handler(payload)
+        self._sample_timeline()
+        return self._result(time.perf_counter() - started)
+
+    # -- instances -------------------------------------------------------------------------------
+
+    def launch_instance(self, ready_after_s: float) -> SimInstance:
+        instance_id = f"i{len(self.instances):03d}"
+        scheduler = SimScheduler(self.config.scheduler_config(self.policy.queue_policy))
+        instance = SimInstance(instance_id, scheduler, self.latency, launched_at=self.now)
+        self.instances[instance_id] = instance
+        if ready_after_s > 0:
+            instance.state = InstanceState.STARTING
+            self.events.push(self.now + ready_after_s, self._on_ready, instance)
+        else:
+            self.serving.append(instance)
+        return instance
+
+    def _on_ready(self, instance: SimInstance) -> None:
+        instance.state = InstanceState.LIVE
+        self.serving.append(instance)
+
+    def drain(self, instance: SimInstance) -> None:
+        assert instance.state is InstanceState.LIVE, instance.state
+        instance.state = InstanceState.DRAINING
+        instance.build_report(self.now, self.config.max_seq_len)
+        self.maybe_stop(instance)
+
+    def maybe_stop(self, instance: SimInstance) -> None:
+        """A draining instance stops once nothing is left on it (nothing is ever dropped)."""
+        if instance.state is InstanceState.DRAINING and instance.is_empty():
+            instance.state = InstanceState.STOPPED
+            instance.stopped_at = self.now
+            self.serving.remove(instance)
+
+    def kick(self, instance: SimInstance) -> None:
+        """Start the instance's next step if it is idle and has something it can run."""
+        duration = instance.start_step(self.now)
+        if duration is not None:
+            self.events.push(self.now + duration, self._on_step_end, instance)
+
+    def _on_step_end(self, instance: SimInstance) -> None:
+        step, instance.step = instance.step, None
+        finished = instance.scheduler.update_from_output(step, self.now).finished
+        if finished:
+            for request in finished:
+                self.finished.append(request)
+                del self.placed_at[request.request_id]
+            if len(self.finished) + len(self.rejected) == len(self.workload.arrivals):
+                self.done = True
+        self.kick(instance)
+        if instance.state is InstanceState.DRAINING:
+            self.maybe_stop(instance)
+
+    # -- load reports ------------------------------------------------------------------------------
+
+    def report_of(self, instance: SimInstance, fresh: bool = False) -> LoadReport:
+        if fresh or self.now - instance.report_at >= self.config.report_interval_s or instance.report is None:
+            return instance.build_report(self.now, self.config.max_seq_len)
+        return instance.report
+
+    def loads(self) -> list[LoadReport]:
+        """The reports of the serving instances as the global scheduler holds them now."""
+        return [self.report_of(instance) for instance in self.serving]
+
+    # -- arrivals and dispatch ---------------------------------------------------------------------
+
+    def _on_arrival(self, _: object) -> None:
+        arrivals = self.workload.arrivals
+        arrival = arrivals[self._next_arrival]
+        self._next_arrival += 1
+        if self._next_arrival < len(arrivals):
+            self.events.push(arrivals[self._next_arrival].time_s, self._on_arrival)
+        self._dispatch(arrival)
+
+    def _dispatch(self, arrival: SimArrival) -> None:
+        request_id = f"r{arrival.index}"
+        priority = self.policy.effective_priority(arrival.priority)
+        message = DispatchRequest(request_id, arrival.prompt_len, arrival.output_len, priority)
+        if self._fresh_reports:
+            loads = self.loads()
+        else:  # round-robin reads no load; a report only tells it who is serving
+            loads = [instance.report or self.report_of(instance) for instance in self.serving]
+        decision = dispatch(self.policy, loads, message, self.policy_config, self._turn)
+        self._turn += 1
+        self.labels[request_id] = arrival.priority
+        record = DispatchRecord(request_id, decision.instance_id, decision.rejected)
+        if self.dispatches is not None:
+            self.dispatches.append(record)
+        if decision.instance_id is None:
+            self.rejected.append(record)
+            self.done = len(self.finished) + len(self.rejected) == len(self.workload.arrivals)
+            return
+        instance = self.instances[decision.instance_id]
+        if self._fresh_reports:
+            instance.report = account_dispatch(instance.report, message)
+        request = SimRequest(
+            request_id, arrival.prompt_len, max_tokens=arrival.output_len, priority=priority, arrival_time=self.now
+        )
+        instance.scheduler.add_request(request)
+        self.placed_at[request_id] = self.now
+        self.kick(instance)
+
+    # -- timeline ----------------------------------------------------------------------------------
+
+    def _on_timeline(self, _: object) -> None:
+        self._sample_timeline()
+        self.events.push(self.now + self.config.timeline_interval_s, self._on_timeline)
+
+    def _sample_timeline(self) -> None:
+        in_flight = self.migrator.in_flight if self.migrator is not None else 0
+        starting = sum(i.state is InstanceState.STARTING for i in self.instances.values())
+        self.timeline.sample(self.now, self.serving, starting, in_flight)
+
+    # -- results -----------------------------------------------------------------------------------
+
+    def _result(self, wall_s: float) -> SimResult:
+        end = self.now
+        lifetimes = [
+            (i.instance_id, i.launched_at, i.stopped_at if i.stopped_at is not None else end)
+            for i in self.instances.values()
+        ]
+        return SimResult(
+            policy=self.policy.name,
+            workload=self.workload.description,
+            finished=self.finished,
+            labels=self.labels,
+            num_requests=len(self.workload.arrivals),
+            rejected=self.rejected,
+            migrations=self.migrator.stats if self.migrator is not None else MigrationStats(),
+            scaling_events=self.autoscaler.events if self.autoscaler is not None else [],
+            lifetimes=lifetimes,
+            timeline=self.timeline,
+            makespan_s=end,
+            wall_s=wall_s,
+            num_steps=sum(i.num_steps for i in self.instances.values()),
+            num_preemptions=sum(i.scheduler.num_preemptions_total for i in self.instances.values()),
+            dispatches=self.dispatches or [],
+        )
+
+    def _stall_report(self) -> str:
+        stuck = [
+            f"{i.instance_id}({i.state.value}: {len(i.scheduler.running)} running, {len(i.scheduler.waiting)} waiting, "
+            f"{i.scheduler.block_manager.num_free} free blocks)"
+            for i in self.instances.values()
+            if i.scheduler.requests
+        ]
+        done = len(self.finished) + len(self.rejected)
+        return f"{done} of {len(self.workload.arrivals)} requests done; {', '.join(stuck) or 'no instance holds work'}"
+
+
+def simulate(config: SimConfig, policy: SchedulingPolicy, workload: Workload) -> SimResult:
+    return ClusterSimulator(config, policy, workload).run()

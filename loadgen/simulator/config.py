@@ -1,0 +1,113 @@
+"""Settings of one simulated cluster (units in the names). Defaults: 16 × LLaMA-7B on A10."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from services.llumlet.engines.sim.latency import SIMPLE_MODELS
+from services.llumlet.engines.sim.scheduler import STEP_MODES, SchedulerConfig
+from shared.policy.baselines import MigrationGuard
+from shared.policy.config import PolicyConfig, ScalingConfig
+
+KV_BYTES_PER_TOKEN_LLAMA_7B = 2 * 32 * 4096 * 2  # K and V × layers × hidden × fp16 = 0.5 MiB
+
+
+@dataclass(frozen=True)
+class MigrationModel:
+    """Multi-stage live migration (Llumnix §4.2): copy stages while the request keeps decoding,
+    then a short stop for the last delta. Stage time = overhead + bytes / bandwidth."""
+
+    bandwidth_gbps: float = 15.0  # GB/s (gigabytes), as the Llumnix artifact assumed for A10 nodes
+    stage_overhead_s: float = 0.005  # pre-allocation handshake of one copy stage
+    commit_overhead_s: float = 0.02  # last stage: suspend, commit handshake, resume on the destination
+    last_stage_max_blocks: int = 1  # a delta this small is copied during the downtime
+    max_stages: int = 4  # the downtime stage comes after at most this many copy stages
+    max_per_instance: int = 1  # migrations in flight per instance, in and out counted apart
+
+    def __post_init__(self) -> None:
+        if not (self.bandwidth_gbps > 0 and math.isfinite(self.bandwidth_gbps)):
+            raise ValueError("migration bandwidth must be a positive number of GB/s")
+        if self.stage_overhead_s < 0 or self.commit_overhead_s < 0:
+            raise ValueError("migration overheads must be >= 0")
+        if self.last_stage_max_blocks < 0 or self.max_stages < 1 or self.max_per_instance < 1:
+            raise ValueError("migration stage limits must be positive")
+
+    def copy_s(self, num_blocks: int, block_bytes: int) -> float:
+        return num_blocks * block_bytes / (self.bandwidth_gbps * 1e9)
+
+
+@dataclass(frozen=True)
+class AutoscaleModel:
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    interval_s: float = 1.0  # how often the scaling policy looks
+    startup_s: float = 10.0  # launch → first report (model load); billed from the launch
+
+    def __post_init__(self) -> None:
+        if not self.interval_s > 0 or self.startup_s < 0:
+            raise ValueError("autoscale interval must be > 0 and startup time >= 0")
+        s = self.scaling
+        if not 1 <= s.min_instances <= s.max_instances:
+            raise ValueError("autoscale needs 1 <= min instances <= max instances")
+        if not s.scale_out_below < s.scale_in_above:
+            raise ValueError("autoscale band must have scale-out bound < scale-in bound")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    num_instances: int = 16
+    gpu: str = "A10"
+    fine_latency: bool = False
+    step_mode: str = "v1"
+    num_blocks: int = 851
+    block_size: int = 16
+    max_model_len: int = 8192
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    kv_bytes_per_token: int = KV_BYTES_PER_TOKEN_LLAMA_7B
+    report_interval_s: float = 0.05  # a policy sees reports at most this old (+ its own dispatches)
+    migration_interval_s: float = 0.1
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # None: plain pair_migrations with the threshold bands only.
+    guard: MigrationGuard | None = field(default_factory=MigrationGuard)
+    migration: MigrationModel = field(default_factory=MigrationModel)
+    autoscale: AutoscaleModel | None = None
+    timeline_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.num_instances < 1:
+            raise ValueError("the cluster needs at least one instance")
+        if self.gpu not in SIMPLE_MODELS:
+            raise ValueError(f"unknown GPU {self.gpu!r}; expected one of {', '.join(sorted(SIMPLE_MODELS))}")
+        if self.step_mode not in STEP_MODES:
+            raise ValueError(f"step mode must be one of {', '.join(STEP_MODES)}")
+        if self.kv_bytes_per_token < 1:
+            raise ValueError("KV bytes per token must be positive")
+        for name in ("report_interval_s", "migration_interval_s", "timeline_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.autoscale is not None:
+            s = self.autoscale.scaling
+            if not s.min_instances <= self.num_instances <= s.max_instances:
+                raise ValueError("the initial instance count must lie within the autoscale min/max")
+        self.scheduler_config("fcfs")  # validates the engine fields
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.kv_bytes_per_token
+
+    def scheduler_config(self, queue_policy: str) -> SchedulerConfig:
+        return SchedulerConfig(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            queue_policy=queue_policy,
+            step_mode=self.step_mode,
+        )
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest sequence an instance can hold (as SimScheduler computes it)."""
+        return min(self.max_model_len, self.num_blocks * self.block_size)

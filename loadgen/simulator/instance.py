@@ -1,0 +1,96 @@
+"""One simulated instance: the simulated engine's own scheduler and latency model, a lifecycle,
+and the load report a llumlet would publish."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from services.llumlet.engines.sim.latency import LatencyModel
+from services.llumlet.engines.sim.scheduler import SchedulerOutput, SimScheduler
+from shared.messages import LoadReport
+
+
+class InstanceState(enum.Enum):
+    STARTING = "starting"  # launched, loading the model: billed, not yet serving
+    LIVE = "live"
+    DRAINING = "draining"  # terminating: the fake request drives everything off it
+    STOPPED = "stopped"
+
+
+@dataclass(eq=False)
+class SimInstance:
+    instance_id: str
+    scheduler: SimScheduler
+    latency: LatencyModel
+    launched_at: float
+    state: InstanceState = InstanceState.LIVE
+    stopped_at: float | None = None
+    step: SchedulerOutput | None = None  # the step in flight, if any
+    report: LoadReport | None = None  # the last report, plus dispatches accounted since
+    report_at: float = -math.inf
+    migrations_out: int = 0
+    migrations_in: int = 0
+    num_steps: int = 0
+    busy_s: float = 0.0
+    _seq: int = field(default=0, repr=False)
+
+    @property
+    def serving(self) -> bool:
+        return self.state is InstanceState.LIVE or self.state is InstanceState.DRAINING
+
+    def start_step(self, now: float) -> float | None:
+        """Schedule the next step if idle and there is work; returns its duration, or None when
+        nothing can run (empty, or the head of the queue waits for blocks)."""
+        if self.step is not None or not self.serving:
+            return None
+        scheduler = self.scheduler
+        while scheduler.has_work():
+            out = scheduler.schedule(now)
+            if not out.is_empty:
+                duration = self.latency.step_time_of(out)
+                self.step = out
+                self.num_steps += 1
+                self.busy_s += duration
+                return duration
+            if not out.preempted:
+                return None  # blocked on blocks (reserved for a migration, or the head is too big)
+            # Everything that ran was preempted; the next schedule admits again (as vLLM v1).
+        return None
+
+    def is_empty(self) -> bool:
+        return (
+            self.step is None
+            and not self.scheduler.requests
+            and self.migrations_in == 0
+            and self.migrations_out == 0
+            and self.scheduler.block_manager.num_reserved == 0
+        )
+
+    def build_report(self, now: float, max_model_len: int) -> LoadReport:
+        """What the llumlet would publish now (the aggregates `build_load_report` computes from
+        request views, taken from the scheduler's O(running) `load()`)."""
+        load = self.scheduler.load()
+        self._seq += 1
+        self.report = LoadReport(
+            instance_id=self.instance_id,
+            seq=self._seq,
+            sent_at=now,
+            num_blocks_total=self.scheduler.config.num_blocks,
+            num_blocks_free=load.num_free_blocks,
+            block_size=self.scheduler.block_size,
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            head_demand_blocks=load.head_demand_blocks,
+            waiting_demand_blocks=load.waiting_demand_blocks,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            by_priority=load.by_priority,
+            num_migrating=self.migrations_in + self.migrations_out,
+            reserved_blocks=load.num_reserved_blocks,
+            draining=self.state is InstanceState.DRAINING,
+            max_model_len=max_model_len,
+            engine="sim",
+        )
+        self.report_at = now
+        return self.report

@@ -1,0 +1,263 @@
+"""Migration in the simulator: pairing rounds with the shared policy, and a model of Llumnix's
+multi-stage live migration on top of the simulated engine's own migration hooks.
+
+Stages copy the request's KV blocks (reserved on the destination stage by stage with
+`reserve`) while it keeps decoding on the source; once the blocks added during a stage are few
+(or after `max_stages`), the source suspends the request, the last delta is copied during the
+downtime, and the move commits: `suspend` → `add_migrated` → `release_migrated`. A request that
+finishes or is preempted on the source meanwhile aborts the migration and frees the lease.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from loadgen.simulator.instance import InstanceState, SimInstance
+from services.llumlet.engines.sim.request import RequestStatus, SimRequest
+from services.llumlet.engines.sim.scheduler import SimScheduler
+from shared.policy.baselines import guarded_pairs, may_migrate_into
+from shared.policy.freeness import QueueDemand, freeness
+from shared.policy.migration import MigrationCandidate, pair_migrations, select_request_to_migrate
+
+if TYPE_CHECKING:
+    from loadgen.simulator.cluster import ClusterSimulator
+
+
+class MigrationStatus(enum.Enum):
+    COPYING = "copying"  # a stage in flight, request still decoding on the source
+    STOPPED = "stopped"  # last stage: request suspended, downtime running
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)
+class Migration:
+    migration_id: str
+    request_id: str
+    src: SimInstance
+    dst: SimInstance
+    started_at: float
+    status: MigrationStatus = MigrationStatus.COPYING
+    stage: int = 0
+    copied_blocks: int = 0  # blocks whose copy has completed
+    stage_blocks: int = 0  # blocks the stage in flight copies
+    suspended_at: float | None = None
+
+    @property
+    def lease_id(self) -> str:
+        return self.migration_id
+
+
+@dataclass
+class MigrationStats:
+    started: int = 0
+    committed: int = 0
+    aborted: Counter[str] = field(default_factory=Counter)
+    downtime_s: list[float] = field(default_factory=list)
+    duration_s: list[float] = field(default_factory=list)
+    copied_blocks: int = 0
+    rounds: int = 0
+    pairs: int = 0
+
+    def to_json(self) -> dict:
+        mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+        return {
+            "started": self.started,
+            "committed": self.committed,
+            "aborted": dict(self.aborted),
+            "mean_downtime_ms": round(mean(self.downtime_s) * 1000, 2),
+            "max_downtime_ms": round(max(self.downtime_s, default=0.0) * 1000, 2),
+            "mean_duration_ms": round(mean(self.duration_s) * 1000, 2),
+            "rounds": self.rounds,
+            "pairs": self.pairs,
+        }
+
+
+def is_decoding(request: SimRequest) -> bool:
+    """Running, past its prefill, and not recovering from a preemption: it has KV to move and
+    nothing half-computed."""
+    return (
+        request.status is RequestStatus.RUNNING
+        and request.num_output_tokens >= 1
+        and request.num_computed_tokens == request.num_tokens - 1
+        and request.preempted_at is None
+    )
+
+
+def migration_candidates(
+    scheduler: SimScheduler, placed_at: dict[str, float], now: float, min_residence_s: float
+) -> list[MigrationCandidate]:
+    """Decoding requests that have stayed at least `min_residence_s` on this instance."""
+    return [
+        MigrationCandidate(r.request_id, r.priority, r.num_tokens)
+        for r in scheduler.running
+        if is_decoding(r) and now - placed_at[r.request_id] >= min_residence_s
+    ]
+
+
+def clone_for_destination(request: SimRequest) -> SimRequest:
+    """The request as the destination adopts it: progress and metrics carried over (what a
+    MigrationCommit carries, plus the timestamps the simulator measures)."""
+    clone = SimRequest(
+        request.request_id,
+        request.prompt_len,
+        request.max_tokens,
+        target_output_len=request.target_output_len,
+        priority=request.priority,
+        arrival_time=request.arrival_time,
+    )
+    clone.num_output_tokens = request.num_output_tokens
+    clone.num_computed_tokens = request.num_computed_tokens
+    clone.num_preemptions = request.num_preemptions
+    clone.first_scheduled_time = request.first_scheduled_time
+    clone.first_token_time = request.first_token_time
+    clone.preemption_loss_s = request.preemption_loss_s
+    clone.num_recomputed_tokens = request.num_recomputed_tokens
+    return clone
+
+
+class Migrator:
+    def __init__(self, sim: ClusterSimulator) -> None:
+        self.sim = sim
+        self.model = sim.config.migration
+        self.guard = sim.config.guard
+        self.block_bytes = sim.config.block_bytes
+        self.pairs: dict[str, str] = {}  # source -> destination, as of the last round
+        self.active: dict[str, Migration] = {}  # migration id -> migration
+        self.stats = MigrationStats()
+        self._ids = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.active)
+
+    # -- rounds ----------------------------------------------------------------------------------
+
+    def on_round(self, _: object) -> None:
+        sim = self.sim
+        if sim.done:
+            return
+        sim.events.push(sim.now + sim.config.migration_interval_s, self.on_round)
+        loads = sim.loads()
+        config = sim.policy_config
+        pairs = guarded_pairs(loads, config, self.guard) if self.guard else pair_migrations(loads, config)
+        self.pairs = {pair.src: pair.dst for pair in pairs}
+        self.stats.rounds += 1
+        self.stats.pairs += len(pairs)
+        for pair in pairs:
+            self._try_start(sim.instances[pair.src], sim.instances[pair.dst])
+
+    def _pair_stands(self, src: SimInstance, dst: SimInstance) -> bool:
+        """The source keeps migrating while it is still short of memory and the destination
+        still has plenty, as its own fresh load shows."""
+        if self.pairs.get(src.instance_id) != dst.instance_id or dst.state is not InstanceState.LIVE:
+            return False
+        config = self.sim.policy_config
+        src_f = freeness(self.sim.report_of(src, fresh=True), config.headroom_blocks, QueueDemand.HEAD)
+        dst_f = freeness(self.sim.report_of(dst, fresh=True), config.headroom_blocks, QueueDemand.HEAD)
+        gap = self.guard.min_freeness_gap if self.guard else 0.0
+        return src_f < config.migrate_out_freeness and dst_f > config.migrate_in_freeness and dst_f - src_f >= gap
+
+    def _try_start(self, src: SimInstance, dst: SimInstance) -> bool:
+        limit = self.model.max_per_instance
+        if src.migrations_out >= limit or dst.migrations_in >= limit or not dst.serving:
+            return False
+        sim = self.sim
+        residence = self.guard.min_residence_s if self.guard else 0.0
+        busy = {m.request_id for m in self.active.values()}
+        candidates = [
+            c for c in migration_candidates(src.scheduler, sim.placed_at, sim.now, residence) if c.request_id not in busy
+        ]
+        chosen = select_request_to_migrate(candidates)
+        if chosen is None:
+            return False
+        blocks = src.scheduler.block_manager.num_blocks_of(chosen.request_id)
+        if self.guard and not may_migrate_into(sim.report_of(dst), blocks, self.guard):
+            return False
+        self._ids += 1
+        migration = Migration(f"m{self._ids}", chosen.request_id, src, dst, started_at=sim.now)
+        self.active[migration.migration_id] = migration
+        src.migrations_out += 1
+        dst.migrations_in += 1
+        self.stats.started += 1
+        self._next_stage(migration)
+        return True
+
+    # -- stages ----------------------------------------------------------------------------------
+
+    def _next_stage(self, migration: Migration) -> None:
+        """Copy the blocks the request has gained since the last stage, still decoding."""
+        blocks = migration.src.scheduler.block_manager.num_blocks_of(migration.request_id)
+        delta = blocks - migration.copied_blocks
+        if migration.stage > 0 and (delta <= self.model.last_stage_max_blocks or migration.stage >= self.model.max_stages):
+            self._last_stage(migration, delta)
+            return
+        if migration.dst.scheduler.reserve(migration.lease_id, delta) is None:
+            self._abort(migration, "destination out of blocks")
+            return
+        migration.stage += 1
+        migration.stage_blocks = delta
+        duration = self.model.stage_overhead_s + self.model.copy_s(delta, self.block_bytes)
+        self.sim.events.push(self.sim.now + duration, self._on_stage_end, migration)
+
+    def _last_stage(self, migration: Migration, delta: int) -> None:
+        src, dst = migration.src, migration.dst
+        if dst.scheduler.reserve(migration.lease_id, max(delta, 0)) is None:
+            self._abort(migration, "destination out of blocks")
+            return
+        suspended = src.scheduler.suspend(migration.request_id)
+        assert suspended, migration  # checked decoding just before
+        migration.status = MigrationStatus.STOPPED
+        migration.suspended_at = self.sim.now
+        migration.stage_blocks = delta
+        duration = self.model.commit_overhead_s + self.model.copy_s(delta, self.block_bytes)
+        self.sim.events.push(self.sim.now + duration, self._on_stage_end, migration)
+
+    def _on_stage_end(self, migration: Migration) -> None:
+        request = migration.src.scheduler.get(migration.request_id)
+        if migration.status is MigrationStatus.STOPPED:
+            self.stats.copied_blocks += migration.stage_blocks
+            self._commit(migration, request)
+            return
+        if request is None or not is_decoding(request):
+            self._abort(migration, "finished on the source" if request is None else "preempted on the source")
+            return
+        migration.copied_blocks += migration.stage_blocks
+        self.stats.copied_blocks += migration.stage_blocks
+        self._next_stage(migration)
+
+    # -- endings ---------------------------------------------------------------------------------
+
+    def _commit(self, migration: Migration, request: SimRequest | None) -> None:
+        assert request is not None and request.status is RequestStatus.SUSPENDED, migration
+        src, dst, sim = migration.src, migration.dst, self.sim
+        dst.scheduler.add_migrated(clone_for_destination(request), migration.lease_id)
+        released = src.scheduler.release_migrated(migration.request_id, sim.now)
+        assert released, migration
+        sim.placed_at[migration.request_id] = sim.now
+        migration.status = MigrationStatus.COMMITTED
+        self.stats.committed += 1
+        self.stats.downtime_s.append(sim.now - migration.suspended_at)
+        self.stats.duration_s.append(sim.now - migration.started_at)
+        self._finish(migration)
+        if self._pair_stands(src, dst):
+            self._try_start(src, dst)
+
+    def _abort(self, migration: Migration, reason: str) -> None:
+        migration.dst.scheduler.release(migration.lease_id)
+        if migration.status is MigrationStatus.STOPPED:
+            migration.src.scheduler.resume(migration.request_id)
+        migration.status = MigrationStatus.ABORTED
+        self.stats.aborted[reason] += 1
+        self._finish(migration)
+
+    def _finish(self, migration: Migration) -> None:
+        del self.active[migration.migration_id]
+        migration.src.migrations_out -= 1
+        migration.dst.migrations_in -= 1
+        for instance in (migration.src, migration.dst):
+            self.sim.kick(instance)  # blocks were freed or a request joined the batch
+            self.sim.maybe_stop(instance)
