@@ -1,0 +1,119 @@
+"""Gateway configuration: one typed dataclass, filled from CLI flags, then env vars, then defaults."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import secrets
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shared import subjects
+
+
+class ConfigError(ValueError):
+    """A configuration the gateway cannot start with; the message says what to fix."""
+
+
+def _default_gateway_id() -> str:
+    return f"gw-{secrets.token_hex(4)}"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model_dir: str
+    nats_url: str = "nats://127.0.0.1:4222"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Name clients put in `model`; None: the model directory's basename.
+    served_model_name: str | None = None
+    gateway_id: str = field(default_factory=_default_gateway_id)
+    dispatch_timeout_s: float = 0.5
+    generate_timeout_s: float = 5.0
+    instance_timeout_s: float = 3.0
+    request_inactivity_timeout_s: float = 600.0
+    # max_tokens when a request gives none: vLLM's rule (the rest of the context window),
+    # capped by this when set.
+    default_max_tokens: int | None = None
+    # Context limit for validation; None: the model's config.json (max_position_embeddings).
+    max_model_len: int | None = None
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.model_dir:
+            raise ConfigError("no model directory: pass --model DIR or set CORRAL_MODEL_DIR")
+        try:
+            subjects.valid_token(self.gateway_id)
+        except ValueError as exc:
+            raise ConfigError(f"gateway id: {exc}") from None
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port {self.port} is out of range")
+        for name in ("dispatch_timeout_s", "generate_timeout_s", "instance_timeout_s", "request_inactivity_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("default_max_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name} must be positive, got {value}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_dir.rstrip("/")).name
+
+
+# (field, flag, env var, parser, help). One table, so flags and env vars cannot drift apart.
+_Option = tuple[str, str, str, Callable[[str], Any], str]
+_OPTIONS: list[_Option] = [
+    ("model_dir", "--model", "CORRAL_MODEL_DIR", str, "local model directory (tokenizer, chat template, config.json)"),
+    ("nats_url", "--nats-url", "CORRAL_NATS_URL", str, "NATS server URL"),
+    ("host", "--host", "CORRAL_GATEWAY_HOST", str, "HTTP listen address"),
+    ("port", "--port", "CORRAL_GATEWAY_PORT", int, "HTTP listen port"),
+    ("served_model_name", "--served-model-name", "CORRAL_SERVED_MODEL_NAME", str, "model name clients use"),
+    ("gateway_id", "--gateway-id", "CORRAL_GATEWAY_ID", str, "this gateway's id (letters, digits, '_', '-')"),
+    ("dispatch_timeout_s", "--dispatch-timeout-s", "CORRAL_DISPATCH_TIMEOUT_S", float,
+     "wait this long for the global scheduler before dispatching locally (bypass mode)"),
+    ("generate_timeout_s", "--generate-timeout-s", "CORRAL_GENERATE_TIMEOUT_S", float,
+     "wait this long for a llumlet to acknowledge a request"),
+    ("instance_timeout_s", "--instance-timeout-s", "CORRAL_INSTANCE_TIMEOUT_S", float,
+     "an instance with no load report for this long is dead"),
+    ("request_inactivity_timeout_s", "--request-inactivity-timeout-s", "CORRAL_REQUEST_INACTIVITY_TIMEOUT_S", float,
+     "fail a request that receives no output for this long"),
+    ("default_max_tokens", "--default-max-tokens", "CORRAL_DEFAULT_MAX_TOKENS", int,
+     "cap on max_tokens when a request gives none (default: the rest of the context)"),
+    ("max_model_len", "--max-model-len", "CORRAL_MAX_MODEL_LEN", int,
+     "context limit (default: the model's config.json)"),
+    ("log_level", "--log-level", "CORRAL_LOG_LEVEL", str, "logging level"),
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags for `corral gateway`; unset flags fall back to env vars, then to the defaults."""
+    defaults = {f.name: f.default for f in dataclasses.fields(GatewayConfig)}
+    for name, flag, env, parse, help_text in _OPTIONS:
+        default = defaults.get(name)
+        shown = "" if default in (None, dataclasses.MISSING) else f"; default {default}"
+        parser.add_argument(flag, dest=f"gateway_{name}", metavar=name.upper(), type=parse, default=None,
+                            help=f"{help_text} (env {env}{shown})")
+
+
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> GatewayConfig:
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for name, _flag, env_name, parse, _help in _OPTIONS:
+        value = getattr(args, f"gateway_{name}", None)
+        if value is None and env.get(env_name):
+            try:
+                value = parse(env[env_name])
+            except ValueError:
+                raise ConfigError(f"{env_name}={env[env_name]!r} is not a valid {parse.__name__}") from None
+        if value is not None:
+            values[name] = value
+    values.setdefault("model_dir", "")
+    return GatewayConfig(**values)
+
+
+def config_from_env(env: Mapping[str, str] | None = None) -> GatewayConfig:
+    return config_from_args(argparse.Namespace(), env)

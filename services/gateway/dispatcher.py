@@ -1,0 +1,93 @@
+"""Choosing an instance: ask the global scheduler; if it is slow or absent, decide locally.
+
+Bypass mode runs the scheduler's own pure policy (`choose_instance`) over the load reports this
+gateway has seen, and counts each request it sends with `account_dispatch` so a burst between two
+reports spreads instead of piling onto the instance that looked freest at the last one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from nats.aio.client import Client
+from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
+
+from services.gateway.instances import GatewayInstances
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.protocol import ApiError
+from shared import subjects
+from shared.messages import DispatchReply, DispatchRequest, WireError, decode, encode
+from shared.policy import PolicyConfig, choose_instance
+
+log = logging.getLogger(__name__)
+
+
+def rejection_error(reason: str, retry_after_s: float | None = None) -> ApiError:
+    """Map a dispatch refusal to HTTP: a prompt no instance can hold is the client's fault (400),
+    no instance at all is ours (503), anything else is load shedding (429, retry later)."""
+    if "max_model_len" in reason:
+        return ApiError(400, f"{reason}; shorten the prompt", "messages")
+    if reason.startswith("no instance"):
+        return ApiError(503, f"{reason}: no inference instance is alive")
+    headers = {}
+    if retry_after_s is not None and retry_after_s > 0:
+        headers = {"retry-after": str(max(1, math.ceil(retry_after_s))),
+                   "retry-after-ms": str(int(retry_after_s * 1000))}
+    return ApiError(429, f"request rejected: {reason}", headers=headers)
+
+
+class Dispatcher:
+    def __init__(self, nc: Client, instances: GatewayInstances, metrics: GatewayMetrics, timeout_s: float,
+                 policy: PolicyConfig | None = None) -> None:
+        self._nc = nc
+        self._instances = instances
+        self._metrics = metrics
+        self._timeout_s = timeout_s
+        self._policy = policy or PolicyConfig()
+        self.bypassing = False  # inside a bypass episode: logged once when it starts and when it ends
+
+    async def choose(self, request: DispatchRequest) -> str:
+        """The instance to run `request` on; ApiError (400/429/503) when there is none."""
+        started = time.perf_counter()
+        try:
+            return await self._choose(request)
+        finally:
+            self._metrics.dispatch_latency.observe(time.perf_counter() - started)
+
+    async def _choose(self, request: DispatchRequest) -> str:
+        try:
+            msg = await self._nc.request(subjects.DISPATCH, encode(request), timeout=self._timeout_s)
+        except NoRespondersError:
+            return self._bypass(request, "no global scheduler is running")
+        except TimeoutError:
+            return self._bypass(request, f"the global scheduler did not answer within {self._timeout_s:g} s")
+        except NatsError as exc:
+            raise ApiError(503, f"the gateway is not connected to NATS: {exc}") from exc
+        try:
+            reply = decode(msg.data, DispatchReply)
+        except WireError as exc:
+            log.warning("bad dispatch reply: %s", exc)
+            return self._bypass(request, "the global scheduler sent a bad reply")
+        self._end_bypass()
+        if reply.instance_id is not None:
+            return reply.instance_id
+        raise rejection_error(reply.rejected or "rejected by the global scheduler", reply.retry_after_s)
+
+    def _bypass(self, request: DispatchRequest, why: str) -> str:
+        if not self.bypassing:
+            self.bypassing = True
+            log.warning("%s: dispatching from this gateway's load reports (bypass mode)", why)
+        decision = choose_instance(self._instances.live_loads(), request, self._policy)
+        if decision.instance_id is None:
+            raise rejection_error(decision.rejected or "no instance is available")
+        self._instances.account(decision.instance_id, request)
+        self._metrics.bypass_dispatches.inc()
+        return decision.instance_id
+
+    def _end_bypass(self) -> None:
+        if self.bypassing:
+            self.bypassing = False
+            log.info("the global scheduler answers again: bypass mode ends")

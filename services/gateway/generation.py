@@ -1,0 +1,81 @@
+"""One request's output as text: ordered token deliveries → detokenized text → stop strings."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from services.gateway.detokenizer import IncrementalDetokenizer
+from services.gateway.protocol import ApiError, GenerationOptions
+from services.gateway.responses import Usage
+from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.streams import OutputStream
+from shared.messages import FinishReason
+
+
+@dataclass(frozen=True)
+class TextEvent:
+    text: str
+    finish_reason: str | None = None  # set on the last event of a successful request
+    error: ApiError | None = None  # set on the last event of a failed one
+
+
+class Generation:
+    def __init__(self, stream: OutputStream, decode: Callable[[list[int]], str], prompt_token_ids: Sequence[int],
+                 options: GenerationOptions, inactivity_timeout_s: float, arrival: float) -> None:
+        self.stream = stream
+        self._detok = IncrementalDetokenizer(decode, prompt_token_ids)
+        self._stops = StopStringMatcher(options.stop, options.include_stop_str_in_output)
+        self._token_by_token = bool(options.stop)  # count exactly the tokens up to a stop string
+        self._timeout_s = inactivity_timeout_s
+        self.arrival = arrival
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_output_tokens = 0
+        self.first_token_at: float | None = None
+        self.finish_reason: str | None = None
+        self.error: ApiError | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def usage(self) -> Usage:
+        return Usage(self.num_prompt_tokens, self.num_output_tokens)
+
+    async def events(self) -> AsyncIterator[TextEvent]:
+        """Text as it becomes final; the last event carries the finish reason or the error."""
+        while not self.ended:
+            try:
+                delivery = await self.stream.next(self._timeout_s)
+            except TimeoutError:
+                self.error = ApiError(504, f"no output from the instance for {self._timeout_s:g} s")
+                yield TextEvent("", error=self.error)
+                return
+            text = self._absorb(delivery.token_ids)
+            if self._stops.stopped:
+                self.finish_reason = "stop"
+            elif delivery.error is not None:
+                self.error = ApiError(delivery.error_code, delivery.error)
+            elif delivery.finish_reason is FinishReason.ERROR:
+                self.error = ApiError(500, "the engine failed the request")
+            elif delivery.finish_reason is not None:
+                text += self._stops.append(self._detok.flush())
+                self.finish_reason = "stop" if self._stops.stopped else delivery.finish_reason.value
+                text += self._stops.finish()
+            if text or self.ended:
+                yield TextEvent(text, self.finish_reason, self.error)
+
+    def _absorb(self, token_ids: list[int]) -> str:
+        if token_ids and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        if not self._token_by_token:
+            self.num_output_tokens += len(token_ids)
+            return self._stops.append(self._detok.push(token_ids))
+        out = ""
+        for token_id in token_ids:
+            self.num_output_tokens += 1
+            out += self._stops.append(self._detok.push([token_id]))
+            if self._stops.stopped:
+                break
+        return out

@@ -1,0 +1,66 @@
+"""The gateway's view of the instances, built from the load reports it overhears.
+
+Load reports double as heartbeats: an instance silent for `timeout_s` is dead. The gateway needs
+them for bypass dispatch (when the global scheduler does not answer) and for the watchdog that
+fails requests whose holder died. Storage and expiry are the scheduler's own table.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from shared.instance_table import InstanceTable
+from shared.messages import DispatchRequest, LoadReport
+from shared.policy import account_dispatch
+
+
+class GatewayInstances:
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        assert timeout_s > 0
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._table = InstanceTable(timeout_s, clock)
+        self._marked_dead: dict[str, float] = {}  # instance id -> when; until it reports again
+
+    def update(self, load: LoadReport) -> None:
+        if self._table.update(load):
+            self._marked_dead.pop(load.instance_id, None)
+
+    def mark_dead(self, instance_id: str) -> None:
+        """Declare an instance dead at once (nobody listens on its subjects any more)."""
+        self._table.remove(instance_id)
+        self._marked_dead[instance_id] = self._clock()
+
+    def live_loads(self) -> list[LoadReport]:
+        return self._table.live()
+
+    def alive_count(self) -> int:
+        return len(self._table.live())
+
+    def is_silent(self, instance_id: str, since: float) -> bool:
+        """Dead, as far as this gateway can tell: marked dead, or not heard from for `timeout_s`
+        counting from `since` (when we started relying on it, so that an instance is not declared
+        dead before it had time to send its first report)."""
+        if instance_id in self._marked_dead:
+            return True
+        self._table.expire()
+        if self._table.get(instance_id) is not None:
+            return False
+        return self._clock() - since > self.timeout_s
+
+    def account(self, instance_id: str, request: DispatchRequest) -> None:
+        """Count a request we dispatched ourselves until the instance's next report includes it."""
+        load = self._table.get(instance_id)
+        if load is not None:
+            self._table.replace_load(account_dispatch(load, request))
+
+    def max_model_len(self, instance_id: str) -> int | None:
+        load = self._table.get(instance_id)
+        return load.max_model_len if load is not None and load.max_model_len > 0 else None
+
+    def forget_marks(self, older_than_s: float) -> None:
+        """Drop dead-marks of instances gone for good (the table expires its own entries)."""
+        now = self._clock()
+        for instance_id in [i for i, t in self._marked_dead.items() if now - t > older_than_s]:
+            del self._marked_dead[instance_id]

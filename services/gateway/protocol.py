@@ -1,0 +1,320 @@
+"""OpenAI request bodies → typed requests, with vLLM's validation rules and error conventions.
+
+Unknown fields are ignored (as vLLM does); fields we cannot honour (n > 1, echo, logprobs,
+penalties other than repetition) are refused with a 400 that says so rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+from shared.messages import SamplingParams
+from shared.policy import HIGH_PRIORITY, NORMAL_PRIORITY
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    409: "ConflictError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+PRIORITY_NAMES = {"high": HIGH_PRIORITY, "normal": NORMAL_PRIORITY}
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI-style JSON: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, headers: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = dict(headers or {})
+
+    @property
+    def type(self) -> str:
+        if self.status in _ERROR_TYPES:
+            return _ERROR_TYPES[self.status]
+        return HTTPStatus(self.status).phrase.replace(" ", "") + "Error"
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+class RequestKind(enum.Enum):
+    CHAT = "chat"
+    COMPLETION = "completion"
+
+    @property
+    def id_prefix(self) -> str:
+        return "chatcmpl" if self is RequestKind.CHAT else "cmpl"
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    priority: int | None = None
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, seed=self.seed, ignore_eos=self.ignore_eos, min_tokens=min(self.min_tokens, max_tokens),
+            stop_token_ids=list(self.stop_token_ids), repetition_penalty=self.repetition_penalty,
+        )
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    kind: RequestKind
+    model: str | None
+    options: GenerationOptions
+    messages: list[dict[str, str]] | None = None  # chat
+    prompt: str | list[int] | None = None  # completion: text or token ids
+
+
+# ---------------------------------------------------------------------------------------------
+# Typed field readers: a missing field or an explicit null is "not given".
+# ---------------------------------------------------------------------------------------------
+
+
+class _Body:
+    def __init__(self, body: object) -> None:
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        self._body = body
+
+    def raw(self, name: str) -> Any:
+        return self._body.get(name)
+
+    def boolean(self, name: str, default: bool = False) -> bool:
+        value = self._body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise bad_request(f"`{name}` must be a boolean", name)
+        return value
+
+    def integer(self, name: str, *, minimum: int | None = None) -> int | None:
+        value = self._body.get(name)
+        if value is None:
+            return None
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad_request(f"`{name}` must be an integer", name)
+        if minimum is not None and value < minimum:
+            raise bad_request(f"`{name}` must be at least {minimum}, got {value}", name)
+        return value
+
+    def number(self, name: str, *, minimum: float | None = None, maximum: float | None = None,
+               exclusive_minimum: bool = False) -> float | None:
+        value = self._body.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise bad_request(f"`{name}` must be a number", name)
+        if minimum is not None and (value < minimum or (exclusive_minimum and value == minimum)):
+            bound = f"greater than {minimum}" if exclusive_minimum else f"at least {minimum}"
+            raise bad_request(f"`{name}` must be {bound}, got {value}", name)
+        if maximum is not None and value > maximum:
+            raise bad_request(f"`{name}` must be at most {maximum}, got {value}", name)
+        return float(value)
+
+    def string(self, name: str) -> str | None:
+        value = self._body.get(name)
+        if value is not None and not isinstance(value, str):
+            raise bad_request(f"`{name}` must be a string", name)
+        return value
+
+
+def parse_priority(value: object, param: str = "priority") -> int:
+    """An integer (lower runs earlier, as vLLM) or one of the names "high" and "normal"."""
+    if isinstance(value, bool):
+        raise bad_request(f"`{param}` must be an integer or one of {sorted(PRIORITY_NAMES)}", param)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in PRIORITY_NAMES:
+            return PRIORITY_NAMES[text]
+        try:
+            return int(text)
+        except ValueError:
+            pass
+    raise bad_request(f"unknown priority {value!r}: use an integer or one of {sorted(PRIORITY_NAMES)}", param)
+
+
+def _unsupported(body: _Body) -> None:
+    if (n := body.integer("n", minimum=1)) is not None and n > 1:
+        raise bad_request("`n` > 1 is not supported by Corral; send separate requests", "n")
+    if (best_of := body.integer("best_of", minimum=1)) is not None and best_of > 1:
+        raise bad_request("`best_of` > 1 is not supported by Corral", "best_of")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.number(name, minimum=-2.0, maximum=2.0):
+            raise bad_request(f"`{name}` is not supported by Corral; use `repetition_penalty`", name)
+
+
+def _stop_strings(body: _Body) -> tuple[str, ...]:
+    stop = body.raw("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,) if stop else ()
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(s for s in stop if s)
+    raise bad_request("`stop` must be a string or a list of strings", "stop")
+
+
+def _token_id_list(value: object, name: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise bad_request(f"`{name}` must be a list of non-negative integers", name)
+    return tuple(value)
+
+
+def _stream_flags(body: _Body) -> tuple[bool, bool, bool]:
+    stream = body.boolean("stream")
+    options = body.raw("stream_options")
+    if options is None:
+        return stream, False, False
+    if not stream:
+        raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
+    if not isinstance(options, dict):
+        raise bad_request("`stream_options` must be an object", "stream_options")
+    flags = _Body(options)
+    return stream, flags.boolean("include_usage"), flags.boolean("continuous_usage_stats")
+
+
+def _options(body: _Body, max_tokens: int | None) -> GenerationOptions:
+    _unsupported(body)
+    stream, include_usage, continuous = _stream_flags(body)
+    top_k = body.integer("top_k", minimum=-1)
+    min_tokens = body.integer("min_tokens", minimum=0) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad_request(f"`min_tokens` ({min_tokens}) must not exceed `max_tokens` ({max_tokens})", "min_tokens")
+    priority = body.raw("priority")
+    return GenerationOptions(
+        stream=stream,
+        include_usage=include_usage,
+        continuous_usage_stats=continuous,
+        max_tokens=max_tokens,
+        temperature=_or(body.number("temperature", minimum=0.0), 1.0),
+        top_p=_or(body.number("top_p", minimum=0.0, maximum=1.0, exclusive_minimum=True), 1.0),
+        top_k=max(top_k, 0) if top_k is not None else 0,  # -1 and 0 both mean "disabled"
+        min_p=_or(body.number("min_p", minimum=0.0, maximum=1.0), 0.0),
+        seed=body.integer("seed"),
+        ignore_eos=body.boolean("ignore_eos"),
+        min_tokens=min_tokens,
+        stop_token_ids=_token_id_list(body.raw("stop_token_ids"), "stop_token_ids"),
+        repetition_penalty=_or(body.number("repetition_penalty", minimum=0.0, exclusive_minimum=True), 1.0),
+        stop=_stop_strings(body),
+        include_stop_str_in_output=body.boolean("include_stop_str_in_output"),
+        priority=None if priority is None else parse_priority(priority),
+    )
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+# ---------------------------------------------------------------------------------------------
+# Endpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_chat_request(raw: object) -> ParsedRequest:
+    body = _Body(raw)
+    if body.boolean("logprobs") or body.integer("top_logprobs", minimum=0):
+        raise bad_request("`logprobs` is not supported by Corral", "logprobs")
+    # As vLLM: max_completion_tokens (the newer name) wins over max_tokens.
+    max_tokens = body.integer("max_completion_tokens", minimum=1) or body.integer("max_tokens", minimum=1)
+    return ParsedRequest(
+        RequestKind.CHAT, body.string("model"), _options(body, max_tokens), messages=_messages(body.raw("messages"))
+    )
+
+
+def parse_completion_request(raw: object) -> ParsedRequest:
+    body = _Body(raw)
+    if body.boolean("echo"):
+        raise bad_request("`echo` is not supported by Corral", "echo")
+    if body.raw("logprobs") is not None:
+        raise bad_request("`logprobs` is not supported by Corral", "logprobs")
+    if body.string("suffix"):
+        raise bad_request("`suffix` is not supported by Corral", "suffix")
+    options = _options(body, body.integer("max_tokens", minimum=1))
+    return ParsedRequest(RequestKind.COMPLETION, body.string("model"), options, prompt=_prompt(body.raw("prompt")))
+
+
+def _messages(value: object) -> list[dict[str, str]]:
+    if value is None:
+        raise bad_request("`messages` is required", "messages")
+    if not isinstance(value, list) or not value:
+        raise bad_request("`messages` must be a non-empty list", "messages")
+    return [_message(m, i) for i, m in enumerate(value)]
+
+
+def _message(value: object, index: int) -> dict[str, str]:
+    param = f"messages[{index}]"
+    if not isinstance(value, dict):
+        raise bad_request(f"{param} must be an object", param)
+    role = value.get("role")
+    if role not in CHAT_ROLES:
+        raise bad_request(f"{param}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}", f"{param}.role")
+    return {"role": role, "content": _content(value.get("content"), role, f"{param}.content")}
+
+
+def _content(value: object, role: str, param: str) -> str:
+    if isinstance(value, str):
+        return value
+    if value is None and role == "assistant":  # an assistant turn that only called tools
+        return ""
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"{param}: only text parts ({{'type': 'text', 'text': ...}}) are supported", param)
+            texts.append(part["text"])
+        return "\n".join(texts)  # vLLM's "string" content format joins text parts with newlines
+    raise bad_request(f"{param} must be a string or a list of text parts", param)
+
+
+def _prompt(value: object) -> str | list[int]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one
+    if isinstance(value, str):
+        if not value:
+            raise bad_request("`prompt` must not be empty", "prompt")
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return list(value)
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
+        raise bad_request("batched prompts are not supported by Corral; send one request per prompt", "prompt")
+    raise bad_request("`prompt` must be a non-empty string or a non-empty list of token ids", "prompt")

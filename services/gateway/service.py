@@ -1,0 +1,287 @@
+"""GatewayService: owns the NATS connection, the subscriptions, and each request's way to an instance.
+
+Subscription callbacks only decode and hand off (to a stream's queue or the instance table): NATS
+runs a subscription's callbacks one at a time, so a slow one would stall every request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
+
+from services.gateway.config import GatewayConfig
+from services.gateway.dispatcher import Dispatcher
+from services.gateway.instances import GatewayInstances
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.protocol import ApiError, GenerationOptions, RequestKind, bad_request
+from services.gateway.streams import OutputStream, StreamRegistry
+from services.gateway.tokenizer import ModelTokenizer
+from shared import subjects
+from shared.messages import (
+    AbortRequest, Ack, DispatchRequest, GenerateRequest, LoadReport, TokenChunk, WireError, decode, encode,
+)
+from shared.nats_client import connect
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request, tokenized, with its output budget settled."""
+
+    kind: RequestKind
+    request_id: str  # unique inside Corral: the key of the output stream and of the engine's request
+    response_id: str  # what the client sees (from X-Request-Id when given)
+    prompt_token_ids: list[int]
+    options: GenerationOptions
+    priority: int
+    max_tokens: int
+    arrival: float  # time.monotonic()
+    created: int  # unix seconds, the `created` of every chunk
+
+
+def _too_long(reason: str) -> bool:
+    return "too long" in reason or "max_model_len" in reason or "context length" in reason
+
+
+class GatewayService:
+    def __init__(self, config: GatewayConfig, tokenizer: ModelTokenizer | None = None) -> None:
+        self.config = config
+        self._owns_tokenizer = tokenizer is None
+        self.tokenizer = tokenizer or ModelTokenizer.load(config.model_dir, config.max_model_len)
+        self.metrics = GatewayMetrics(config.model_name)
+        self.instances = GatewayInstances(config.instance_timeout_s)
+        self.metrics.watch_instances(self.instances.alive_count)
+        self.streams = StreamRegistry()
+        self.started_at = int(time.time())
+        self.output_subject = subjects.gateway_output(config.gateway_id)
+        self._nc: Client | None = None
+        self._dispatcher: Dispatcher | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected
+
+    async def start(self) -> None:
+        assert self._nc is None, "started twice"
+        nc = await connect(self.config.nats_url, name=f"corral-gateway-{self.config.gateway_id}")
+        await nc.subscribe(self.output_subject, cb=self._on_token_chunk)
+        await nc.subscribe(subjects.LOAD_REPORTS_ALL, cb=self._on_load_report)
+        await nc.flush()
+        self._nc = nc
+        self._dispatcher = Dispatcher(nc, self.instances, self.metrics, self.config.dispatch_timeout_s)
+        self._watchdog = asyncio.create_task(self._watch_holders(), name="gateway-watchdog")
+        log.info("gateway %s connected to %s, serving %s", self.config.gateway_id, self.config.nats_url,
+                 self.config.model_name)
+
+    def fail_all(self, reason: str) -> None:
+        """End every open request with an error (shutdown): their handlers then finish and abort."""
+        for stream in self.streams:
+            stream.fail(reason, 503)
+
+    async def stop(self) -> None:
+        self.fail_all("the gateway is shutting down")
+        for stream in self.streams:
+            self.release(stream, abort=True)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+        if self._background:
+            await asyncio.wait(self._background, timeout=2.0)
+        if self._nc is not None and not self._nc.is_closed:
+            try:
+                await self._nc.drain()
+            except NatsError as exc:
+                log.warning("NATS drain failed: %s", exc)
+        if self._owns_tokenizer:
+            self.tokenizer.close()
+
+    # ---- subscriptions ----------------------------------------------------------------------
+
+    async def _on_token_chunk(self, msg: Msg) -> None:
+        try:
+            chunk = decode(msg.data, TokenChunk)
+        except WireError as exc:
+            log.warning("dropped a bad token chunk: %s", exc)
+            return
+        if not self.streams.route(chunk):
+            log.debug("chunk for unknown request %s (finished or aborted)", chunk.request_id)
+
+    async def _on_load_report(self, msg: Msg) -> None:
+        try:
+            self.instances.update(decode(msg.data, LoadReport))
+        except WireError as exc:
+            log.warning("dropped a bad load report on %s: %s", msg.subject, exc)
+
+    async def _watch_holders(self) -> None:
+        """Fail requests whose instance went silent; a dead holder would otherwise hang them."""
+        interval = min(0.5, self.config.instance_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self._fail_orphans()
+            except Exception:  # a bug here must not stop the watchdog for good
+                log.exception("instance watchdog failed")
+
+    def _fail_orphans(self) -> None:
+        for stream in self.streams:
+            if not stream.finished and stream.holder and self.instances.is_silent(stream.holder, stream.holder_since):
+                log.warning("request %s: instance %s stopped responding", stream.request_id, stream.holder)
+                stream.fail(f"instance {stream.holder} stopped responding (no load report for "
+                            f"{self.config.instance_timeout_s:g} s)", 503)
+        self.instances.forget_marks(older_than_s=60 * self.config.instance_timeout_s)
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def prepare(self, kind: RequestKind, prompt_token_ids: list[int], options: GenerationOptions, priority: int,
+                response_id: str | None = None, arrival: float | None = None) -> PreparedRequest:
+        """Check the prompt against the context window and settle max_tokens (vLLM 0.32's rules:
+        the prompt must leave room for one token; max_tokens is clamped to the room left)."""
+        limit = self.tokenizer.max_model_len
+        prompt_len = len(prompt_token_ids)
+        if prompt_len == 0:
+            raise bad_request("the prompt must not be empty", "prompt")
+        if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt_token_ids):
+            raise bad_request(f"token ids must be in [0, {self.tokenizer.vocab_size})", "prompt")
+        if options.max_tokens is not None and options.max_tokens > limit:
+            raise bad_request(f"max_tokens={options.max_tokens} cannot be greater than max_model_len={limit}. "
+                              "Please request fewer output tokens.", "max_tokens")
+        if prompt_len >= limit:
+            param = "messages" if kind is RequestKind.CHAT else "prompt"
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt "
+                              f"contains {prompt_len} input tokens, which leaves no room for output tokens. "
+                              "Please reduce the length of the input prompt.", param)
+        budget = [limit - prompt_len]
+        if options.max_tokens is not None:
+            budget.append(options.max_tokens)
+        elif self.config.default_max_tokens is not None:
+            budget.append(self.config.default_max_tokens)
+        request_id = f"{kind.id_prefix}-{uuid.uuid4().hex}"
+        return PreparedRequest(
+            kind=kind, request_id=request_id, response_id=response_id or request_id,
+            prompt_token_ids=prompt_token_ids, options=options, priority=priority, max_tokens=min(budget),
+            arrival=time.monotonic() if arrival is None else arrival, created=int(time.time()),
+        )
+
+    async def submit(self, request: PreparedRequest) -> OutputStream:
+        """Dispatch and hand the request to an instance; its output then flows into the stream.
+        Raises ApiError when no instance takes it."""
+        if self._nc is None or self._dispatcher is None or not self._nc.is_connected:
+            raise ApiError(503, "the gateway is not connected to NATS")
+        # Open the stream first: the instance may publish tokens before its Ack reaches us.
+        stream = self.streams.open(request.request_id)
+        self.metrics.in_flight_changed(+1)
+        try:
+            await self._place(request, stream)
+        except asyncio.CancelledError:
+            self.release(stream, abort=True)  # the client left while the generate was in flight
+            raise
+        except BaseException:
+            self.release(stream, abort=False)
+            raise
+        self.metrics.prompt_tokens_sent(len(request.prompt_token_ids))
+        return stream
+
+    async def _place(self, request: PreparedRequest, stream: OutputStream) -> None:
+        assert self._dispatcher is not None
+        exclude: list[str] = []
+        for _attempt in range(2):  # a second try when the chosen instance turns out to be gone
+            dispatch = DispatchRequest(request.request_id, len(request.prompt_token_ids), request.max_tokens,
+                                       request.priority, list(exclude))
+            instance_id = await self._dispatcher.choose(dispatch)
+            stream.set_holder(instance_id)
+            try:
+                await self._send_generate(instance_id, request)
+                log.debug("request %s (%d prompt tokens, max_tokens %d, priority %d) → %s", request.request_id,
+                          len(request.prompt_token_ids), request.max_tokens, request.priority, instance_id)
+                return
+            except NoRespondersError:
+                log.warning("instance %s has no responders: marking it dead", instance_id)
+                self.instances.mark_dead(instance_id)
+                exclude.append(instance_id)
+        raise ApiError(503, f"the instances chosen for the request are gone ({', '.join(exclude)})")
+
+    async def _send_generate(self, instance_id: str, request: PreparedRequest) -> None:
+        assert self._nc is not None
+        try:
+            subject = subjects.llumlet(instance_id, "generate")
+        except ValueError as exc:
+            raise ApiError(500, f"dispatch chose an invalid instance id: {exc}") from exc
+        generate = GenerateRequest(
+            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            sampling=request.options.sampling_params(self._max_tokens_on(instance_id, request)),
+            reply_subject=self.output_subject, priority=request.priority, arrival_time=time.time(),
+        )
+        try:
+            msg = await self._nc.request(subject, encode(generate), timeout=self.config.generate_timeout_s)
+        except NoRespondersError:
+            raise
+        except TimeoutError as exc:
+            self._publish_abort(request.request_id, "no acknowledgement")  # it may still have queued it
+            raise ApiError(503, f"instance {instance_id} did not acknowledge the request within "
+                                f"{self.config.generate_timeout_s:g} s") from exc
+        except NatsError as exc:
+            raise ApiError(503, f"the gateway is not connected to NATS: {exc}") from exc
+        try:
+            ack = decode(msg.data, Ack)
+        except WireError as exc:
+            self._publish_abort(request.request_id, "bad acknowledgement")
+            raise ApiError(500, f"instance {instance_id} sent a bad acknowledgement") from exc
+        if not ack.ok:
+            reason = ack.error or "refused"
+            status = 400 if _too_long(reason) else 503
+            raise ApiError(status, f"instance {instance_id} refused the request: {reason}")
+
+    def _max_tokens_on(self, instance_id: str, request: PreparedRequest) -> int:
+        """An instance may run with a shorter context than the model's: fit the budget to it."""
+        limit = self.instances.max_model_len(instance_id)
+        room = None if limit is None else limit - len(request.prompt_token_ids)
+        return min(request.max_tokens, room) if room is not None and room >= 1 else request.max_tokens
+
+    def release(self, stream: OutputStream, *, abort: bool) -> bool:
+        """Forget a request; tell every llumlet to drop it unless its engine already finished it.
+        False when it was released already."""
+        if not self.streams.close(stream.request_id):
+            return False
+        self.metrics.in_flight_changed(-1)
+        if abort:
+            self._publish_abort(stream.request_id, "client disconnected or request ended early")
+        return True
+
+    def _publish_abort(self, request_id: str, reason: str) -> None:
+        # A task of its own: release() runs in cancelled generators where awaiting is not possible.
+        self._spawn(self._send_abort(request_id, reason))
+
+    async def _send_abort(self, request_id: str, reason: str) -> None:
+        if self._nc is None or self._nc.is_closed:
+            return
+        try:
+            await self._nc.publish(subjects.ABORT_ALL, encode(AbortRequest(request_id, reason)))
+        except NatsError as exc:
+            log.warning("could not publish abort of %s: %s", request_id, exc)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Run a gateway (HTTP server included) until SIGINT/SIGTERM, then stop it cleanly."""
+    from services.gateway.server import serve as serve_http  # the server module imports this one
+
+    await serve_http(config)

@@ -1,0 +1,174 @@
+"""Per-request output streams: token chunks from whichever llumlet holds the request, in order.
+
+After a migration the destination continues from the next token index while late chunks from
+the source may still be in flight, so chunks can arrive duplicated, overlapping or out of order.
+`TokenOrderer` (pure) turns them into one gap-free, duplicate-free sequence; `OutputStream` adds
+the queue the HTTP handler reads and the bookkeeping of which instance holds the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from shared.messages import FinishReason, TokenChunk
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Delivery:
+    """The next tokens of a request, in order; a finish reason or an error ends the stream."""
+
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    error_code: int = 500
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+def _end(chunk: TokenChunk) -> int:
+    return chunk.start_index + len(chunk.token_ids)
+
+
+@dataclass
+class TokenOrderer:
+    next_index: int = 0
+    done: bool = False
+    finish_reason: FinishReason | None = None  # the engine's own end of the request
+    pending: dict[int, TokenChunk] = field(default_factory=dict)  # chunks that start past a gap
+
+    def is_stale(self, chunk: TokenChunk) -> bool:
+        """Nothing new: every token already delivered, and no finish exactly at our position."""
+        if chunk.error is not None:
+            return False
+        end = _end(chunk)
+        return end < self.next_index or (end == self.next_index and chunk.finish_reason is None)
+
+    def accept(self, chunk: TokenChunk) -> list[Delivery]:
+        if self.done:
+            return []
+        if chunk.error is not None:
+            self.done = True
+            return [Delivery(self._new_tokens(chunk), error=chunk.error)]
+        if chunk.start_index > self.next_index:
+            self._buffer(chunk)
+            return []
+        out = self._apply(chunk)
+        while not self.done and (ready := self._pop_ready()) is not None:
+            out += self._apply(ready)
+        return out
+
+    def _buffer(self, chunk: TokenChunk) -> None:
+        held = self.pending.get(chunk.start_index)
+        if held is None or _end(chunk) > _end(held) or (_end(chunk) == _end(held) and chunk.finish_reason):
+            self.pending[chunk.start_index] = chunk
+
+    def _pop_ready(self) -> TokenChunk | None:
+        ready = [start for start in self.pending if start <= self.next_index]
+        return self.pending.pop(min(ready)) if ready else None
+
+    def _new_tokens(self, chunk: TokenChunk) -> list[int]:
+        if chunk.start_index > self.next_index:
+            return []
+        return chunk.token_ids[self.next_index - chunk.start_index:]
+
+    def _apply(self, chunk: TokenChunk) -> list[Delivery]:
+        assert chunk.start_index <= self.next_index, "a chunk past a gap must wait in `pending`"
+        if self.is_stale(chunk):
+            return []
+        new = self._new_tokens(chunk)
+        self.next_index += len(new)
+        if chunk.finish_reason is not None:
+            self.done = True
+            self.finish_reason = chunk.finish_reason
+            self.pending.clear()
+        return [Delivery(new, chunk.finish_reason)]
+
+
+class OutputStream:
+    """One request's ordered output, fed from the NATS callback and read by the HTTP handler."""
+
+    def __init__(self, request_id: str, instance_id: str | None = None) -> None:
+        self.request_id = request_id
+        self.orderer = TokenOrderer()
+        self.holder = instance_id  # the instance whose chunks we are reading now
+        self.holder_since = time.monotonic()
+        self.num_prompt_tokens = 0
+        self._queue: asyncio.Queue[Delivery] = asyncio.Queue()
+        self._failed = False
+
+    @property
+    def finished(self) -> bool:
+        return self.orderer.done or self._failed
+
+    @property
+    def upstream_finished(self) -> bool:
+        """The engine ended the request itself: nothing is left to abort."""
+        return self.orderer.finish_reason is not None
+
+    def set_holder(self, instance_id: str) -> None:
+        if instance_id != self.holder:
+            self.holder = instance_id
+            self.holder_since = time.monotonic()
+
+    def feed(self, chunk: TokenChunk) -> None:
+        if self.finished:
+            return
+        if not self.orderer.is_stale(chunk):
+            self.set_holder(chunk.instance_id)
+        if chunk.num_prompt_tokens:
+            self.num_prompt_tokens = chunk.num_prompt_tokens
+        for delivery in self.orderer.accept(chunk):
+            self._queue.put_nowait(delivery)
+
+    def fail(self, message: str, code: int = 503) -> None:
+        """End the stream from the gateway's side (holder died, shutdown): an error delivery."""
+        if self.finished:
+            return
+        self._failed = True
+        self._queue.put_nowait(Delivery([], error=message, error_code=code))
+
+    async def next(self, timeout_s: float) -> Delivery:
+        """The next delivery, merged with any others already queued (fewer events for slow readers)."""
+        first = await asyncio.wait_for(self._queue.get(), timeout_s)
+        while not first.final and not self._queue.empty():
+            more = self._queue.get_nowait()
+            first = Delivery(first.token_ids + more.token_ids, more.finish_reason, more.error, more.error_code)
+        return first
+
+
+class StreamRegistry:
+    """Open streams by request id: the demultiplexer behind the gateway's output subject."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, OutputStream] = {}
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def __iter__(self) -> Iterator[OutputStream]:
+        return iter(list(self._streams.values()))
+
+    def open(self, request_id: str) -> OutputStream:
+        assert request_id not in self._streams, f"request id {request_id} is already in flight"
+        stream = self._streams[request_id] = OutputStream(request_id)
+        return stream
+
+    def close(self, request_id: str) -> bool:
+        """Forget a stream; False when it was not open (closed already)."""
+        return self._streams.pop(request_id, None) is not None
+
+    def route(self, chunk: TokenChunk) -> bool:
+        """Hand a chunk to its stream; False when the request is unknown (aborted or finished)."""
+        stream = self._streams.get(chunk.request_id)
+        if stream is None:
+            return False
+        stream.feed(chunk)
+        return True

@@ -1,0 +1,152 @@
+"""The per-request output stream: ordered by token index, duplicates dropped, whatever the arrival order."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.gateway.streams import Delivery, OutputStream, StreamRegistry, TokenOrderer
+from shared.messages import FinishReason, TokenChunk
+
+
+def chunk(start: int, tokens: list[int], finish: FinishReason | None = None, instance: str = "a",
+          error: str | None = None) -> TokenChunk:
+    return TokenChunk("r1", instance, start, tokens, finish_reason=finish, error=error)
+
+
+def delivered(deliveries: list[Delivery]) -> list[int]:
+    return [t for d in deliveries for t in d.token_ids]
+
+
+def feed_all(orderer: TokenOrderer, chunks: list[TokenChunk]) -> list[Delivery]:
+    return [d for c in chunks for d in orderer.accept(c)]
+
+
+def test_in_order_chunks_pass_through():
+    out = feed_all(TokenOrderer(), [chunk(0, [1, 2]), chunk(2, [3]), chunk(3, [4], FinishReason.STOP)])
+    assert delivered(out) == [1, 2, 3, 4]
+    assert out[-1].finish_reason is FinishReason.STOP
+
+
+def test_out_of_order_chunks_are_buffered_until_the_gap_fills():
+    orderer = TokenOrderer()
+    assert orderer.accept(chunk(2, [3, 4])) == []
+    assert orderer.accept(chunk(4, [5])) == []
+    out = orderer.accept(chunk(0, [1, 2]))
+    assert delivered(out) == [1, 2, 3, 4, 5]
+    assert orderer.next_index == 5 and not orderer.pending
+
+
+def test_duplicate_chunk_is_dropped():
+    orderer = TokenOrderer()
+    orderer.accept(chunk(0, [1, 2]))
+    assert orderer.accept(chunk(0, [1, 2], instance="b")) == []
+    assert orderer.next_index == 2
+
+
+def test_partially_overlapping_chunk_delivers_only_new_tokens():
+    orderer = TokenOrderer()
+    orderer.accept(chunk(0, [1, 2, 3]))
+    out = orderer.accept(chunk(1, [2, 3, 4, 5], instance="b"))  # a migration destination resending
+    assert delivered(out) == [4, 5]
+    assert orderer.next_index == 5
+
+
+def test_buffered_chunks_overlapping_each_other_are_merged_once():
+    orderer = TokenOrderer()
+    orderer.accept(chunk(2, [3, 4, 5]))
+    orderer.accept(chunk(3, [4, 5, 6]))
+    assert delivered(orderer.accept(chunk(0, [1, 2]))) == [1, 2, 3, 4, 5, 6]
+
+
+def test_longer_chunk_at_the_same_start_replaces_a_buffered_one():
+    orderer = TokenOrderer()
+    orderer.accept(chunk(1, [2]))
+    orderer.accept(chunk(1, [2, 3, 4]))
+    orderer.accept(chunk(1, [2, 3]))
+    assert delivered(orderer.accept(chunk(0, [1]))) == [1, 2, 3, 4]
+
+
+def test_finish_that_arrives_before_the_gap_fills_waits_for_it():
+    orderer = TokenOrderer()
+    assert orderer.accept(chunk(2, [3], FinishReason.LENGTH)) == []
+    assert not orderer.done
+    out = orderer.accept(chunk(0, [1, 2]))
+    assert delivered(out) == [1, 2, 3]
+    assert out[-1].finish_reason is FinishReason.LENGTH and orderer.done
+
+
+def test_finish_without_tokens_at_the_current_index_ends_the_stream():
+    orderer = TokenOrderer()
+    orderer.accept(chunk(0, [1]))
+    out = orderer.accept(chunk(1, [], FinishReason.STOP))
+    assert out == [Delivery([], FinishReason.STOP)]
+    assert orderer.finish_reason is FinishReason.STOP
+
+
+def test_stale_finish_from_before_the_current_index_is_ignored():
+    orderer = TokenOrderer()
+    orderer.accept(chunk(0, [1, 2, 3]))
+    assert orderer.accept(chunk(0, [1], FinishReason.ABORT, instance="old")) == []
+    assert not orderer.done
+
+
+def test_nothing_is_delivered_after_the_finish():
+    orderer = TokenOrderer()
+    orderer.accept(chunk(0, [1], FinishReason.STOP))
+    assert orderer.accept(chunk(1, [2])) == []
+
+
+def test_error_chunk_ends_the_stream_even_past_a_gap():
+    orderer = TokenOrderer()
+    orderer.accept(chunk(0, [1]))
+    orderer.accept(chunk(3, [4]))
+    out = orderer.accept(chunk(5, [], error="engine crashed"))
+    assert out == [Delivery([], error="engine crashed")]
+    assert orderer.done and orderer.finish_reason is None
+
+
+def test_error_chunk_keeps_its_in_order_tokens():
+    orderer = TokenOrderer()
+    out = orderer.accept(chunk(0, [1, 2], error="boom"))
+    assert out == [Delivery([1, 2], error="boom")]
+
+
+def test_holder_follows_the_instance_that_sends_new_tokens():
+    stream = OutputStream("r1", "a")
+    stream.feed(chunk(0, [1, 2], instance="a"))
+    stream.feed(chunk(2, [3], instance="b"))  # migrated to b
+    assert stream.holder == "b"
+    stream.feed(chunk(1, [2], instance="a"))  # a late duplicate from the source
+    assert stream.holder == "b"
+
+
+async def test_next_merges_queued_deliveries():
+    stream = OutputStream("r1", "a")
+    stream.feed(chunk(0, [1]))
+    stream.feed(chunk(1, [2]))
+    stream.feed(chunk(2, [3], FinishReason.STOP))
+    assert await stream.next(1.0) == Delivery([1, 2, 3], FinishReason.STOP)
+
+
+async def test_fail_delivers_an_error_and_ignores_later_chunks():
+    stream = OutputStream("r1", "a")
+    stream.fail("instance a died", 503)
+    stream.feed(chunk(0, [1]))
+    assert await stream.next(1.0) == Delivery([], error="instance a died", error_code=503)
+    assert stream.finished and not stream.upstream_finished
+
+
+async def test_next_times_out_when_nothing_arrives():
+    with pytest.raises(asyncio.TimeoutError):
+        await OutputStream("r1").next(0.01)
+
+
+def test_registry_routes_by_request_id_and_forgets_closed_streams():
+    registry = StreamRegistry()
+    stream = registry.open("r1")
+    assert registry.route(chunk(0, [1]))
+    assert stream.orderer.next_index == 1
+    assert registry.close("r1") and not registry.close("r1")
+    assert not registry.route(chunk(1, [2]))
