@@ -1,0 +1,244 @@
+"""The engine-thread half of the vLLM adapter: the only code that calls into vLLM.
+
+Every method here runs on the one engine thread (vLLM's `LLMEngine` and its scheduler are not
+thread-safe). It applies the commands the event loop queued, steps the engine, turns vLLM's
+per-step deltas into StepOutputs indexed from the start of each request's output, and leaves a
+snapshot of the scheduler for the event loop to read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from services.llumlet.engine import RequestPhase, RequestView, StepOutput
+from services.llumlet.engines.vllm_params import finish_reason_of
+from services.llumlet.engines.vllm_probe import SchedulerProbe
+from services.llumlet.engines.vllm_state import (
+    AbortCommand,
+    AddCommand,
+    SharedState,
+    Snapshot,
+    Tracked,
+)
+from shared.messages import FinishReason
+
+if TYPE_CHECKING:
+    from services.llumlet.engines.vllm_engine import VllmEngineConfig
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def engine_kwargs(config: VllmEngineConfig, served_model_name: str) -> dict[str, Any]:
+    """vLLM EngineArgs for the config (imports vLLM: call on the engine thread)."""
+    from vllm.platforms import current_platform
+
+    kwargs: dict[str, Any] = dict(
+        model=config.model_dir,
+        served_model_name=served_model_name,
+        dtype=config.dtype or ("float32" if current_platform.is_cpu() else "auto"),
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        enforce_eager=config.enforce_eager,
+        seed=config.seed,
+        enable_prefix_caching=config.enable_prefix_caching,
+        scheduling_policy=config.scheduling_policy,
+        # One step in, that step's tokens out, so outputs and snapshots describe the same moment.
+        # (The CPU build never schedules asynchronously; on a GPU this gives up some overlap.)
+        async_scheduling=False,
+        disable_log_stats=True,
+    )
+    if config.kv_cache_space_gib is not None:
+        kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_space_gib * GIB)
+    if config.block_size is not None:
+        kwargs["block_size"] = config.block_size
+    if config.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
+    return kwargs
+
+
+class VllmDriver:
+    def __init__(self, llm_engine: Any, shared: SharedState) -> None:
+        self.llm_engine = llm_engine
+        self.shared = shared
+        self.probe = SchedulerProbe(llm_engine)
+        self.block_size = self.probe.block_size
+        self.vocab_size: int = llm_engine.model_config.get_vocab_size()
+        self._by_internal_id: dict[str, Tracked] = {}  # the requests vLLM holds
+        self._by_request_id: dict[str, Tracked] = {}  # the same, by our id
+
+    @classmethod
+    def build(cls, config: VllmEngineConfig, served_model_name: str, shared: SharedState) -> VllmDriver:
+        # In process: no spawned engine-core process (so no `__main__` guard needed), and the
+        # scheduler is reachable for load views.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if config.kv_cache_space_gib is not None and os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None):
+            # On CPU this legacy variable (whole GiB only) would override kv_cache_memory_bytes.
+            log.warning("ignoring VLLM_CPU_KVCACHE_SPACE: the engine config sets the KV cache size")
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        args = EngineArgs(**engine_kwargs(config, served_model_name))
+        driver = cls(LLMEngine.from_engine_args(args), shared)
+        driver.take_snapshot()
+        return driver
+
+    def shutdown(self) -> None:
+        self.llm_engine.engine_core.shutdown()
+
+    # ------------------------------------------------------------------ one iteration
+
+    def step(self) -> None:
+        self.apply_commands()
+        if self.llm_engine.has_unfinished_requests():
+            request_outputs = self.llm_engine.step()
+            self._count_preemptions()
+            self._collect(request_outputs)
+        self.take_snapshot()
+
+    def apply_commands_and_snapshot(self) -> None:
+        self.apply_commands()
+        self.take_snapshot()
+
+    def apply_commands(self) -> None:
+        for command in self.shared.take_commands():
+            if isinstance(command, AddCommand):
+                self._add(command)
+            else:
+                self._abort(command)
+
+    # ------------------------------------------------------------------ commands
+
+    def _add(self, command: AddCommand) -> None:
+        from vllm.inputs import TokensPrompt
+
+        tracked = command.tracked
+        try:
+            (engine_input,) = self.llm_engine.renderer.render_cmpl(
+                [TokensPrompt(prompt_token_ids=command.prompt_token_ids)]
+            )
+            internal_id = self.llm_engine.add_request(
+                tracked.request_id, engine_input, command.sampling_params, priority=tracked.priority
+            )
+        except Exception as error:  # vLLM refused what our checks let through: fail the request
+            log.warning("vLLM refused request %s: %s", tracked.request_id, error)
+            self._fail(tracked)
+            return
+        tracked.internal_id = internal_id
+        tracked.vllm_request = self.probe.request(internal_id)
+        self._by_internal_id[internal_id] = tracked
+        self._by_request_id[tracked.request_id] = tracked
+
+    def _abort(self, command: AbortCommand) -> None:
+        tracked = command.tracked
+        if tracked.internal_id is None:
+            return  # vLLM refused it when it was added
+        self.llm_engine.abort_request([tracked.internal_id], internal=True)
+        self._forget(tracked)
+
+    def _fail(self, tracked: Tracked) -> None:
+        output = StepOutput(
+            request_id=tracked.request_id,
+            start_index=tracked.num_delivered,
+            token_ids=[],
+            finish_reason=FinishReason.ERROR,
+            num_prompt_tokens=tracked.num_prompt_tokens,
+        )
+        with self.shared.lock:
+            if self.shared.is_live(tracked):
+                del self.shared.requests[tracked.request_id]
+                self.shared.outbox.append(output)
+
+    def _forget(self, tracked: Tracked) -> None:
+        del self._by_internal_id[tracked.internal_id]
+        del self._by_request_id[tracked.request_id]
+
+    # ------------------------------------------------------------------ outputs
+
+    def _count_preemptions(self) -> None:
+        """Add the preemptions vLLM counted in this step. Requests that finished in it are still
+        tracked here, and vLLM's Request keeps its counter, so none is missed."""
+        new = 0
+        for tracked in self._by_internal_id.values():
+            count = tracked.num_preemptions
+            new += count - tracked.num_preemptions_seen
+            tracked.num_preemptions_seen = count
+        if new:
+            with self.shared.lock:
+                self.shared.num_preemptions_total += new
+
+    def _collect(self, request_outputs: list[Any]) -> None:
+        produced: list[tuple[Tracked, StepOutput]] = []
+        finished: list[Tracked] = []
+        for request_output in request_outputs:
+            # A RequestOutput carries our id (vLLM's "external" id), not the internal one.
+            tracked = self._by_request_id.get(request_output.request_id)
+            if tracked is None:
+                continue
+            if request_output.finished:
+                finished.append(tracked)
+            output = self._to_step_output(tracked, request_output)
+            if output is not None:
+                produced.append((tracked, output))
+                tracked.num_delivered += len(output.token_ids)
+        for tracked in finished:
+            self._forget(tracked)
+        with self.shared.lock:
+            # A request aborted while this step ran has its abort queued: drop its outputs.
+            self.shared.outbox.extend(output for tracked, output in produced if self.shared.is_live(tracked))
+            for tracked in finished:
+                if self.shared.is_live(tracked):
+                    del self.shared.requests[tracked.request_id]
+
+    @staticmethod
+    def _to_step_output(tracked: Tracked, request_output: Any) -> StepOutput | None:
+        completion = request_output.outputs[0]
+        token_ids = list(completion.token_ids)
+        reason = finish_reason_of(completion.finish_reason) if request_output.finished else None
+        if not token_ids and reason is None:
+            return None
+        return StepOutput(
+            request_id=tracked.request_id,
+            start_index=tracked.num_delivered,
+            token_ids=token_ids,
+            finish_reason=reason,
+            num_prompt_tokens=tracked.num_prompt_tokens,
+            num_preemptions=tracked.num_preemptions,
+        )
+
+    # ------------------------------------------------------------------ snapshots
+
+    def take_snapshot(self) -> None:
+        probe = self.probe
+        waiting = (self._view(r, RequestPhase.WAITING) for r in probe.waiting())
+        running = (self._view(r, RequestPhase.RUNNING) for r in probe.running())
+        snapshot = Snapshot(
+            waiting=tuple(v for v in waiting if v is not None),
+            running=tuple(v for v in running if v is not None),
+            num_free_blocks=probe.num_free_blocks(),
+        )
+        with self.shared.lock:
+            self.shared.snapshot = snapshot
+
+    def _view(self, vllm_request: Any, phase: RequestPhase) -> RequestView | None:
+        tracked = self._by_internal_id.get(vllm_request.request_id)
+        if tracked is None:
+            return None
+        num_tokens = vllm_request.num_tokens
+        return RequestView(
+            request_id=tracked.request_id,
+            priority=tracked.priority,
+            phase=phase,
+            physical_blocks=self.probe.num_blocks_of(vllm_request.request_id),
+            # A queued request (new or preempted) needs its whole sequence plus the next token.
+            demand_blocks=blocks_for(num_tokens + 1, self.block_size) if phase is RequestPhase.WAITING else 0,
+            num_tokens=num_tokens,
+            num_preemptions=vllm_request.num_preemptions,
+        )

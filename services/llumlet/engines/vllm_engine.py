@@ -1,0 +1,197 @@
+"""The real engine: vLLM v1 driven in process, one step at a time, on one dedicated thread.
+
+vLLM's `LLMEngine` is not thread-safe: `step()`, `add_request()`, `abort_request()` and every read
+of its scheduler must happen on one thread. The llumlet lives on an asyncio event loop, so the
+adapter has two halves:
+
+- `VllmEngine` (this module) is what the llumlet calls on the event loop. `add_request` and
+  `abort_request` validate and queue a command; `request_views()` and the block counts read the
+  last snapshot. None of them touches vLLM.
+- `VllmDriver` (`vllm_driver.py`) runs on the engine thread, a single-thread executor: it applies
+  queued commands (before each step, and right away when no step is running), steps vLLM, and
+  leaves outputs and a fresh snapshot behind.
+
+In-process mode (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) keeps vLLM's engine core in this process:
+no child process is spawned, and the scheduler's state is directly readable. vLLM keeps some
+process-wide state (torch.distributed, KV connectors): run one engine per process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.llumlet.engine import EngineError, RequestPhase, RequestView, StepOutput
+from services.llumlet.engines.vllm_driver import VllmDriver, blocks_for
+from services.llumlet.engines.vllm_params import check_request, to_vllm_sampling_params
+from services.llumlet.engines.vllm_state import AbortCommand, AddCommand, SharedState, Tracked
+from shared.messages import GenerateRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VllmEngineConfig:
+    model_dir: str
+    model_name: str | None = None  # default: the model directory's name
+    dtype: str | None = None  # None: float32 on CPU, vLLM's choice ("auto") elsewhere
+    max_model_len: int = 2048
+    # KV cache size; None leaves it to vLLM (VLLM_CPU_KVCACHE_SPACE, or the GPU memory fraction).
+    kv_cache_space_gib: float | None = 1.0
+    block_size: int | None = None  # None: vLLM's default (128 on CPU, 16 on a GPU)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # None: vLLM's default
+    enforce_eager: bool = True
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # or "priority": lower value first, as Corral's priorities
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.kv_cache_space_gib is not None and self.kv_cache_space_gib <= 0:
+            raise ValueError(f"kv_cache_space_gib must be positive, got {self.kv_cache_space_gib}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+
+
+class VllmEngine:
+    kind = "vllm"
+
+    def __init__(self, config: VllmEngineConfig) -> None:
+        self.config = config
+        self.model_name = config.model_name or Path(config.model_dir).name
+        self.max_model_len = config.max_model_len
+        self.block_size = 0  # both known once started
+        self.num_blocks_total = 0
+        self._shared = SharedState()
+        self._executor: ThreadPoolExecutor | None = None
+        self._driver: VllmDriver | None = None  # used on the engine thread only
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Build the engine (seconds to tens of seconds) on the engine thread, so the event loop
+        keeps serving meanwhile."""
+        if self._executor is not None:
+            return
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-engine")
+        try:
+            driver = await asyncio.wrap_future(
+                executor.submit(VllmDriver.build, self.config, self.model_name, self._shared)
+            )
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        self._executor, self._driver = executor, driver
+        self.block_size = driver.block_size
+        self.num_blocks_total = driver.probe.num_blocks_total
+        log.info(
+            "vLLM engine ready: model=%s blocks=%d block_size=%d max_model_len=%d",
+            self.model_name, self.num_blocks_total, self.block_size, self.max_model_len,
+        )
+
+    async def stop(self) -> None:
+        executor, driver = self._executor, self._driver
+        self._executor = self._driver = None
+        if executor is None or driver is None:
+            return
+        try:
+            await asyncio.wrap_future(executor.submit(driver.shutdown))
+        finally:
+            executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: GenerateRequest) -> None:
+        driver = self._running_driver()
+        check_request(request, max_model_len=self.max_model_len, vocab_size=driver.vocab_size)
+        params = to_vllm_sampling_params(request)
+        tracked = Tracked(request.request_id, request.priority, len(request.prompt_token_ids))
+        shared = self._shared
+        with shared.lock:
+            if request.request_id in shared.requests:
+                raise EngineError(f"request {request.request_id} is already on this engine")
+            shared.requests[request.request_id] = tracked
+            shared.commands.append(AddCommand(tracked, list(request.prompt_token_ids), params))
+        self._apply_soon()
+
+    def abort_request(self, request_id: str) -> bool:
+        shared = self._shared
+        with shared.lock:
+            tracked = shared.requests.pop(request_id, None)
+            if tracked is None:
+                return False
+            queued = next((c for c in shared.commands if isinstance(c, AddCommand) and c.tracked is tracked), None)
+            if queued is not None:  # it never reached vLLM: forgetting it is enough
+                shared.commands.remove(queued)
+                return True
+            shared.commands.append(AbortCommand(tracked))
+        self._apply_soon()
+        return True
+
+    def has_work(self) -> bool:
+        shared = self._shared
+        with shared.lock:
+            return bool(shared.requests or shared.commands or shared.outbox)
+
+    async def step(self) -> list[StepOutput]:
+        driver = self._running_driver()
+        # Outputs land in the outbox on the engine thread: if this await is cancelled, the next
+        # step() still returns them, so no token is lost.
+        await asyncio.wrap_future(self._executor.submit(driver.step))
+        return self._shared.take_outbox()
+
+    # ------------------------------------------------------------------ load
+
+    def num_free_blocks(self) -> int:
+        return self._shared.snapshot.num_free_blocks
+
+    def num_preemptions_total(self) -> int:
+        return self._shared.num_preemptions_total
+
+    def request_views(self) -> list[RequestView]:
+        """The last snapshot, less requests aborted since, plus requests queued since (at the
+        back of the queue, where vLLM will put them)."""
+        shared = self._shared
+        with shared.lock:
+            snapshot = shared.snapshot
+            queued = [c.tracked for c in shared.commands if isinstance(c, AddCommand)]
+            queued_ids = {t.request_id for t in queued}
+            seen = [v for v in (*snapshot.waiting, *snapshot.running) if v.request_id in shared.requests]
+        seen = [v for v in seen if v.request_id not in queued_ids]  # an id reused after an abort
+        waiting = [v for v in seen if v.phase is RequestPhase.WAITING]
+        waiting += [self._queued_view(t) for t in queued]
+        return waiting + [v for v in seen if v.phase is RequestPhase.RUNNING]
+
+    def _queued_view(self, tracked: Tracked) -> RequestView:
+        return RequestView(
+            request_id=tracked.request_id,
+            priority=tracked.priority,
+            phase=RequestPhase.WAITING,
+            physical_blocks=0,
+            demand_blocks=blocks_for(tracked.num_prompt_tokens + 1, self.block_size),
+            num_tokens=tracked.num_prompt_tokens,
+        )
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _running_driver(self) -> VllmDriver:
+        if self._driver is None:
+            raise EngineError("the vLLM engine is not running")
+        return self._driver
+
+    def _apply_soon(self) -> None:
+        """Apply queued commands on the engine thread even if nobody steps (an abort on an idle
+        engine must still free its blocks); runs after any step already in progress."""
+        executor, driver = self._executor, self._driver
+        if executor is not None and driver is not None:
+            executor.submit(driver.apply_commands_and_snapshot).add_done_callback(_log_failure)
+
+
+def _log_failure(future: Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("applying engine commands failed", exc_info=future.exception())

@@ -1,0 +1,78 @@
+"""Translate between Corral's request messages and vLLM's: checks, sampling parameters, finish reasons.
+
+Everything here runs on the caller's thread before a request reaches the engine thread, so a
+request vLLM would refuse fails in `add_request` with a clear `EngineError` instead of inside a step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from services.llumlet.engine import EngineError
+from shared.messages import FinishReason, GenerateRequest
+
+if TYPE_CHECKING:
+    import vllm
+
+# vLLM's CompletionOutput.finish_reason strings. "repetition" is vLLM's repetition detector
+# stopping a request: a normal stop as far as a client is concerned.
+FINISH_REASONS = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+    "error": FinishReason.ERROR,
+    "repetition": FinishReason.STOP,
+}
+
+
+def finish_reason_of(vllm_reason: str | None) -> FinishReason:
+    """A finished request's reason; one vLLM does not name is an error, never silence."""
+    return FINISH_REASONS.get(vllm_reason or "", FinishReason.ERROR)
+
+
+def check_request(request: GenerateRequest, *, max_model_len: int, vocab_size: int) -> None:
+    """Raise EngineError if the request can never run on this engine."""
+    prompt = request.prompt_token_ids
+    if not prompt:
+        raise EngineError(f"request {request.request_id}: the prompt is empty")
+    low, high = min(prompt), max(prompt)
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise EngineError(
+            f"request {request.request_id}: token id {bad} is outside the vocabulary [0, {vocab_size})"
+        )
+    max_tokens = request.sampling.max_tokens
+    if max_tokens < 1:
+        raise EngineError(f"request {request.request_id}: max_tokens must be at least 1, got {max_tokens}")
+    if len(prompt) + max_tokens > max_model_len:
+        raise EngineError(
+            f"request {request.request_id}: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) "
+            f"exceeds max_model_len {max_model_len}"
+        )
+
+
+def to_vllm_sampling_params(request: GenerateRequest) -> vllm.SamplingParams:
+    """vLLM sampling parameters streaming per-step token deltas, without detokenization
+    (the gateway detokenizes)."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMClientError
+    from vllm.sampling_params import RequestOutputKind
+
+    sampling = request.sampling
+    try:
+        return SamplingParams(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            min_p=sampling.min_p,
+            seed=sampling.seed,
+            ignore_eos=sampling.ignore_eos,
+            min_tokens=sampling.min_tokens,
+            stop_token_ids=list(sampling.stop_token_ids),
+            repetition_penalty=sampling.repetition_penalty,
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=False,
+        )
+    except (VLLMClientError, ValueError, TypeError) as error:
+        raise EngineError(f"request {request.request_id}: {error}") from error

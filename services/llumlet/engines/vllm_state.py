@@ -1,0 +1,78 @@
+"""What the event loop and the vLLM engine thread share: requests, queued commands, outputs, snapshots.
+
+The event loop writes commands and reads snapshots; the engine thread applies commands, steps vLLM
+and writes outputs and snapshots. Everything in `SharedState` is read and written under its lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.llumlet.engine import RequestView, StepOutput
+
+
+@dataclass(eq=False)
+class Tracked:
+    """One of our requests, from `add_request` until it finishes or is aborted.
+
+    The fields after `num_prompt_tokens` are touched only on the engine thread.
+    """
+
+    request_id: str
+    priority: int
+    num_prompt_tokens: int
+    internal_id: str | None = None  # vLLM's id for it: ours plus a random suffix
+    vllm_request: Any = None  # vLLM's Request object; it keeps its counters after finishing
+    num_delivered: int = 0  # output tokens returned so far: the next output's start index
+    num_preemptions_seen: int = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.vllm_request.num_preemptions if self.vllm_request is not None else 0
+
+
+@dataclass(frozen=True)
+class AddCommand:
+    tracked: Tracked
+    prompt_token_ids: list[int]
+    sampling_params: Any  # vllm.SamplingParams, validated on the event loop
+
+
+@dataclass(frozen=True)
+class AbortCommand:
+    tracked: Tracked
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The scheduler as the engine thread last saw it (after a step or a batch of commands)."""
+
+    waiting: tuple[RequestView, ...] = ()  # in the order vLLM will schedule them
+    running: tuple[RequestView, ...] = ()
+    num_free_blocks: int = 0
+
+
+@dataclass
+class SharedState:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    requests: dict[str, Tracked] = field(default_factory=dict)  # live or queued, by our id
+    commands: list[AddCommand | AbortCommand] = field(default_factory=list)  # in arrival order
+    outbox: list[StepOutput] = field(default_factory=list)  # produced, not yet returned by step()
+    snapshot: Snapshot = field(default_factory=Snapshot)
+    num_preemptions_total: int = 0
+
+    def is_live(self, tracked: Tracked) -> bool:
+        """Still ours (not aborted, not finished). Caller holds the lock."""
+        return self.requests.get(tracked.request_id) is tracked
+
+    def take_commands(self) -> list[AddCommand | AbortCommand]:
+        with self.lock:
+            commands, self.commands = self.commands, []
+        return commands
+
+    def take_outbox(self) -> list[StepOutput]:
+        with self.lock:
+            outputs, self.outbox = self.outbox, []
+        return outputs

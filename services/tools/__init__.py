@@ -1,0 +1,1 @@
+"""Developer tools behind `corral` sub-commands (model generation, ...)."""
