@@ -1,7 +1,7 @@
 """The `loadgen` command: subcommands registered from their own modules.
 
 A subcommand module exposes `register(subparsers)`, which adds its parser and sets
-`handler=func(args) -> int`. To add one (e.g. `simulate`), append its register to SUBCOMMANDS.
+`handler=func(args) -> int`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,13 @@ from collections.abc import Callable, Sequence
 
 from loadgen import compare, run_cli
 from loadgen.errors import LoadgenError
+from loadgen.simulator import cli as simulate_cli
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [run_cli.register, compare.register]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    run_cli.register,
+    compare.register,
+    simulate_cli.register,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

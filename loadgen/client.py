@@ -98,6 +98,20 @@ def build_payload(request: ScheduledRequest, config: EndpointConfig) -> dict[str
     return payload
 
 
+async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """Lines of an SSE byte stream, split on LF (CR LF) only. httpx's `aiter_lines` also splits
+    on U+2028 and U+0085, which JSON strings may carry unescaped (random-weight models emit
+    them), and would cut an event in two."""
+    pending = b""
+    async for chunk in chunks:
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line.removesuffix(b"\r").decode("utf-8", errors="replace")
+    if pending:
+        yield pending.removesuffix(b"\r").decode("utf-8", errors="replace")
+
+
 async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[str]:
     """The `data` payloads of a server-sent event stream; comments (`: keep-alive`) skipped."""
     data: list[str] = []
@@ -137,7 +151,7 @@ async def send_request(
 async def _consume_stream(
     record: RequestRecord, response: httpx.Response, api: str, clock_zero: float
 ) -> None:
-    async for data in sse_events(response.aiter_lines()):
+    async for data in sse_events(sse_lines(response.aiter_bytes())):
         if data.strip() == "[DONE]":
             break
         arrived_s = time.perf_counter() - clock_zero

@@ -97,11 +97,14 @@ class ClusterSimulator:
             self.events.push(self.config.autoscale.interval_s, self.autoscaler.on_tick)
         self.events.push(0.0, self._on_timeline)
         events = self.events
+        pop = events.pop
         while not self.done:
             if not events:
                 raise RuntimeError(f"simulation stalled at t={self.now:.3f}s: {self._stall_report()}")
-            self.now, handler, payload = events.pop()
+            self.now, handler, payload = pop()
             handler(payload)
+        if self.migrator is not None:
+            self.migrator.close()
         self._sample_timeline()
         return self._result(time.perf_counter() - started)
 
@@ -149,10 +152,13 @@ class ClusterSimulator:
             for request in finished:
                 self.finished.append(request)
                 del self.placed_at[request.request_id]
+                instance.left(request)
             if len(self.finished) + len(self.rejected) == len(self.workload.arrivals):
                 self.done = True
-        self.kick(instance)
-        if instance.state is InstanceState.DRAINING:
+        duration = instance.start_step(self.now)
+        if duration is not None:
+            self.events.push(self.now + duration, self._on_step_end, instance)
+        elif instance.state is InstanceState.DRAINING:
             self.maybe_stop(instance)
 
     # -- load reports ------------------------------------------------------------------------------
@@ -164,7 +170,14 @@ class ClusterSimulator:
 
     def loads(self) -> list[LoadReport]:
         """The reports of the serving instances as the global scheduler holds them now."""
-        return [self.report_of(instance) for instance in self.serving]
+        now, interval, max_len = self.now, self.config.report_interval_s, self.config.max_seq_len
+        reports = []
+        for instance in self.serving:  # report_of, inlined: this runs for every arrival
+            report = instance.report
+            if report is None or now - instance.report_at >= interval:
+                report = instance.build_report(now, max_len)
+            reports.append(report)
+        return reports
 
     # -- arrivals and dispatch ---------------------------------------------------------------------
 
@@ -201,6 +214,7 @@ class ClusterSimulator:
             request_id, arrival.prompt_len, max_tokens=arrival.output_len, priority=priority, arrival_time=self.now
         )
         instance.scheduler.add_request(request)
+        instance.joined(request)
         self.placed_at[request_id] = self.now
         self.kick(instance)
 

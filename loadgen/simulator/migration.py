@@ -168,9 +168,8 @@ class Migrator:
         sim = self.sim
         residence = self.guard.min_residence_s if self.guard else 0.0
         busy = {m.request_id for m in self.active.values()}
-        candidates = [
-            c for c in migration_candidates(src.scheduler, sim.placed_at, sim.now, residence) if c.request_id not in busy
-        ]
+        candidates = migration_candidates(src.scheduler, sim.placed_at, sim.now, residence)
+        candidates = [c for c in candidates if c.request_id not in busy]
         chosen = select_request_to_migrate(candidates)
         if chosen is None:
             return False
@@ -192,7 +191,8 @@ class Migrator:
         """Copy the blocks the request has gained since the last stage, still decoding."""
         blocks = migration.src.scheduler.block_manager.num_blocks_of(migration.request_id)
         delta = blocks - migration.copied_blocks
-        if migration.stage > 0 and (delta <= self.model.last_stage_max_blocks or migration.stage >= self.model.max_stages):
+        model = self.model
+        if migration.stage > 0 and (delta <= model.last_stage_max_blocks or migration.stage >= model.max_stages):
             self._last_stage(migration, delta)
             return
         if migration.dst.scheduler.reserve(migration.lease_id, delta) is None:
@@ -231,12 +231,22 @@ class Migrator:
 
     # -- endings ---------------------------------------------------------------------------------
 
+    def close(self) -> None:
+        """The run is over: migrations still copying moved requests that have finished since;
+        drop their leases so every instance ends empty."""
+        for migration in list(self.active.values()):
+            assert migration.status is MigrationStatus.COPYING, migration
+            self._abort(migration, "run ended")
+
     def _commit(self, migration: Migration, request: SimRequest | None) -> None:
         assert request is not None and request.status is RequestStatus.SUSPENDED, migration
         src, dst, sim = migration.src, migration.dst, self.sim
-        dst.scheduler.add_migrated(clone_for_destination(request), migration.lease_id)
+        clone = clone_for_destination(request)
+        dst.scheduler.add_migrated(clone, migration.lease_id)
         released = src.scheduler.release_migrated(migration.request_id, sim.now)
         assert released, migration
+        src.left(request)
+        dst.joined(clone)
         sim.placed_at[migration.request_id] = sim.now
         migration.status = MigrationStatus.COMMITTED
         self.stats.committed += 1

@@ -66,7 +66,10 @@ def build_workload(spec: WorkloadSpec, max_seq_len: int) -> Workload:
     requests = load_dataset(dataset, num_requests=spec.num_requests, seed=spec.seed)
     n = len(requests)
     times = _times(spec, [r.timestamp_s for r in requests], n)
-    flags = priority_flags(n, spec.priority_fraction, spec.seed)
+    try:
+        flags = priority_flags(n, spec.priority_fraction, spec.seed)
+    except ValueError as exc:
+        raise LoadgenError(str(exc)) from None
     arrivals, truncated = [], 0
     for i, (request, time_s, high) in enumerate(zip(requests, times, flags)):
         prompt = request.input_len
@@ -76,7 +79,10 @@ def build_workload(spec: WorkloadSpec, max_seq_len: int) -> Workload:
         arrivals.append(SimArrival(i, time_s, prompt, output, HIGH_PRIORITY if high else NORMAL_PRIORITY))
     # Simultaneous arrivals: higher scheduling priority is dispatched first.
     arrivals.sort(key=lambda a: (a.time_s, a.priority, a.index))
-    return Workload(arrivals, _describe(spec), truncated)
+    description = _describe(spec)
+    if truncated:
+        description += f" ({truncated} prompts cut to {max_seq_len - 1} tokens)"
+    return Workload(arrivals, description, truncated)
 
 
 def _times(spec: WorkloadSpec, stamps: list[float | None], n: int) -> list[float]:

@@ -6,15 +6,21 @@ line counted, a burst queued behind it stays invisible and keeps attracting requ
 
 from __future__ import annotations
 
+import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
 
 from shared.messages import DispatchRequest, LoadReport, PriorityLoad
 from shared.policy.config import PolicyConfig
-from shared.policy.freeness import QueueDemand, freeness
+from shared.policy.freeness import QueueDemand, freeness, total_virtual_usage
+
+# Rejection reasons (the gateway maps them to HTTP statuses).
+REJECT_TOO_LONG = "prompt is longer than any instance's max_model_len"
+REJECT_NO_INSTANCE = "no instance is available"
+REJECT_OVERLOADED = "all instances are overloaded"
 
 
 @dataclass(frozen=True)
@@ -31,24 +37,56 @@ def fits_model(load: LoadReport, request: DispatchRequest) -> bool:
     return load.max_model_len <= 0 or request.num_prompt_tokens < load.max_model_len
 
 
-def choose_instance(
-    loads: Sequence[LoadReport], request: DispatchRequest, config: PolicyConfig
-) -> DispatchDecision:
-    """Highest dispatch freeness wins; ties are broken by a hash of the request id over the tied
-    instances in sorted order: deterministic for a request, uniform across requests."""
+def dispatchable(loads: Sequence[LoadReport], request: DispatchRequest) -> list[LoadReport] | DispatchDecision:
+    """Instances that may take the request (live ones before draining ones), or the rejection."""
     candidates = [l for l in loads if l.instance_id not in request.exclude and fits_model(l, request)]
     if not candidates:
         if loads and not any(fits_model(l, request) for l in loads):
-            return DispatchDecision(None, rejected="prompt is longer than any instance's max_model_len")
-        return DispatchDecision(None, rejected="no instance is available")
-    live = [l for l in candidates if not l.draining] or candidates
-    scored = [(freeness(l, config.headroom_blocks, QueueDemand.ALL), l.instance_id) for l in live]
-    best = max(score for score, _ in scored)
-    if config.reject_below_freeness is not None and best < config.reject_below_freeness:
-        return DispatchDecision(None, rejected="all instances are overloaded")
-    tied = sorted(iid for score, iid in scored if score >= best - config.tie_epsilon)
-    pick = zlib.crc32(request.request_id.encode()) % len(tied)
-    return DispatchDecision(tied[pick])
+            return DispatchDecision(None, rejected=REJECT_TOO_LONG)
+        return DispatchDecision(None, rejected=REJECT_NO_INSTANCE)
+    return [l for l in candidates if not l.draining] or candidates
+
+
+def pick_tied(instance_ids: Sequence[str], request: DispatchRequest) -> str:
+    """Tie-break over instances in sorted order by a hash of the request id: deterministic for a
+    request, uniform across requests (never the comparator that starves one instance)."""
+    tied = sorted(instance_ids)
+    return tied[zlib.crc32(request.request_id.encode()) % len(tied)]
+
+
+def dispatch_score(load: LoadReport, headroom_blocks: Mapping[int, int]) -> float:
+    """Dispatch freeness: the room left after the whole queue's demand, per request the instance
+    holds (running and queued, as the public Llumnix code counts it); below zero, the deficit in
+    blocks itself. Two departures from `freeness(load, ..., QueueDemand.ALL)`, both measured in
+    the simulator near saturation:
+
+    - per running request only, an instance busy with one long prompt looks nearly empty and
+      every request of a burst lands behind that prefill (P99 TTFT +20 % against least-loaded
+      dispatch on long-prompt traces); counting queued requests, each dispatch lowers it;
+    - a deficit divided by the batch ranks overloaded instances backwards (a large batch with a
+      large deficit looks better than a small one with a small deficit: P99 decode up to +50 %).
+      Instances with room always rank above those without."""
+    usage = total_virtual_usage(load, headroom_blocks, QueueDemand.ALL)
+    if math.isinf(usage):
+        return -math.inf
+    room = load.num_blocks_total - usage
+    return room / max(load.num_running + load.num_waiting, 1) if room >= 0 else room
+
+
+def choose_instance(
+    loads: Sequence[LoadReport], request: DispatchRequest, config: PolicyConfig
+) -> DispatchDecision:
+    """The instance with the highest dispatch score; rejects (Mooncake-style early rejection)
+    only when configured and even the winner's freeness is below the threshold."""
+    live = dispatchable(loads, request)
+    if isinstance(live, DispatchDecision):
+        return live
+    scored = [(dispatch_score(l, config.headroom_blocks), l) for l in live]
+    best_score, best = max(scored, key=lambda item: item[0])
+    if config.reject_below_freeness is not None:
+        if freeness(best, config.headroom_blocks, QueueDemand.ALL) < config.reject_below_freeness:
+            return DispatchDecision(None, rejected=REJECT_OVERLOADED)
+    return DispatchDecision(pick_tied([l.instance_id for s, l in scored if s >= best_score - config.tie_epsilon], request))
 
 
 def account_dispatch(load: LoadReport, request: DispatchRequest) -> LoadReport:

@@ -59,3 +59,14 @@ def test_completions_payload_without_priority_omits_the_field() -> None:
     payload = build_payload(ScheduledRequest(0, 0.0, [5, 6, 7], 3, 4, None), config)
     assert payload["prompt"] == [5, 6, 7]
     assert "priority" not in payload and "ignore_eos" not in payload and "messages" not in payload
+
+
+async def test_sse_lines_split_only_on_line_feeds():
+    from loadgen.client import sse_events, sse_lines
+
+    async def chunks():
+        for piece in (b'data: {"t": "a\xe2\x80\xa8b\xc2\x85c"}\r', b"\n\ndata: [DO", b"NE]\n\n"):
+            yield piece
+
+    events = [event async for event in sse_events(sse_lines(chunks()))]
+    assert events == ['{"t": "a\u2028b\u0085c"}', "[DONE]"]

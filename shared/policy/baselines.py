@@ -1,0 +1,171 @@
+"""Named scheduling policies (Corral and the Llumnix paper's baselines), as pure functions.
+
+- `round-robin`: requests go to the instances in turn, no migration.
+- `infaas++`: least memory load including the queued demand (INFaaS made LLM-aware, as the
+  paper's baseline), no migration.
+- `llumnix-base`: freeness dispatch and migration, every request treated as one priority.
+- `corral`: freeness dispatch, migration (de-fragmentation), scheduling priority (a local
+  priority queue) and execution priority (headroom); auto-scaling when enabled.
+
+The simulator and the services select a policy by name and call the same functions.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from shared.messages import DispatchRequest, LoadReport
+from shared.policy.config import PolicyConfig
+from shared.policy.dispatch import DispatchDecision, choose_instance, dispatchable, pick_tied
+from shared.policy.freeness import QueueDemand, freeness, total_virtual_usage
+from shared.policy.migration import MigrationPair
+
+
+class DispatchRule(enum.Enum):
+    ROUND_ROBIN = "round-robin"
+    LEAST_MEMORY = "least-memory"  # INFaaS++
+    FREENESS = "freeness"  # choose_instance (dispatch_score): Llumnix-style freeness dispatch
+
+
+@dataclass(frozen=True)
+class SchedulingPolicy:
+    name: str
+    dispatch: DispatchRule
+    migration: bool
+    # Scheduling priority (a local priority queue, high priority first) and execution priority
+    # (headroom). Without it every request is scheduled as normal priority.
+    priorities: bool
+    description: str
+
+    @property
+    def queue_policy(self) -> str:
+        return "priority" if self.priorities else "fcfs"
+
+    def policy_config(self, base: PolicyConfig) -> PolicyConfig:
+        """`base` as this policy uses it: no headroom for a policy without priorities."""
+        return base if self.priorities else replace(base, headroom_blocks={})
+
+    def effective_priority(self, priority: int) -> int:
+        return priority if self.priorities else 0
+
+
+POLICIES: dict[str, SchedulingPolicy] = {
+    p.name: p
+    for p in (
+        SchedulingPolicy("round-robin", DispatchRule.ROUND_ROBIN, migration=False, priorities=False,
+                         description="instances in turn; no migration"),
+        SchedulingPolicy("infaas++", DispatchRule.LEAST_MEMORY, migration=False, priorities=False,
+                         description="least memory load including queued demand; no migration"),
+        SchedulingPolicy("llumnix-base", DispatchRule.FREENESS, migration=True, priorities=False,
+                         description="freeness dispatch + migration; one priority for all"),
+        SchedulingPolicy("corral", DispatchRule.FREENESS, migration=True, priorities=True,
+                         description="freeness dispatch + migration + priorities (+ auto-scaling)"),
+    )
+}
+POLICY_NAMES = tuple(POLICIES)
+
+
+def get_policy(name: str) -> SchedulingPolicy:
+    policy = POLICIES.get(name.strip().lower())
+    if policy is None:
+        raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
+    return policy
+
+
+# -- dispatch ----------------------------------------------------------------------------------
+
+
+def memory_load(load: LoadReport) -> float:
+    """INFaaS++'s load: the fraction of KV memory used or claimed, queued demand included."""
+    if load.draining:
+        return math.inf
+    running = sum(level.running_blocks for level in load.by_priority)
+    claimed = running + load.waiting_demand_blocks + load.reserved_blocks
+    return claimed / load.num_blocks_total
+
+
+def choose_least_loaded(loads: Sequence[LoadReport], request: DispatchRequest) -> DispatchDecision:
+    """INFaaS++: the lowest memory load; ties broken like choose_instance (hash of the id)."""
+    live = dispatchable(loads, request)
+    if isinstance(live, DispatchDecision):
+        return live
+    scored = [(memory_load(l), l.instance_id) for l in live]
+    best = min(score for score, _ in scored)
+    return DispatchDecision(pick_tied([iid for score, iid in scored if score <= best + 1e-9], request))
+
+
+def choose_round_robin(loads: Sequence[LoadReport], request: DispatchRequest, turn: int) -> DispatchDecision:
+    """The `turn`-th live instance in id order (the caller counts turns)."""
+    live = dispatchable(loads, request)
+    if isinstance(live, DispatchDecision):
+        return live
+    ids = sorted(l.instance_id for l in live)
+    return DispatchDecision(ids[turn % len(ids)])
+
+
+def dispatch(
+    policy: SchedulingPolicy, loads: Sequence[LoadReport], request: DispatchRequest, config: PolicyConfig, turn: int
+) -> DispatchDecision:
+    """The policy's choice for one request. `config` must already be `policy.policy_config(...)`."""
+    if policy.dispatch is DispatchRule.ROUND_ROBIN:
+        return choose_round_robin(loads, request, turn)
+    if policy.dispatch is DispatchRule.LEAST_MEMORY:
+        return choose_least_loaded(loads, request)
+    return choose_instance(loads, request, config)
+
+
+# -- migration with an anti-thrash guard -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MigrationGuard:
+    """Rules on top of the threshold bands that stop migration from thrashing near saturation.
+
+    Near saturation every instance is short of memory: a request moved off a fragmented
+    instance lands on one that soon needs the room itself, preempts, and the cycle repeats.
+    """
+
+    # A destination with queued requests needs its free blocks for them.
+    dest_max_waiting: int = 0
+    # The destination must be this much freer than the source (blocks per running request).
+    min_freeness_gap: float = 10.0
+    # A request stays this long on an instance (since it arrived or migrated in) before it may
+    # move again: no ping-pong.
+    min_residence_s: float = 1.0
+    # After taking the request, the destination must keep at least this fraction of its blocks
+    # free: it must not become the next source.
+    dest_min_free_fraction_after: float = 0.1
+
+
+def guarded_pairs(loads: Sequence[LoadReport], config: PolicyConfig, guard: MigrationGuard) -> list[MigrationPair]:
+    """pair_migrations' rule (lowest head-of-line freeness below the low band with the highest
+    above the high band), restricted to destinations without a queue and to pairs with a
+    freeness gap."""
+    scored = [(freeness(l, config.headroom_blocks, QueueDemand.HEAD), l) for l in loads]
+    sources = sorted((f, l.instance_id) for f, l in scored if l.num_running > 0 and f < config.migrate_out_freeness)
+    dests = sorted(
+        (
+            (f, l.instance_id)
+            for f, l in scored
+            if not l.draining and f > config.migrate_in_freeness and l.num_waiting <= guard.dest_max_waiting
+        ),
+        key=lambda item: (-item[0], item[1]),
+    )
+    pairs = []
+    for (src_f, src), (dst_f, dst) in zip(sources, dests):
+        if len(pairs) >= config.max_pairs_per_round or dst_f - src_f < guard.min_freeness_gap:
+            break
+        pairs.append(MigrationPair(src, dst))
+    return pairs
+
+
+def may_migrate_into(dest: LoadReport, num_blocks: int, guard: MigrationGuard) -> bool:
+    """Whether `dest` can take a request of `num_blocks` and keep its guard margin free."""
+    if dest.draining or dest.num_waiting > guard.dest_max_waiting:
+        return False
+    free_after = dest.num_blocks_free - num_blocks
+    return free_after >= guard.dest_min_free_fraction_after * dest.num_blocks_total

@@ -1,0 +1,74 @@
+"""`loadgen simulate`: options in, table/JSON/plots out, one clear error for bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from loadgen.errors import LoadgenError
+from loadgen.simulator import cli
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="loadgen")
+    cli.register(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["simulate", *argv])
+
+
+def test_a_small_sweep_writes_table_json_and_plots(tmp_path, capsys):
+    args = parse(
+        "--dataset", "synthetic:M-M", "--num-requests", "60", "--rates", "4,8", "--instances", "3",
+        "--policy", "corral,infaas++", "--priority-fraction", "0.2", "--step-mode", "v0",
+        "--out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "plots"), "--quiet",
+    )
+    assert args.handler(args) == 0
+    out = capsys.readouterr().out
+    assert "corral" in out and "infaas++" in out and "  high" in out
+    document = json.loads((tmp_path / "r.json").read_text())
+    runs = document["runs"]
+    assert [(r["policy"], r["rate"]) for r in runs] == [("corral", 4), ("infaas++", 4), ("corral", 8), ("infaas++", 8)]
+    assert all(r["completed"] == 60 for r in runs)
+    assert document["settings"]["cluster"]["num_instances"] == 3
+    plots = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert "sweep.png" in plots and "latency_cdf_rate4.png" in plots and "timeline_infaaspp_rate8.png" in plots
+
+
+def test_autoscale_options_reach_the_simulation(capsys):
+    args = parse("--dataset", "random:200:50", "--num-requests", "40", "--rate", "2", "--instances", "2",
+                 "--autoscale", "--min-instances", "1", "--max-instances", "3", "--scale-band", "5,30",
+                 "--policy", "corral", "--quiet")
+    assert cli.run(args) == 0
+    config = cli.build_config(args)
+    assert config.autoscale.scaling.max_instances == 3 and config.autoscale.scaling.scale_in_above == 30
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--policy", "fifo", "--rate", "1"], "unknown policy 'fifo'"),
+        (["--rates", "1,x"], "expected numbers separated by commas"),
+        (["--rates", "1,-2"], "every rate must be > 0"),
+        ([], "give a request rate"),
+        (["--rate", "1", "--instances", "0"], "at least one instance"),
+        (["--rate", "1", "--gpu", "V100"], "unknown GPU 'V100'"),
+        (["--rate", "1", "--priority-fraction", "1.5"], "priority fraction must be within"),
+        (["--rate", "1", "--autoscale", "--scale-band", "40"], "expected X,Y"),
+        (["--rate", "1", "--autoscale", "--scale-band", "40,2"], "scale-out bound < scale-in bound"),
+        (["--rate", "1", "--autoscale", "--min-instances", "20"], "min instances <= max instances"),
+        (["--rate", "1", "--migrate-out-freeness", "20"], "must be below --migrate-in-freeness"),
+        (["--rate", "1", "--migration-bandwidth-gbps", "0"], "positive number of GB/s"),
+        (["--rate", "1", "--trace-timestamps"], "has no timestamps"),
+    ],
+)
+def test_bad_input_is_one_clear_error(argv, message):
+    args = parse("--dataset", "synthetic:S-S", "--num-requests", "10", "--quiet", *argv)
+    with pytest.raises(LoadgenError, match=message):
+        cli.run(args)
+
+
+def test_missing_dataset_file_is_a_clear_error(tmp_path):
+    args = parse("--dataset", f"burstgpt:{tmp_path / 'absent.csv'}", "--rate", "1", "--quiet")
+    with pytest.raises(LoadgenError, match="no such file"):
+        cli.run(args)
