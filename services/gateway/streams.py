@@ -137,7 +137,13 @@ class OutputStream:
 
     async def next(self, timeout_s: float) -> Delivery:
         """The next delivery, merged with any others already queued (fewer events for slow readers)."""
-        first = await asyncio.wait_for(self._queue.get(), timeout_s)
+        if self._queue.empty():
+            # Once per token of every stream: `asyncio.timeout` arms a timer, where 3.11's
+            # `wait_for` also wraps the get in a new Task.
+            async with asyncio.timeout(timeout_s):
+                first = await self._queue.get()
+        else:
+            first = self._queue.get_nowait()
         while not first.final and not self._queue.empty():
             more = self._queue.get_nowait()
             first = Delivery(first.token_ids + more.token_ids, more.finish_reason, more.error, more.error_code)

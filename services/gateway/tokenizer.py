@@ -34,6 +34,7 @@ class ModelTokenizer:
         self.max_model_len = max_model_len
         self.vocab_size = len(decoder)
         self.has_chat_template = bool(getattr(encoder, "chat_template", None))
+        self._fast_decode = _backend_decode(decoder)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
 
     @classmethod
@@ -71,8 +72,24 @@ class ModelTokenizer:
         return list(ids)
 
     def decode(self, token_ids: list[int]) -> str:
-        """Event loop only."""
+        """Event loop only. Twice per output token (incremental detokenization): straight to the
+        Rust tokenizer when that gives the same text, which is ~3x cheaper than transformers' wrapper."""
+        if self._fast_decode is not None:
+            return self._fast_decode(token_ids, skip_special_tokens=True)
         return self._decoder.decode(token_ids, skip_special_tokens=True)
+
+
+def _backend_decode(tokenizer: Any) -> Any:
+    """The `tokenizers` decode behind a fast tokenizer whose own decode adds nothing to it (the
+    generic fast-tokenizer decode, no clean-up of tokenization spaces); None otherwise."""
+    from transformers import PreTrainedTokenizerFast
+
+    cls = type(tokenizer)
+    generic = cls.decode is PreTrainedTokenizerFast.decode and cls._decode is PreTrainedTokenizerFast._decode
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not generic or backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return backend.decode
 
 
 def _load_hf_tokenizer(path: Path) -> Any:

@@ -82,9 +82,12 @@ class VllmDriver:
         if config.kv_cache_space_gib is not None and os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None):
             # On CPU this legacy variable (whole GiB only) would override kv_cache_memory_bytes.
             log.warning("ignoring VLLM_CPU_KVCACHE_SPACE: the engine config sets the KV cache size")
+        import torch
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        if not torch.cuda.is_available():
+            torch.set_num_threads(config.cpu_threads)  # before vLLM's start-up disables the setter
         args = EngineArgs(**engine_kwargs(config, served_model_name))
         driver = cls(LLMEngine.from_engine_args(args), shared)
         driver.take_snapshot()

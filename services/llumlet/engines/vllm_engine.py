@@ -48,6 +48,10 @@ class VllmEngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority": lower value first, as Corral's priorities
+    # Torch (OpenMP) threads for the model on a CPU host. vLLM's own server runs its worker with
+    # OMP_NUM_THREADS=1; in process, vLLM's later "reduce to 1 thread" call is a no-op, and a
+    # second busy OpenMP thread took a whole core from the llumlet (0.4x vLLM's throughput).
+    cpu_threads: int = 1
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
