@@ -14,7 +14,7 @@
 #   VLLM_VERSION            version to install (default 0.32.0; Corral's adapter reads vLLM
 #                           internals checked against this version)
 #   TORCH_CPU_INDEX_URL     extra index for torch's CPU wheels on a CPU host that does not have
-#                           them locally, e.g. https://download.pytorch.org/whl/cpu
+#                           them locally (PyTorch's CPU wheel index)
 set -euo pipefail
 
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"

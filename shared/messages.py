@@ -166,6 +166,16 @@ class DrainOrder(Struct):
     drain: bool = True
 
 
+class ScalingEvent(Struct):
+    """Autoscaler → observers: an instance was started, asked to drain, or stopped."""
+
+    action: str  # "scale_out" | "drain" | "stopped"
+    instance_id: str
+    instances: int
+    at: float
+    average_freeness: float | None = None
+
+
 class PreAlloc(Struct):
     migration_id: str
     request_id: str

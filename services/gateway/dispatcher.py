@@ -21,6 +21,7 @@ from services.gateway.protocol import ApiError
 from shared import subjects
 from shared.messages import DispatchReply, DispatchRequest, WireError, decode, encode
 from shared.policy import PolicyConfig, choose_instance
+from shared.policy.dispatch import REJECT_NO_INSTANCE, REJECT_TOO_LONG
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +29,9 @@ log = logging.getLogger(__name__)
 def rejection_error(reason: str, retry_after_s: float | None = None) -> ApiError:
     """Map a dispatch refusal to HTTP: a prompt no instance can hold is the client's fault (400),
     no instance at all is ours (503), anything else is load shedding (429, retry later)."""
-    if "max_model_len" in reason:
+    if reason == REJECT_TOO_LONG:
         return ApiError(400, f"{reason}; shorten the prompt", "messages")
-    if reason.startswith("no instance"):
+    if reason == REJECT_NO_INSTANCE:
         return ApiError(503, f"{reason}: no inference instance is alive")
     headers = {}
     if retry_after_s is not None and retry_after_s > 0:
@@ -82,7 +83,7 @@ class Dispatcher:
             log.warning("%s: dispatching from this gateway's load reports (bypass mode)", why)
         decision = choose_instance(self._instances.live_loads(), request, self._policy)
         if decision.instance_id is None:
-            raise rejection_error(decision.rejected or "no instance is available")
+            raise rejection_error(decision.rejected or REJECT_NO_INSTANCE)
         self._instances.account(decision.instance_id, request)
         self._metrics.bypass_dispatches.inc()
         return decision.instance_id
