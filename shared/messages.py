@@ -188,6 +188,7 @@ class PreAllocReply(Struct):
     ok: bool
     reason: str | None = None
     block_ids: list[int] = []
+    kv_address: str = ""  # the destination's KV receiver (host:port) for the data plane
 
 
 class MigrationAbort(Struct):

@@ -18,8 +18,10 @@ from services.llumlet.engines.vllm_probe import SchedulerProbe
 from services.llumlet.engines.vllm_state import (
     AbortCommand,
     AddCommand,
+    MigrationView,
     SharedState,
     Snapshot,
+    Suspended,
     Tracked,
 )
 from shared.messages import FinishReason
@@ -34,6 +36,22 @@ GIB = 1 << 30
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+def continuation(tracked: Tracked, request: Any, output_token_ids: list[int], load: Any = None) -> AddCommand:
+    """Add a request that has generated `output_token_ids` already (elsewhere, or before a
+    failed migration): vLLM gets them as prompt, and a budget reduced by as many tokens.
+    (Exact for greedy sampling; a seeded sampler or a repetition penalty sees a different
+    history split.)"""
+    import msgspec
+
+    from services.llumlet.engines.vllm_params import to_vllm_sampling_params
+
+    sampling, done = request.sampling, len(output_token_ids)
+    rest = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - done,
+                                   min_tokens=max(0, sampling.min_tokens - done))
+    params = to_vllm_sampling_params(msgspec.structs.replace(request, sampling=rest))
+    return AddCommand(tracked, list(request.prompt_token_ids) + list(output_token_ids), params, load)
 
 
 def engine_kwargs(config: VllmEngineConfig, served_model_name: str) -> dict[str, Any]:
@@ -61,6 +79,10 @@ def engine_kwargs(config: VllmEngineConfig, served_model_name: str) -> dict[str,
         kwargs["block_size"] = config.block_size
     if config.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
+    if config.kv_connector:
+        from services.llumlet.engines.vllm_connector import kv_transfer_config
+
+        kwargs["kv_transfer_config"] = kv_transfer_config()
     return kwargs
 
 
@@ -73,6 +95,12 @@ class VllmDriver:
         self.vocab_size: int = llm_engine.model_config.get_vocab_size()
         self._by_internal_id: dict[str, Tracked] = {}  # the requests vLLM holds
         self._by_request_id: dict[str, Tracked] = {}  # the same, by our id
+        self._suspended: dict[str, Tracked] = {}  # aborted in vLLM, blocks held, by our id
+        self._leases: dict[str, list[Any]] = {}  # lease id → vLLM blocks taken from the pool
+        self._adopted: dict[str, str] = {}  # internal id → lease holding its migrated KV
+        from services.llumlet.engines.vllm_connector import MIGRATION_STATE
+
+        self.kv_state = MIGRATION_STATE
 
     @classmethod
     def build(cls, config: VllmEngineConfig, served_model_name: str, shared: SharedState) -> VllmDriver:
@@ -104,6 +132,7 @@ class VllmDriver:
             request_outputs = self.llm_engine.step()
             self._count_preemptions()
             self._collect(request_outputs)
+            self._release_loaded_leases()
         self.take_snapshot()
 
     def apply_commands_and_snapshot(self) -> None:
@@ -132,18 +161,26 @@ class VllmDriver:
             )
         except Exception as error:  # vLLM refused what our checks let through: fail the request
             log.warning("vLLM refused request %s: %s", tracked.request_id, error)
+            if command.load is not None:
+                self.release_lease(command.load.lease_id)
             self._fail(tracked)
             return
         tracked.internal_id = internal_id
         tracked.vllm_request = self.probe.request(internal_id)
         self._by_internal_id[internal_id] = tracked
         self._by_request_id[tracked.request_id] = tracked
+        if command.load is not None:
+            self._adopt_lease(internal_id, command.load)
 
     def _abort(self, command: AbortCommand) -> None:
         tracked = command.tracked
-        if tracked.internal_id is None:
-            return  # vLLM refused it when it was added
+        if tracked.suspended is not None:  # aborted in vLLM already: hand its held blocks back
+            self._free_held(tracked)
+            return
+        if tracked.internal_id is None or self._by_internal_id.get(tracked.internal_id) is not tracked:
+            return  # refused when added, or finished / migrated away since the abort was queued
         self.llm_engine.abort_request([tracked.internal_id], internal=True)
+        self._release_adopted(tracked)
         self._forget(tracked)
 
     def _fail(self, tracked: Tracked) -> None:
@@ -162,6 +199,115 @@ class VllmDriver:
     def _forget(self, tracked: Tracked) -> None:
         del self._by_internal_id[tracked.internal_id]
         del self._by_request_id[tracked.request_id]
+
+    # ------------------------------------------------------------------ migration (engine thread)
+
+    def suspend(self, request_id: str) -> bool:
+        """Take a running request out of vLLM for a migration's last stage, keeping its blocks:
+        it is aborted with the connector holding them. Its KV is final from here on."""
+        tracked = self._by_request_id.get(request_id)
+        if tracked is None or tracked.vllm_request is None:
+            return False
+        from vllm.v1.request import RequestStatus
+
+        vreq = tracked.vllm_request
+        if vreq.status != RequestStatus.RUNNING or vreq.num_output_tokens == 0:
+            return False
+        internal_id = tracked.internal_id
+        (block_ids,) = self.probe.kv_cache_manager.get_block_ids(internal_id)
+        outputs = (*tracked.prior_output_token_ids, *vreq.output_token_ids)
+        suspended = Suspended(internal_id, tuple(block_ids), vreq.num_computed_tokens, vreq.num_preemptions, outputs)
+        self.kv_state.held.add(internal_id)
+        self.llm_engine.abort_request([internal_id], internal=True)
+        assert internal_id in self.probe.scheduler.requests, "the connector did not hold the blocks"
+        self._forget(tracked)
+        tracked.suspended = suspended
+        self._suspended[request_id] = tracked
+        self.take_snapshot()
+        return True
+
+    def resume(self, request_id: str) -> bool:
+        """Undo `suspend` after a failed last stage: the request goes on here, re-added with its
+        output as prompt (full blocks come back as prefix-cache hits on the held ones)."""
+        tracked = self._suspended.get(request_id)
+        if tracked is None:
+            return False
+        suspended = tracked.suspended
+        request = tracked.request
+        tracked.suspended = None
+        del self._suspended[request_id]
+        command = continuation(tracked, request, list(suspended.output_token_ids))
+        tracked.prior_output_token_ids = list(suspended.output_token_ids)
+        tracked.num_preemptions_seen = 0
+        self._add(command)
+        # Freed held blocks stay in the prefix cache (evicted last): the re-added request finds
+        # its full blocks there, unless memory pressure evicted them (then it recomputes more).
+        self._release_held(suspended.internal_id)
+        self.take_snapshot()
+        return True
+
+    def release_migrated(self, request_id: str) -> bool:
+        """The destination committed: hand the held blocks back; no more output from here."""
+        tracked = self._suspended.get(request_id)
+        if tracked is None:
+            return False
+        self._free_held(tracked)
+        with self.shared.lock:
+            if self.shared.is_live(tracked):
+                del self.shared.requests[request_id]
+        self.take_snapshot()
+        return True
+
+    def reserve(self, lease_id: str, num_blocks: int) -> list[int] | None:
+        """Take `num_blocks` blocks out of vLLM's pool under the lease (None if short)."""
+        pool = self.probe.block_pool
+        if num_blocks > pool.get_num_free_blocks():
+            return None
+        blocks = pool.get_new_blocks(num_blocks) if num_blocks else []
+        self._leases.setdefault(lease_id, []).extend(blocks)
+        self.take_snapshot()
+        return [b.block_id for b in blocks]
+
+    def release_lease(self, lease_id: str) -> int:
+        blocks = self._leases.pop(lease_id, [])
+        if blocks:
+            self.probe.block_pool.free_blocks(blocks)
+            self.take_snapshot()
+        return len(blocks)
+
+    def _adopt_lease(self, internal_id: str, load: Any) -> None:
+        from services.llumlet.engines.vllm_connector import LoadPlan
+
+        blocks = self._leases.get(load.lease_id, [])
+        self.kv_state.loads[internal_id] = LoadPlan([b.block_id for b in blocks], load.num_tokens)
+        self._adopted[internal_id] = load.lease_id
+
+    def _release_loaded_leases(self) -> None:
+        loaded, self.kv_state.loaded = self.kv_state.loaded, []
+        for internal_id in loaded:
+            lease_id = self._adopted.pop(internal_id, None)
+            if lease_id is not None:
+                self.release_lease(lease_id)
+
+    def _release_adopted(self, tracked: Tracked) -> None:
+        """An adopted lease whose request went away before its KV was loaded."""
+        internal_id = tracked.internal_id
+        if internal_id is None or internal_id not in self._adopted:
+            return
+        self.kv_state.loads.pop(internal_id, None)
+        self.kv_state.pending_copies.pop(internal_id, None)
+        self.release_lease(self._adopted.pop(internal_id))
+
+    def _free_held(self, tracked: Tracked) -> None:
+        suspended = tracked.suspended
+        tracked.suspended = None
+        self._suspended.pop(tracked.request_id, None)
+        self._release_held(suspended.internal_id)
+
+    def _release_held(self, internal_id: str) -> None:
+        self.kv_state.held.discard(internal_id)
+        freed = self.probe.free_held_blocks(internal_id)
+        assert freed, f"no held blocks for {internal_id}"
 
     # ------------------------------------------------------------------ outputs
 
@@ -226,9 +372,25 @@ class VllmDriver:
             waiting=tuple(v for v in waiting if v is not None),
             running=tuple(v for v in running if v is not None),
             num_free_blocks=probe.num_free_blocks(),
+            migration=self._migration_views(),
         )
         with self.shared.lock:
             self.shared.snapshot = snapshot
+
+    def _migration_views(self) -> dict[str, MigrationView]:
+        from vllm.v1.request import RequestStatus
+
+        views: dict[str, MigrationView] = {}
+        for request_id, tracked in self._by_request_id.items():
+            vreq = tracked.vllm_request
+            if vreq is None or vreq.is_finished():
+                continue
+            running = vreq.status == RequestStatus.RUNNING
+            (block_ids,) = self.probe.kv_cache_manager.get_block_ids(vreq.request_id) if running else ((),)
+            num_outputs = len(tracked.prior_output_token_ids) + vreq.num_output_tokens
+            views[request_id] = MigrationView(not running, vreq.num_computed_tokens if running else 0,
+                                              vreq.num_preemptions, tuple(block_ids), num_outputs)
+        return views
 
     def _view(self, vllm_request: Any, phase: RequestPhase) -> RequestView | None:
         tracked = self._by_internal_id.get(vllm_request.request_id)

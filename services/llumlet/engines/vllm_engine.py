@@ -28,6 +28,7 @@ from services.llumlet.engine import EngineError, RequestPhase, RequestView, Step
 from services.llumlet.engines.vllm_driver import VllmDriver, blocks_for
 from services.llumlet.engines.vllm_params import check_request, to_vllm_sampling_params
 from services.llumlet.engines.vllm_state import AbortCommand, AddCommand, SharedState, Tracked
+from services.llumlet.migration.vllm_ops import VllmMigrationMixin
 from shared.messages import GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class VllmEngineConfig:
     # OMP_NUM_THREADS=1; in process, vLLM's later "reduce to 1 thread" call is a no-op, and a
     # second busy OpenMP thread took a whole core from the llumlet (0.4x vLLM's throughput).
     cpu_threads: int = 1
+    # Corral's KV connector (`vllm_connector.py`): what live migration needs inside vLLM.
+    kv_connector: bool = True
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
@@ -62,7 +65,7 @@ class VllmEngineConfig:
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
 
 
-class VllmEngine:
+class VllmEngine(VllmMigrationMixin):
     kind = "vllm"
 
     def __init__(self, config: VllmEngineConfig) -> None:
@@ -74,6 +77,7 @@ class VllmEngine:
         self._shared = SharedState()
         self._executor: ThreadPoolExecutor | None = None
         self._driver: VllmDriver | None = None  # used on the engine thread only
+        self._init_migration()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -90,6 +94,9 @@ class VllmEngine:
         except BaseException:
             executor.shutdown(wait=False)
             raise
+        self._started(executor, driver)
+
+    def _started(self, executor: ThreadPoolExecutor, driver: VllmDriver) -> None:
         self._executor, self._driver = executor, driver
         self.block_size = driver.block_size
         self.num_blocks_total = driver.probe.num_blocks_total
@@ -114,7 +121,7 @@ class VllmEngine:
         driver = self._running_driver()
         check_request(request, max_model_len=self.max_model_len, vocab_size=driver.vocab_size)
         params = to_vllm_sampling_params(request)
-        tracked = Tracked(request.request_id, request.priority, len(request.prompt_token_ids))
+        tracked = Tracked(request.request_id, request.priority, len(request.prompt_token_ids), request=request)
         shared = self._shared
         with shared.lock:
             if request.request_id in shared.requests:
@@ -130,7 +137,9 @@ class VllmEngine:
             if tracked is None:
                 return False
             queued = next((c for c in shared.commands if isinstance(c, AddCommand) and c.tracked is tracked), None)
-            if queued is not None:  # it never reached vLLM: forgetting it is enough
+            # It never reached vLLM: forgetting it is enough (but a migrated request's lease
+            # must go back to vLLM's pool, on the engine thread: add it, then abort it).
+            if queued is not None and queued.load is None:
                 shared.commands.remove(queued)
                 return True
             shared.commands.append(AbortCommand(tracked))
@@ -140,7 +149,32 @@ class VllmEngine:
     def has_work(self) -> bool:
         shared = self._shared
         with shared.lock:
-            return bool(shared.requests or shared.commands or shared.outbox)
+            # A request suspended for migration does not step.
+            active = any(t.suspended is None for t in shared.requests.values())
+            return active or bool(shared.commands or shared.outbox)
+
+    # ------------------------------------------------------------------ engine-thread calls
+
+    def call_on_engine_thread(self, fn, *args):
+        """Run `fn(driver, *args)` on the engine thread and wait for it: at most one step in
+        progress (a few ms with the tiny model) blocks the caller. For migration verbs whose
+        protocol is synchronous (suspend, reserve)."""
+        driver = self._running_driver()
+        return self._executor.submit(fn, driver, *args).result()
+
+    @property
+    def shared(self) -> SharedState:
+        return self._shared
+
+    def queue_add(self, tracked: Tracked, command: AddCommand) -> None:
+        """Queue an add built elsewhere (a migrated request); EngineError on a duplicate id."""
+        shared = self._shared
+        with shared.lock:
+            if tracked.request_id in shared.requests:
+                raise EngineError(f"request {tracked.request_id} is already on this engine")
+            shared.requests[tracked.request_id] = tracked
+            shared.commands.append(command)
+        self._apply_soon()
 
     async def step(self) -> list[StepOutput]:
         driver = self._running_driver()

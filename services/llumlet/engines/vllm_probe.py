@@ -1,9 +1,10 @@
-"""Read-only access to the internals of an in-process vLLM v1 engine (pinned: vllm 0.32.0).
+"""Access to the internals of an in-process vLLM v1 engine (pinned: vllm 0.32.0).
 
 vLLM has no public API for its scheduler's state, so every path into its internals lives here and
 nowhere else: when the pinned version moves, this is the file to re-check against the source
 (`vllm/v1/core/sched/scheduler.py`, `vllm/v1/core/kv_cache_manager.py`, `vllm/v1/core/block_pool.py`).
 Call it only on the engine thread: none of these structures is thread-safe against `step()`.
+Reads only, but for `free_held_blocks` (migration).
 """
 
 from __future__ import annotations
@@ -42,3 +43,13 @@ class SchedulerProbe:
 
     def running(self) -> list[Any]:
         return list(self.scheduler.running)
+
+    def free_held_blocks(self, internal_id: str) -> bool:
+        """Free the blocks of a finished request that the KV connector held (`request_finished`
+        returned True): what vLLM does when `get_finished` reports it sent, but at once, without
+        waiting for a step (an idle engine does not step)."""
+        request = self.scheduler.requests.get(internal_id)
+        if request is None or not request.is_finished():
+            return False
+        self.scheduler._free_blocks(request)
+        return True

@@ -27,6 +27,11 @@ class Tracked:
     vllm_request: Any = None  # vLLM's Request object; it keeps its counters after finishing
     num_delivered: int = 0  # output tokens returned so far: the next output's start index
     num_preemptions_seen: int = 0
+    request: Any = None  # the GenerateRequest (shared.messages), for migration commits
+    # Tokens generated before this engine took the request (a migrated request, or one resumed
+    # after a failed migration): vLLM sees them as prompt.
+    prior_output_token_ids: list[int] = field(default_factory=list)
+    suspended: Suspended | None = None  # out of the batch for a migration's last stage
 
     @property
     def num_preemptions(self) -> int:
@@ -34,15 +39,46 @@ class Tracked:
 
 
 @dataclass(frozen=True)
+class Suspended:
+    """A request aborted in vLLM with its blocks held (migration's last stage): what it was."""
+
+    internal_id: str
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int
+    num_preemptions: int
+    output_token_ids: tuple[int, ...]  # all of them, since the request's start
+
+
+@dataclass(frozen=True)
+class MigratedLoad:
+    """A migrated request's KV: in the lease's blocks, covering its first `num_tokens` tokens."""
+
+    lease_id: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class AddCommand:
     tracked: Tracked
     prompt_token_ids: list[int]
     sampling_params: Any  # vllm.SamplingParams, validated on the event loop
+    load: MigratedLoad | None = None
 
 
 @dataclass(frozen=True)
 class AbortCommand:
     tracked: Tracked
+
+
+@dataclass(frozen=True)
+class MigrationView:
+    """One live request as migration sees it, at the same moment as the snapshot."""
+
+    queued: bool
+    num_computed_tokens: int  # their KV writes are done (the step that computed them returned)
+    num_preemptions: int
+    block_ids: tuple[int, ...]
+    num_output_tokens: int
 
 
 @dataclass(frozen=True)
@@ -52,6 +88,7 @@ class Snapshot:
     waiting: tuple[RequestView, ...] = ()  # in the order vLLM will schedule them
     running: tuple[RequestView, ...] = ()
     num_free_blocks: int = 0
+    migration: dict[str, MigrationView] = field(default_factory=dict)  # by our request id
 
 
 @dataclass

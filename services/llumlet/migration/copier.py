@@ -1,0 +1,224 @@
+"""Block fusion: a request's scattered KV blocks ↔ one contiguous host buffer.
+
+The source gathers the blocks of a frame into a preallocated staging buffer (reused across
+frames and migrations, grown when a frame needs more) so that the data plane ships one large
+write instead of a write per block; the destination scatters a received buffer into its reserved
+blocks. Layout of a fused buffer of n blocks: for each KV region in order, that region's slice for
+the n blocks (block index replaced by 0..n-1), contiguous.
+
+Three paths, picked per region type:
+- numpy arrays (the simulated engine): `np.take(..., out=)` / fancy assignment;
+- torch CPU tensors (vLLM's CPU backend): `index_select(out=)` / `index_copy_`;
+- torch CUDA tensors: the gather runs on a side stream into a device staging buffer, then a
+  non-blocking copy into pinned host memory; an event tells when it is done, so inference on the
+  default stream is never blocked (Llumnix §5).
+
+Large copies run in the copier's own worker threads (numpy and torch release the GIL), so the
+event loop keeps running decode steps; small ones (the last stage) run inline, saving the hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from services.llumlet.migration.ops import KVRegion
+
+INLINE_COPY_MAX_BYTES = 1 << 20  # below this, a thread hop costs more than the copy
+_NUM_SLOTS = 2  # staging buffers: gather frame k+1 while frame k is on the wire
+
+
+def _is_torch(tensor: Any) -> bool:
+    return type(tensor).__module__.startswith("torch")
+
+
+@dataclass(frozen=True)
+class _RegionLayout:
+    region: KVRegion
+    block_bytes: int  # bytes of one block's slice
+
+    @staticmethod
+    def of(region: KVRegion) -> _RegionLayout:
+        tensor = region.tensor
+        num_blocks = tensor.shape[region.block_dim]
+        nbytes = tensor.nbytes if not _is_torch(tensor) else tensor.numel() * tensor.element_size()
+        assert num_blocks > 0 and nbytes % num_blocks == 0, (tensor.shape, region.block_dim)
+        return _RegionLayout(region, nbytes // num_blocks)
+
+    def shape_for(self, num_blocks: int) -> tuple[int, ...]:
+        shape = list(self.region.tensor.shape)
+        shape[self.region.block_dim] = num_blocks
+        return tuple(shape)
+
+
+def _host_view(region: KVRegion) -> KVRegion:
+    """A contiguous torch CPU tensor as a numpy byte view of the same memory: numpy's take and
+    fancy assignment run ~2x faster than index_select / index_copy_ (measured), and the fused
+    bytes are the same either way (C order, the last dimension widened to bytes)."""
+    tensor = region.tensor
+    if _is_torch(tensor) and not tensor.is_cuda and tensor.is_contiguous() and tensor.dim() > region.block_dim + 1:
+        import torch
+
+        return KVRegion(tensor.view(torch.uint8).numpy(), region.block_dim)
+    return region
+
+
+class BlockCopier:
+    def __init__(self, regions: Sequence[KVRegion], initial_frame_bytes: int = 1 << 20) -> None:
+        self.layouts = [_RegionLayout.of(_host_view(r)) for r in regions]
+        self.block_bytes = sum(layout.block_bytes for layout in self.layouts)
+        kinds = {self._kind(layout.region.tensor) for layout in self.layouts}
+        if "cuda" in kinds and len(kinds) > 1:
+            raise ValueError(f"KV regions of mixed kinds: {kinds}")
+        self.kind = "none" if not kinds else "cuda" if "cuda" in kinds else "host"
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-copier")
+        self._backend = _CudaBackend(self.layouts) if self.kind == "cuda" else _HostBackend(self.layouts)
+        self._staging = [self._backend.new_host_buffer(initial_frame_bytes) for _ in range(_NUM_SLOTS)]
+
+    @staticmethod
+    def _kind(tensor: Any) -> str:
+        if not _is_torch(tensor):
+            return "numpy"
+        return "cuda" if tensor.is_cuda else "torch"
+
+    def frame_bytes(self, num_blocks: int) -> int:
+        return num_blocks * self.block_bytes
+
+    def new_host_buffer(self, nbytes: int) -> np.ndarray:
+        """A receive buffer the scatter path likes best (pinned memory on CUDA)."""
+        return self._backend.new_host_buffer(nbytes)
+
+    async def gather(self, block_ids: Sequence[int], slot: int) -> memoryview:
+        """The blocks fused into staging buffer `slot`; the view stays valid until the next
+        gather into the same slot."""
+        nbytes = self.frame_bytes(len(block_ids))
+        if self._staging[slot].nbytes < nbytes:
+            self._staging[slot] = self._backend.new_host_buffer(_grown(nbytes))
+        out = self._staging[slot][:nbytes]
+        if nbytes:
+            await self._run(nbytes, self._backend.gather, list(block_ids), out)
+        return memoryview(out)
+
+    async def scatter(self, block_ids: Sequence[int], payload: memoryview | np.ndarray) -> None:
+        """Write a fused buffer into the given (reserved) blocks, in order."""
+        flat = np.frombuffer(payload, dtype=np.uint8) if not isinstance(payload, np.ndarray) else payload.reshape(-1)
+        if flat.nbytes != self.frame_bytes(len(block_ids)):
+            raise ValueError(f"{flat.nbytes} bytes do not fill {len(block_ids)} blocks of {self.block_bytes}")
+        if flat.nbytes:
+            await self._run(flat.nbytes, self._backend.scatter, list(block_ids), flat)
+
+    async def _run(self, nbytes: int, fn, *args) -> None:
+        if nbytes <= INLINE_COPY_MAX_BYTES and self.kind != "cuda":
+            fn(*args)
+            return
+        await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _grown(nbytes: int) -> int:
+    return 1 << (nbytes - 1).bit_length()  # next power of two: few reallocations
+
+
+def _views(layouts: Sequence[_RegionLayout], flat: Any, num_blocks: int):
+    """(layout, slice of `flat` for that region) in fused-buffer order."""
+    offset = 0
+    for layout in layouts:
+        size = layout.block_bytes * num_blocks
+        yield layout, flat[offset : offset + size]
+        offset += size
+
+
+class _HostBackend:
+    """numpy arrays and torch CPU tensors; runs synchronously (in a worker thread or inline)."""
+
+    def __init__(self, layouts: Sequence[_RegionLayout]) -> None:
+        self.layouts = layouts
+
+    def new_host_buffer(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def gather(self, block_ids: list[int], out: np.ndarray) -> None:
+        n = len(block_ids)
+        indices = np.asarray(block_ids, dtype=np.int64)
+        for layout, chunk in _views(self.layouts, out, n):
+            tensor, dim = layout.region.tensor, layout.region.block_dim
+            if _is_torch(tensor):
+                import torch
+
+                dst = torch.frombuffer(chunk, dtype=tensor.dtype).view(layout.shape_for(n))
+                torch.index_select(tensor, dim, torch.from_numpy(indices), out=dst)
+            else:
+                assert 0 <= indices.min() and indices.max() < tensor.shape[dim], "block id out of range"
+                dst = chunk.view(tensor.dtype).reshape(layout.shape_for(n))
+                # mode="clip": with the default ("raise") numpy buffers `out`, 4x slower; the
+                # range was checked above.
+                np.take(tensor, indices, axis=dim, out=dst, mode="clip")
+
+    def scatter(self, block_ids: list[int], flat: np.ndarray) -> None:
+        n = len(block_ids)
+        indices = np.asarray(block_ids, dtype=np.int64)
+        for layout, chunk in _views(self.layouts, flat, n):
+            tensor, dim = layout.region.tensor, layout.region.block_dim
+            if _is_torch(tensor):
+                import torch
+
+                src = torch.frombuffer(chunk, dtype=tensor.dtype).view(layout.shape_for(n))
+                tensor.index_copy_(dim, torch.from_numpy(indices), src)
+            else:
+                tensor[(slice(None),) * dim + (indices,)] = chunk.view(tensor.dtype).reshape(layout.shape_for(n))
+
+
+class _CudaBackend:
+    """Gather on a side stream into device staging, then non-blocking D2H into pinned memory;
+    scatter the other way. Each call blocks its (worker) thread on a CUDA event only."""
+
+    def __init__(self, layouts: Sequence[_RegionLayout]) -> None:
+        import torch
+
+        self.torch = torch
+        self.layouts = layouts
+        self.device = layouts[0].region.tensor.device
+        self.stream = torch.cuda.Stream(device=self.device)
+        self._device_staging = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+    def new_host_buffer(self, nbytes: int) -> np.ndarray:
+        return self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=True).numpy()
+
+    def _device_buffer(self, nbytes: int):
+        if self._device_staging.numel() < nbytes:
+            self._device_staging = self.torch.empty(_grown(nbytes), dtype=self.torch.uint8, device=self.device)
+        return self._device_staging[:nbytes]
+
+    def gather(self, block_ids: list[int], out: np.ndarray) -> None:
+        torch, n = self.torch, len(block_ids)
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self.stream):
+            staging = self._device_buffer(out.nbytes)
+            index = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+            for layout, chunk in _views(self.layouts, staging, n):
+                tensor = layout.region.tensor
+                dst = chunk.view(tensor.dtype).view(layout.shape_for(n))
+                torch.index_select(tensor, layout.region.block_dim, index, out=dst)
+            torch.from_numpy(out).copy_(staging, non_blocking=True)
+            done.record(self.stream)
+        done.synchronize()
+
+    def scatter(self, block_ids: list[int], flat: np.ndarray) -> None:
+        torch, n = self.torch, len(block_ids)
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self.stream):
+            staging = self._device_buffer(flat.nbytes)
+            staging.copy_(torch.from_numpy(flat), non_blocking=True)
+            index = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+            for layout, chunk in _views(self.layouts, staging, n):
+                tensor = layout.region.tensor
+                tensor.index_copy_(layout.region.block_dim, index, chunk.view(tensor.dtype).view(layout.shape_for(n)))
+            done.record(self.stream)
+        done.synchronize()

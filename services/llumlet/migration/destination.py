@@ -1,0 +1,239 @@
+"""Destination side of live migration: leases on reserved blocks, the handshake's decisions, the
+KV frames' target, and the watchdog that frees what a vanished source left behind.
+
+No NATS here (see `handshake.py`) and no sockets (see `transfer.py`): every method is a plain
+decision over the registry, so it is tested directly.
+
+A migration's lease holds its reserved blocks, cumulative over stages, in reservation order:
+source block i of the request lands in lease block i, and at commit the lease becomes the
+request's block table. Ended migrations stay as tombstones for `tombstone_s`, so a late or
+repeated message gets the same answer (idempotency) and a late commit after an abort is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from services.llumlet.engine import EngineError
+from services.llumlet.migration.copier import BlockCopier
+from services.llumlet.migration.ops import MigratableEngine
+from services.llumlet.migration.protocol import ALREADY_COMMITTED, MigrationLimits, MigrationStatus, PreAllocGrant
+from services.llumlet.migration.transfer import AckStatus, FrameHeader
+from shared.messages import Ack, MigrationAbort, MigrationCommit, PreAlloc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class IncomingMigration:
+    migration_id: str
+    request_id: str
+    expires_at: float
+    status: MigrationStatus = MigrationStatus.RUNNING
+    reason: str = ""
+    block_ids: list[int] = field(default_factory=list)  # the lease, in reservation order
+    granted: dict[int, list[int]] = field(default_factory=dict)  # stage → blocks reserved for it
+    filled: int = 0  # lease blocks written so far (frames arrive in order)
+    writers: int = 0  # scatters in flight: the lease must not be released under them
+    release_pending: bool = False
+    ended_at: float | None = None
+
+    def commit(self, now: float) -> None:
+        assert self.status is MigrationStatus.RUNNING, (self.migration_id, self.status)
+        self.status, self.ended_at = MigrationStatus.FINISHED, now
+
+    def abort(self, status: MigrationStatus, reason: str, now: float) -> None:
+        assert self.status is MigrationStatus.RUNNING, (self.migration_id, self.status)
+        assert status in (MigrationStatus.ABORTED_SRC, MigrationStatus.ABORTED_DST), status
+        self.status, self.reason, self.ended_at = status, reason, now
+
+
+class IncomingMigrations:
+    """Registry of migrations into this instance; also the `FrameSink` of its KV receiver."""
+
+    def __init__(self, ops: MigratableEngine, copier: BlockCopier, limits: MigrationLimits,
+                 refusal: Callable[[], str | None] = lambda: None,
+                 on_change: Callable[[], None] = lambda: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ops = ops
+        self.copier = copier
+        self.limits = limits
+        self.kv_address = ""
+        self._refusal = refusal  # e.g. "draining": why we take no migration now (None: we do)
+        self._on_change = on_change
+        self._clock = clock
+        self._migrations: dict[str, IncomingMigration] = {}
+
+    # -- views ---------------------------------------------------------------------------------
+
+    def get(self, migration_id: str) -> IncomingMigration | None:
+        return self._migrations.get(migration_id)
+
+    def active(self) -> list[IncomingMigration]:
+        return [m for m in self._migrations.values() if m.status is MigrationStatus.RUNNING]
+
+    @property
+    def num_active(self) -> int:
+        return sum(1 for m in self._migrations.values() if m.status is MigrationStatus.RUNNING)
+
+    # -- handshake -----------------------------------------------------------------------------
+
+    def handle_prealloc(self, msg: PreAlloc) -> PreAllocGrant:
+        m = self._migrations.get(msg.migration_id)
+        if m is None:
+            refusal = self._refuse_new(msg)
+            if refusal is not None:
+                return PreAllocGrant(ok=False, reason=refusal)
+            m = self._migrations[msg.migration_id] = IncomingMigration(msg.migration_id, msg.request_id, 0.0)
+        elif m.status.is_over:
+            return PreAllocGrant(ok=False, reason=f"migration {m.status.value}")
+        if msg.request_id != m.request_id or msg.num_blocks < 0:
+            return PreAllocGrant(ok=False, reason="pre-alloc does not match the migration")
+        granted = m.granted.get(msg.stage)
+        if granted is None:  # (a repeated pre-alloc of a stage gets the same blocks again)
+            if msg.stage != len(m.granted):
+                return PreAllocGrant(ok=False, reason=f"stage {msg.stage} out of order (expected {len(m.granted)})")
+            granted = self.ops.reserve_blocks(m.migration_id, msg.num_blocks)
+            if granted is None:
+                self._end(m, MigrationStatus.ABORTED_DST, "no room")
+                return PreAllocGrant(ok=False, reason=f"no room for {msg.num_blocks} more blocks")
+            m.block_ids += granted
+            m.granted[msg.stage] = granted
+            self._on_change()
+        m.expires_at = self._clock() + min(max(msg.lease_s, self.limits.watchdog_interval_s), self.limits.lease_s)
+        return PreAllocGrant(ok=True, block_ids=list(granted), kv_address=self.kv_address)
+
+    def _refuse_new(self, msg: PreAlloc) -> str | None:
+        if msg.stage != 0:
+            return f"unknown migration {msg.migration_id} (stage {msg.stage})"
+        refusal = self._refusal()
+        if refusal is not None:
+            return refusal
+        if self.num_active >= self.limits.max_in:
+            return f"busy: {self.num_active} incoming migrations"
+        return None
+
+    def handle_abort(self, msg: MigrationAbort) -> Ack:
+        m = self._migrations.get(msg.migration_id)
+        if m is None:  # never seen (or forgotten): remember it, so a late pre-alloc/commit fails
+            m = self._migrations[msg.migration_id] = IncomingMigration(msg.migration_id, "", 0.0)
+            m.abort(MigrationStatus.ABORTED_SRC, msg.reason or "aborted by the source", self._clock())
+            return Ack(ok=True)
+        if m.status is MigrationStatus.FINISHED:
+            return Ack(ok=False, error=ALREADY_COMMITTED)
+        if m.status is MigrationStatus.RUNNING:
+            self._end(m, MigrationStatus.ABORTED_SRC, msg.reason or "aborted by the source")
+        return Ack(ok=True)
+
+    def handle_commit(self, commit: MigrationCommit) -> tuple[Ack, bool]:
+        """(reply, whether this call committed it): a repeated commit acks without adding twice."""
+        m = self._migrations.get(commit.migration_id)
+        if m is None:
+            return Ack(ok=False, error=f"unknown migration {commit.migration_id}"), False
+        if m.status is MigrationStatus.FINISHED:
+            return Ack(ok=True), False
+        if m.status.is_over:
+            return Ack(ok=False, error=f"migration {m.status.value}: {m.reason}"), False
+        problem = self._commit_problem(m, commit)
+        if problem is None:
+            try:
+                self.ops.add_migrated(commit, m.migration_id)
+            except EngineError as exc:
+                problem = str(exc)
+        if problem is not None:
+            self._end(m, MigrationStatus.ABORTED_DST, problem)
+            return Ack(ok=False, error=problem), False
+        m.commit(self._clock())
+        self._on_change()
+        return Ack(ok=True), True
+
+    def _commit_problem(self, m: IncomingMigration, commit: MigrationCommit) -> str | None:
+        if commit.request.request_id != m.request_id:
+            return f"commit for request {commit.request.request_id}, lease is for {m.request_id}"
+        if m.writers or m.filled != len(m.block_ids):
+            return f"KV incomplete: {m.filled} of {len(m.block_ids)} blocks written"
+        return None
+
+    def abort_request(self, request_id: str) -> None:
+        """The client aborted the request (broadcast): drop any migration of it into here."""
+        for m in self.active():
+            if m.request_id == request_id:
+                self._end(m, MigrationStatus.ABORTED_SRC, "request aborted by the client")
+
+    # -- lease watchdog ------------------------------------------------------------------------
+
+    def expire(self) -> list[IncomingMigration]:
+        """Free the leases whose source stopped renewing them; forget old tombstones."""
+        now = self._clock()
+        expired = [m for m in self.active() if m.expires_at < now and not m.writers]
+        for m in expired:
+            log.warning("incoming migration %s of %s: lease expired", m.migration_id, m.request_id)
+            self._end(m, MigrationStatus.ABORTED_SRC, "lease expired")
+        stale = [k for k, m in self._migrations.items() if m.ended_at is not None and now - m.ended_at > self.limits.tombstone_s]
+        for key in stale:
+            del self._migrations[key]
+        return expired
+
+    async def run_watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(self.limits.watchdog_interval_s)
+            self.expire()
+
+    def stop(self) -> None:
+        for m in self.active():
+            self._end(m, MigrationStatus.ABORTED_DST, "destination stopping")
+
+    # -- FrameSink (KV receiver) ---------------------------------------------------------------
+
+    def admit(self, header: FrameHeader) -> AckStatus:
+        m = self._migrations.get(header.migration_id)
+        if m is None or m.status.is_over:
+            return AckStatus.UNKNOWN_MIGRATION
+        if header.lease_offset != m.filled or header.lease_offset + header.num_blocks > len(m.block_ids):
+            return AckStatus.BAD_RANGE
+        if header.payload_len != self.copier.frame_bytes(header.num_blocks):
+            return AckStatus.BAD_SIZE
+        return AckStatus.OK
+
+    async def write(self, header: FrameHeader, payload: memoryview) -> AckStatus:
+        status = self.admit(header)  # again: the checksum was an await
+        if status is not AckStatus.OK:
+            return status
+        m = self._migrations[header.migration_id]
+        start = header.lease_offset
+        m.writers += 1
+        try:
+            await self.copier.scatter(m.block_ids[start : start + header.num_blocks], payload)
+        finally:
+            m.writers -= 1
+            if m.release_pending and not m.writers:
+                self._release(m)
+        if m.status.is_over:
+            return AckStatus.UNKNOWN_MIGRATION
+        m.filled += header.num_blocks
+        m.expires_at = max(m.expires_at, self._clock() + self.limits.lease_s)
+        return AckStatus.OK
+
+    def frame_failed(self, header: FrameHeader, status: AckStatus) -> None:
+        m = self._migrations.get(header.migration_id)
+        if m is not None and m.status is MigrationStatus.RUNNING:
+            self._end(m, MigrationStatus.ABORTED_DST, f"KV frame {status.name.lower()}")
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _end(self, m: IncomingMigration, status: MigrationStatus, reason: str) -> None:
+        m.abort(status, reason, self._clock())
+        log.info("incoming migration %s of %s ended: %s (%s)", m.migration_id, m.request_id, status.value, reason)
+        if m.writers:
+            m.release_pending = True  # a scatter still writes into these blocks
+        else:
+            self._release(m)
+        self._on_change()
+
+    def _release(self, m: IncomingMigration) -> None:
+        m.release_pending = False
+        self.ops.release_reservation(m.migration_id)

@@ -1,0 +1,110 @@
+"""The migration handshake over NATS request/reply: the source's client (`NatsDestinationLink`)
+and the destination's subscriptions (`HandshakeServer`).
+
+Every request has its own timeout. "No responders" (nobody subscribes: the destination is gone)
+and a timeout (it may be alive but slow) are different errors, and the coordinator treats them
+differently (after an unanswered COMMIT only the second leaves the outcome in doubt).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from services.llumlet.migration.destination import IncomingMigrations
+from services.llumlet.migration.protocol import DestinationGone, DestinationSlow, MigrationLimits, PreAllocGrant
+from shared import subjects
+from shared.messages import Ack, MigrationAbort, MigrationCommit, PreAlloc, WireError, decode, encode
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+
+class DestinationLink(Protocol):
+    """The handshake as the source coordinator sees it (NATS in production, fakes in tests)."""
+
+    async def prealloc(self, dst: str, msg: PreAlloc) -> PreAllocGrant: ...
+
+    async def abort(self, dst: str, msg: MigrationAbort) -> Ack: ...
+
+    async def commit(self, dst: str, msg: MigrationCommit) -> Ack: ...
+
+
+class NatsDestinationLink:
+    def __init__(self, nc: Client, limits: MigrationLimits) -> None:
+        self.nc = nc
+        self.limits = limits
+
+    async def prealloc(self, dst: str, msg: PreAlloc) -> PreAllocGrant:
+        return await self._ask(dst, "prealloc", msg, PreAllocGrant, self.limits.prealloc_timeout_s)
+
+    async def abort(self, dst: str, msg: MigrationAbort) -> Ack:
+        return await self._ask(dst, "abort", msg, Ack, self.limits.abort_timeout_s)
+
+    async def commit(self, dst: str, msg: MigrationCommit) -> Ack:
+        return await self._ask(dst, "commit", msg, Ack, self.limits.commit_timeout_s)
+
+    async def _ask(self, dst: str, verb: str, msg: msgspec.Struct, reply_type: type[R], timeout_s: float) -> R:
+        try:
+            reply = await self.nc.request(subjects.migration(dst, verb), encode(msg), timeout=timeout_s)
+        except NoRespondersError as exc:
+            raise DestinationGone(f"{dst} does not answer {verb} (no responders)") from exc
+        except NatsTimeoutError as exc:
+            raise DestinationSlow(f"{dst} did not answer {verb} within {timeout_s:g} s") from exc
+        try:
+            return decode(reply.data, reply_type)
+        except WireError as exc:
+            raise DestinationGone(f"{dst} answered {verb} with garbage: {exc}") from exc
+
+
+class HandshakeServer:
+    """The destination's three subjects; each handler decodes, decides (no await in between, so
+    decisions never interleave) and replies."""
+
+    def __init__(self, incoming: IncomingMigrations,
+                 on_committed: Callable[[MigrationCommit], Awaitable[None]]) -> None:
+        self.incoming = incoming
+        self.on_committed = on_committed
+
+    async def subscribe(self, nc: Client, instance_id: str) -> None:
+        await nc.subscribe(subjects.migration(instance_id, "prealloc"), cb=self._on_prealloc)
+        await nc.subscribe(subjects.migration(instance_id, "abort"), cb=self._on_abort)
+        await nc.subscribe(subjects.migration(instance_id, "commit"), cb=self._on_commit)
+
+    async def _on_prealloc(self, msg: Msg) -> None:
+        try:
+            reply = self.incoming.handle_prealloc(decode(msg.data, PreAlloc))
+        except WireError as exc:
+            reply = PreAllocGrant(ok=False, reason=str(exc))
+        await self._respond(msg, reply)
+
+    async def _on_abort(self, msg: Msg) -> None:
+        try:
+            reply = self.incoming.handle_abort(decode(msg.data, MigrationAbort))
+        except WireError as exc:
+            reply = Ack(ok=False, error=str(exc))
+        await self._respond(msg, reply)
+
+    async def _on_commit(self, msg: Msg) -> None:
+        try:
+            commit = decode(msg.data, MigrationCommit)
+        except WireError as exc:
+            await self._respond(msg, Ack(ok=False, error=str(exc)))
+            return
+        reply, committed = self.incoming.handle_commit(commit)
+        if committed:
+            await self.on_committed(commit)
+        await self._respond(msg, reply)
+
+    @staticmethod
+    async def _respond(msg: Msg, reply: msgspec.Struct) -> None:
+        if msg.reply:
+            await msg.respond(encode(reply))

@@ -1,0 +1,104 @@
+"""Everything migration inside one llumlet, wired together: the block copier, the KV receiver,
+the handshake (both sides), the source coordinator and the lease watchdog."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Coroutine
+from typing import Any, Protocol
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from services.llumlet.migration.copier import BlockCopier
+from services.llumlet.migration.destination import IncomingMigrations
+from services.llumlet.migration.handshake import HandshakeServer, NatsDestinationLink
+from services.llumlet.migration.ops import MigratableEngine
+from services.llumlet.migration.protocol import MigrationLimits
+from services.llumlet.migration.source import MigrationCoordinator, SourceHooks
+from services.llumlet.migration.transfer import KVReceiver, KVSenderPool
+from shared import subjects
+from shared.messages import MigrateOrder, MigrationCommit, WireError, decode
+
+log = logging.getLogger(__name__)
+
+
+class MigrationHooks(SourceHooks, Protocol):
+    def refusal(self) -> str | None:
+        """Why this instance takes no incoming migration now (e.g. draining), or None."""
+
+    async def migrated_in(self, commit: MigrationCommit) -> None:
+        """A request committed here: publish its output from now on."""
+
+
+class LlumletMigration:
+    """Built with the llumlet, started after its engine (the KV cache exists only then)."""
+
+    def __init__(self, instance_id: str, ops: MigratableEngine, limits: MigrationLimits, hooks: MigrationHooks,
+                 kv_host: str = "127.0.0.1", kv_port: int = 0, kv_advertise_host: str | None = None) -> None:
+        self.instance_id = instance_id
+        self.ops = ops
+        self.limits = limits
+        self.hooks = hooks
+        self.kv_host, self.kv_port, self.kv_advertise_host = kv_host, kv_port, kv_advertise_host
+        self.copier: BlockCopier | None = None
+        self.incoming: IncomingMigrations | None = None
+        self.receiver: KVReceiver | None = None
+        self.senders = KVSenderPool(limits)
+        self.coordinator: MigrationCoordinator | None = None
+
+    async def start(self, nc: Client) -> list[Coroutine[Any, Any, None]]:
+        """Listen for KV frames and handshakes; returns the background loops to run."""
+        self.copier = BlockCopier(self.ops.kv_regions())
+        self.incoming = IncomingMigrations(self.ops, self.copier, self.limits, refusal=self.hooks.refusal,
+                                           on_change=self.hooks.changed)
+        self.receiver = KVReceiver(self.incoming, self.limits, self.copier.new_host_buffer, self.kv_host,
+                                   self.kv_port, self.kv_advertise_host)
+        try:
+            self.incoming.kv_address = await self.receiver.start()
+        except OSError as exc:
+            raise SystemExit(f"cannot listen for KV transfers on {self.kv_host}:{self.kv_port}: {exc}") from exc
+        self.coordinator = MigrationCoordinator(self.instance_id, self.ops, self.copier,
+                                                NatsDestinationLink(nc, self.limits), self.senders, self.limits,
+                                                self.hooks)
+        await HandshakeServer(self.incoming, self.hooks.migrated_in).subscribe(nc, self.instance_id)
+        await nc.subscribe(subjects.llumlet(self.instance_id, "migrate"), cb=self._on_order)
+        log.info("migration on: KV receiver at %s (%d bytes per block)", self.kv_address, self.copier.block_bytes)
+        return [self.coordinator.run(), self.incoming.run_watchdog()]
+
+    async def stop(self) -> None:
+        if self.coordinator is not None:
+            await self.coordinator.stop()
+        if self.incoming is not None:
+            self.incoming.stop()
+        if self.receiver is not None:
+            await self.receiver.close()
+        self.senders.close()
+        if self.copier is not None:
+            self.copier.close()
+
+    async def _on_order(self, msg: Msg) -> None:
+        try:
+            order = decode(msg.data, MigrateOrder)
+        except WireError as exc:
+            log.warning("dropping migrate order: %s", exc)
+            return
+        if self.coordinator is not None:
+            self.coordinator.on_order(order)
+
+    def on_request_aborted(self, request_id: str) -> None:
+        if self.incoming is not None:
+            self.incoming.abort_request(request_id)
+
+    @property
+    def kv_address(self) -> str:
+        return self.incoming.kv_address if self.incoming is not None else ""
+
+    @property
+    def num_migrating(self) -> int:
+        outgoing = self.coordinator.num_active if self.coordinator is not None else 0
+        return outgoing + (self.incoming.num_active if self.incoming is not None else 0)
+
+    @property
+    def reserved_blocks(self) -> int:
+        return self.ops.num_reserved_blocks()

@@ -1,0 +1,41 @@
+"""Shared pieces of the migration tests: simulated engines with KV bytes, requests, a fake clock."""
+
+from __future__ import annotations
+
+from services.llumlet.engines.sim.engine import SimEngine, SimEngineConfig
+from shared.messages import GenerateRequest, SamplingParams
+
+BLOCK_SIZE = 4
+KV_BYTES_PER_TOKEN = 64
+
+
+def sim_config(**overrides) -> SimEngineConfig:
+    base = dict(time_scale=1e-5, num_blocks=64, block_size=BLOCK_SIZE, max_model_len=512,
+                kv_bytes_per_token=KV_BYTES_PER_TOKEN)
+    return SimEngineConfig(**{**base, **overrides})
+
+
+def gen(rid: str, prompt: int, max_tokens: int, reply_subject: str = "out", priority: int = 0) -> GenerateRequest:
+    return GenerateRequest(rid, list(range(1, prompt + 1)), SamplingParams(max_tokens=max_tokens),
+                           reply_subject=reply_subject, priority=priority)
+
+
+async def decode_steps(engine: SimEngine, steps: int) -> list:
+    return [o for _ in range(steps) for o in await engine.step()]
+
+
+def expected_tokens(engine: SimEngine, request_id: str, count: int) -> list[int]:
+    """The synthetic stream of a request: the same on every instance (seeded by its id)."""
+    key = engine.tokens.key(request_id)
+    return [engine.tokens.token(key, i) for i in range(count)]
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds

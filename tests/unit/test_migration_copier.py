@@ -1,0 +1,145 @@
+"""Block fusion: gather scattered blocks into one buffer and scatter it back, for every backend."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.llumlet.migration import copier as copier_module
+from services.llumlet.migration.copier import BlockCopier
+from services.llumlet.migration.ops import KVRegion
+
+BLOCKS = [9, 0, 4, 7, 2]
+
+
+async def round_trip(src_regions, dst_regions, block_ids, dst_ids) -> None:
+    src, dst = BlockCopier(src_regions), BlockCopier(dst_regions)
+    try:
+        fused = await src.gather(block_ids, slot=0)
+        assert fused.nbytes == len(block_ids) * src.block_bytes
+        await dst.scatter(dst_ids, fused)
+    finally:
+        src.close()
+        dst.close()
+
+
+async def test_numpy_blocks_round_trip_into_other_block_ids() -> None:
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 256, (10, 64), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    await round_trip([KVRegion(src)], [KVRegion(dst)], BLOCKS, [1, 2, 3, 5, 8])
+    np.testing.assert_array_equal(dst[[1, 2, 3, 5, 8]], src[BLOCKS])
+    assert not dst[[0, 4, 6, 7, 9]].any()  # nothing else was touched
+
+
+async def test_fused_layout_is_region_after_region() -> None:
+    """Two regions, the second with blocks on dimension 1 (vLLM's [2, blocks, ...] layout)."""
+    keys = np.arange(10 * 8, dtype=np.float32).reshape(10, 8)
+    kv = np.arange(2 * 10 * 4, dtype=np.int16).reshape(2, 10, 4)
+    copier = BlockCopier([KVRegion(keys, 0), KVRegion(kv, 1)])
+    assert copier.block_bytes == 8 * 4 + 2 * 4 * 2
+    fused = np.frombuffer(await copier.gather([3, 1], 0), dtype=np.uint8)
+    expected = np.concatenate([keys[[3, 1]].view(np.uint8).ravel(), kv[:, [3, 1]].view(np.uint8).ravel()])
+    np.testing.assert_array_equal(fused, expected)
+    copier.close()
+
+
+async def test_blocks_on_dimension_one_round_trip() -> None:
+    src = np.random.default_rng(1).standard_normal((2, 10, 3, 4)).astype(np.float16)
+    dst = np.zeros_like(src)
+    await round_trip([KVRegion(src, 1)], [KVRegion(dst, 1)], BLOCKS, BLOCKS[::-1])
+    np.testing.assert_array_equal(dst[:, BLOCKS[::-1]], src[:, BLOCKS])
+
+
+async def test_torch_cpu_tensors_round_trip() -> None:
+    torch = pytest.importorskip("torch")
+    src = torch.randn(2, 10, 4, 8, dtype=torch.bfloat16)
+    dst = torch.zeros_like(src)
+    await round_trip([KVRegion(src, 1)], [KVRegion(dst, 1)], BLOCKS, [0, 1, 2, 3, 4])
+    assert torch.equal(dst[:, :5], src[:, BLOCKS])
+
+
+async def test_large_copies_run_off_the_event_loop(monkeypatch) -> None:
+    monkeypatch.setattr(copier_module, "INLINE_COPY_MAX_BYTES", 0)
+    src = np.random.default_rng(2).integers(0, 256, (10, 4096), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    await round_trip([KVRegion(src)], [KVRegion(dst)], BLOCKS, BLOCKS)
+    np.testing.assert_array_equal(dst[BLOCKS], src[BLOCKS])
+
+
+async def test_staging_buffers_are_reused_and_grown() -> None:
+    pool = np.arange(10 * 1024, dtype=np.uint8).reshape(10, 1024) % 251
+    copier = BlockCopier([KVRegion(pool)], initial_frame_bytes=2048)
+    first = await copier.gather([1, 2], 0)
+    staging = copier._staging[0]
+    assert np.shares_memory(np.frombuffer(first, np.uint8), staging)
+    await copier.gather([3], 0)
+    assert copier._staging[0] is staging  # reused: no allocation per stage
+    bigger = await copier.gather(list(range(10)), 0)
+    assert copier._staging[0].nbytes >= 10 * 1024  # grown once
+    np.testing.assert_array_equal(np.frombuffer(bigger, np.uint8).reshape(10, 1024), pool)
+    other = await copier.gather([5], 1)  # the second slot is independent of the first
+    np.testing.assert_array_equal(np.frombuffer(bigger, np.uint8).reshape(10, 1024), pool)
+    np.testing.assert_array_equal(np.frombuffer(other, np.uint8), pool[5])
+    copier.close()
+
+
+async def test_payload_of_the_wrong_size_is_refused() -> None:
+    pool = np.zeros((4, 16), dtype=np.uint8)
+    copier = BlockCopier([KVRegion(pool)])
+    with pytest.raises(ValueError, match="do not fill"):
+        await copier.scatter([0, 1], memoryview(bytes(31)))
+    copier.close()
+
+
+async def test_no_kv_regions_means_empty_frames() -> None:
+    copier = BlockCopier([])
+    assert copier.block_bytes == 0 and copier.kind == "none"
+    assert (await copier.gather([1, 2, 3], 0)).nbytes == 0
+    await copier.scatter([1, 2, 3], memoryview(b""))
+    copier.close()
+
+
+async def test_torch_and_numpy_paths_fuse_the_same_bytes() -> None:
+    """A non-contiguous torch tensor takes the index_select path, a contiguous one the numpy
+    byte view: the fused buffers must be identical, so instances interoperate."""
+    torch = pytest.importorskip("torch")
+    base = torch.randn(4, 10, 2, 8, dtype=torch.float16)  # blocks on dim 1 of a [4, blocks, ...] tensor
+    strided = base.transpose(0, 1).contiguous().transpose(0, 1)  # same values, not contiguous
+    assert not strided.is_contiguous()
+    fast, slow = BlockCopier([KVRegion(base, 1)]), BlockCopier([KVRegion(strided, 1)])
+    assert bytes(await fast.gather(BLOCKS, 0)) == bytes(await slow.gather(BLOCKS, 0))
+    fast.close()
+    slow.close()
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")
+async def test_cuda_side_stream_gather_into_pinned_memory_round_trips() -> None:
+    import torch
+
+    src = torch.randn(2, 64, 16, 8, 128, dtype=torch.float16, device="cuda")
+    dst = torch.zeros_like(src)
+    ids = [5, 63, 0, 17, 9, 33]
+    src_copier, dst_copier = BlockCopier([KVRegion(src, 1)]), BlockCopier([KVRegion(dst, 1)])
+    assert src_copier.kind == "cuda"
+    assert torch.from_numpy(src_copier._staging[0]).is_pinned()
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(4):
+        busy = busy @ busy  # work queued on the default stream meanwhile
+        busy /= busy.norm()
+    fused = await src_copier.gather(ids, 0)
+    await dst_copier.scatter(list(range(6)), fused)
+    torch.cuda.synchronize()
+    assert torch.equal(dst[:, :6], src[:, ids])
+    assert not dst[:, 6:].any()
+    src_copier.close()
+    dst_copier.close()

@@ -1,0 +1,287 @@
+"""Destination side: leases, the handshake's decisions, frame admission and the lease watchdog
+(no NATS, no sockets: the registry is driven directly)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from services.llumlet.engines.sim.engine import SimEngine
+from services.llumlet.migration.copier import BlockCopier
+from services.llumlet.migration.destination import IncomingMigrations
+from services.llumlet.migration.ops import migration_ops_for
+from services.llumlet.migration.protocol import ALREADY_COMMITTED, MigrationLimits, MigrationStatus, new_migration_id
+from services.llumlet.migration.protocol import DestinationRefused
+from services.llumlet.migration.transfer import AckStatus, FrameHeader, KVReceiver, KVSenderPool
+from shared.messages import MigrationAbort, PreAlloc
+from tests.unit.migration_helpers import FakeClock, decode_steps, gen, sim_config
+
+LIMITS = MigrationLimits(lease_s=2.0, max_in=2)
+
+
+class Setup:
+    def __init__(self, refusal: str | None = None, limits: MigrationLimits = LIMITS) -> None:
+        self.engine = SimEngine(sim_config())
+        self.ops = migration_ops_for(self.engine)
+        self.copier = BlockCopier(self.ops.kv_regions())
+        self.clock = FakeClock()
+        self.changes = 0
+        self.incoming = IncomingMigrations(self.ops, self.copier, limits, refusal=lambda: refusal,
+                                           on_change=self._changed, clock=self.clock)
+        self.incoming.kv_address = "127.0.0.1:9"
+
+    def _changed(self) -> None:
+        self.changes += 1
+
+    def prealloc(self, mid: str, stage: int, num_blocks: int, request_id: str = "r"):
+        return self.incoming.handle_prealloc(PreAlloc(mid, request_id, num_blocks, LIMITS.lease_s, stage))
+
+    def frame(self, mid: str, offset: int, num_blocks: int) -> FrameHeader:
+        return FrameHeader(mid, 0, offset, num_blocks, num_blocks * self.copier.block_bytes, 0)
+
+    async def fill(self, mid: str, offset: int, num_blocks: int) -> AckStatus:
+        payload = np.zeros(num_blocks * self.copier.block_bytes, dtype=np.uint8)
+        return await self.incoming.write(self.frame(mid, offset, num_blocks), memoryview(payload))
+
+
+@pytest.fixture
+def setup():
+    s = Setup()
+    yield s
+    s.copier.close()
+
+
+def test_prealloc_grows_one_lease_stage_by_stage(setup) -> None:
+    mid = new_migration_id()
+    first, second = setup.prealloc(mid, 0, 5), setup.prealloc(mid, 1, 2)
+    assert first.ok and second.ok and first.kv_address == "127.0.0.1:9"
+    assert len(first.block_ids) == 5 and len(second.block_ids) == 2
+    assert setup.incoming.get(mid).block_ids == first.block_ids + second.block_ids
+    assert setup.engine.num_reserved_blocks() == 7 and setup.engine.num_free_blocks() == 57
+
+
+def test_repeated_prealloc_of_a_stage_reserves_once(setup) -> None:
+    mid = new_migration_id()
+    first, again = setup.prealloc(mid, 0, 5), setup.prealloc(mid, 0, 5)
+    assert again.ok and again.block_ids == first.block_ids
+    assert setup.engine.num_reserved_blocks() == 5
+
+
+def test_stage_out_of_order_is_refused(setup) -> None:
+    mid = new_migration_id()
+    assert not setup.prealloc(mid, 1, 5).ok  # unknown migration past stage 0
+    setup.prealloc(mid, 0, 1)
+    assert not setup.prealloc(mid, 2, 1).ok
+    assert setup.engine.num_reserved_blocks() == 1
+
+
+def test_no_room_refuses_and_ends_the_migration(setup) -> None:
+    mid = new_migration_id()
+    assert setup.prealloc(mid, 0, 10).ok
+    refused = setup.prealloc(mid, 1, 100)
+    assert not refused.ok and "no room" in refused.reason
+    assert setup.incoming.get(mid).status is MigrationStatus.ABORTED_DST
+    assert setup.engine.num_reserved_blocks() == 0 and setup.engine.num_free_blocks() == 64
+
+
+def test_concurrent_incoming_migrations_are_bounded(setup) -> None:
+    assert setup.prealloc(new_migration_id(), 0, 1, "a").ok
+    assert setup.prealloc(new_migration_id(), 0, 1, "b").ok
+    busy = setup.prealloc(new_migration_id(), 0, 1, "c")
+    assert not busy.ok and "busy" in busy.reason
+
+
+def test_a_draining_instance_takes_no_migration() -> None:
+    s = Setup(refusal="draining")
+    reply = s.prealloc(new_migration_id(), 0, 1)
+    assert not reply.ok and reply.reason == "draining"
+    s.copier.close()
+
+
+def test_abort_releases_and_is_idempotent(setup) -> None:
+    mid = new_migration_id()
+    setup.prealloc(mid, 0, 6)
+    assert setup.incoming.handle_abort(MigrationAbort(mid, "request finished")).ok
+    assert setup.incoming.handle_abort(MigrationAbort(mid)).ok
+    assert setup.engine.num_free_blocks() == 64 and setup.engine.num_reserved_blocks() == 0
+    assert setup.incoming.get(mid).status is MigrationStatus.ABORTED_SRC
+
+
+def test_abort_before_prealloc_refuses_a_late_prealloc(setup) -> None:
+    mid = new_migration_id()
+    assert setup.incoming.handle_abort(MigrationAbort(mid)).ok
+    assert not setup.prealloc(mid, 0, 1).ok
+    assert setup.engine.num_reserved_blocks() == 0
+
+
+async def committable(setup: Setup, request_id: str = "r"):
+    """A request decoded on a separate source engine, its KV copied into a lease here."""
+    src = SimEngine(sim_config())
+    src.add_request(gen(request_id, 10, 40))
+    await decode_steps(src, 6)
+    src.suspend(request_id)
+    blocks = src.block_ids_of(request_id)
+    mid = new_migration_id()
+    lease = setup.prealloc(mid, 0, len(blocks), request_id).block_ids
+    setup.engine.import_kv(lease, src.export_kv(blocks))
+    return mid, src.migration_commit(request_id, mid), len(blocks)
+
+
+async def test_commit_needs_every_block_written(setup) -> None:
+    mid, commit, num_blocks = await committable(setup)
+    ack, committed = setup.incoming.handle_commit(commit)
+    assert not ack.ok and "incomplete" in ack.error and not committed
+    assert setup.engine.num_reserved_blocks() == 0  # the migration is over, its lease released
+
+
+async def test_commit_adds_the_request_once(setup) -> None:
+    mid, commit, num_blocks = await committable(setup)
+    setup.incoming.get(mid).filled = num_blocks  # (the frames' bookkeeping; KV was imported directly)
+    ack, committed = setup.incoming.handle_commit(commit)
+    assert ack.ok and committed
+    assert setup.engine.verify_kv("r") and setup.engine.get_request("r") is not None
+    again, committed_again = setup.incoming.handle_commit(commit)
+    assert again.ok and not committed_again  # acked, not added twice
+    late_abort = setup.incoming.handle_abort(MigrationAbort(mid))
+    assert not late_abort.ok and late_abort.error == ALREADY_COMMITTED
+    assert setup.engine.get_request("r") is not None and setup.engine.num_reserved_blocks() == 0
+
+
+async def test_commit_after_abort_is_refused(setup) -> None:
+    mid, commit, num_blocks = await committable(setup)
+    setup.incoming.handle_abort(MigrationAbort(mid))
+    ack, committed = setup.incoming.handle_commit(commit)
+    assert not ack.ok and not committed and setup.engine.get_request("r") is None
+
+
+def test_lease_expires_without_renewal(setup) -> None:
+    mid = new_migration_id()
+    setup.prealloc(mid, 0, 8)
+    setup.clock.advance(1.5)
+    assert setup.incoming.expire() == []
+    setup.prealloc(mid, 1, 1)  # renews
+    setup.clock.advance(1.5)
+    assert setup.incoming.expire() == []
+    setup.clock.advance(1.0)
+    assert [m.migration_id for m in setup.incoming.expire()] == [mid]
+    assert setup.engine.num_free_blocks() == 64 and setup.engine.num_reserved_blocks() == 0
+    setup.clock.advance(LIMITS.tombstone_s + 1)
+    setup.incoming.expire()
+    assert setup.incoming.get(mid) is None  # the tombstone is forgotten in the end
+
+
+async def test_watchdog_task_frees_expired_leases() -> None:
+    s = Setup(limits=MigrationLimits(lease_s=0.05, watchdog_interval_s=0.01))
+    s.incoming._clock = asyncio.get_running_loop().time  # real time for the real loop
+    s.incoming.handle_prealloc(PreAlloc(new_migration_id(), "r", 4, 0.05, 0))
+    watchdog = asyncio.create_task(s.incoming.run_watchdog())
+    try:
+        async with asyncio.timeout(2):
+            while s.engine.num_reserved_blocks():
+                await asyncio.sleep(0.01)
+    finally:
+        watchdog.cancel()
+        s.copier.close()
+    assert s.engine.num_free_blocks() == 64
+
+
+async def test_frames_must_continue_the_lease_in_order(setup) -> None:
+    mid = new_migration_id()
+    setup.prealloc(mid, 0, 4)
+    assert setup.incoming.admit(setup.frame(mid, 1, 2)) is AckStatus.BAD_RANGE  # skips block 0
+    assert setup.incoming.admit(setup.frame(mid, 0, 5)) is AckStatus.BAD_RANGE  # past the lease
+    bad_size = FrameHeader(mid, 0, 0, 2, 7, 0)
+    assert setup.incoming.admit(bad_size) is AckStatus.BAD_SIZE
+    assert setup.incoming.admit(setup.frame(new_migration_id(), 0, 1)) is AckStatus.UNKNOWN_MIGRATION
+    assert await setup.fill(mid, 0, 3) is AckStatus.OK
+    assert await setup.fill(mid, 3, 1) is AckStatus.OK
+    assert setup.incoming.get(mid).filled == 4
+
+
+async def test_release_waits_for_a_scatter_in_flight(setup) -> None:
+    mid = new_migration_id()
+    setup.prealloc(mid, 0, 4)
+    started, proceed = asyncio.Event(), asyncio.Event()
+    real_scatter = setup.copier.scatter
+
+    async def slow_scatter(block_ids, payload):
+        started.set()
+        await proceed.wait()
+        await real_scatter(block_ids, payload)
+
+    setup.copier.scatter = slow_scatter
+    write = asyncio.create_task(setup.fill(mid, 0, 4))
+    await started.wait()
+    setup.incoming.handle_abort(MigrationAbort(mid))
+    assert setup.engine.num_reserved_blocks() == 4  # still being written into: not yet free
+    proceed.set()
+    assert await write is AckStatus.UNKNOWN_MIGRATION
+    assert setup.engine.num_reserved_blocks() == 0 and setup.engine.num_free_blocks() == 64
+
+
+def test_a_failed_frame_aborts_its_migration(setup) -> None:
+    mid = new_migration_id()
+    setup.prealloc(mid, 0, 4)
+    setup.incoming.frame_failed(setup.frame(mid, 0, 4), AckStatus.BAD_CHECKSUM)
+    assert setup.incoming.get(mid).status is MigrationStatus.ABORTED_DST
+    assert setup.engine.num_reserved_blocks() == 0
+
+
+def test_client_abort_drops_an_incoming_migration_of_the_request(setup) -> None:
+    mid = new_migration_id()
+    setup.prealloc(mid, 0, 4, request_id="r7")
+    setup.incoming.abort_request("other")
+    assert setup.engine.num_reserved_blocks() == 4
+    setup.incoming.abort_request("r7")
+    assert setup.engine.num_reserved_blocks() == 0
+
+
+def test_stop_releases_every_lease(setup) -> None:
+    setup.prealloc(new_migration_id(), 0, 3, "a")
+    setup.prealloc(new_migration_id(), 0, 5, "b")
+    setup.incoming.stop()
+    assert setup.engine.num_reserved_blocks() == 0 and setup.incoming.num_active == 0
+
+
+def test_status_transitions_assert_the_starting_state(setup) -> None:
+    mid = new_migration_id()
+    setup.prealloc(mid, 0, 1)
+    m = setup.incoming.get(mid)
+    m.abort(MigrationStatus.ABORTED_SRC, "test", 0.0)
+    with pytest.raises(AssertionError):
+        m.commit(0.0)
+    with pytest.raises(AssertionError):
+        m.abort(MigrationStatus.ABORTED_DST, "twice", 0.0)
+
+
+async def test_a_corrupt_frame_on_the_wire_aborts_and_nothing_is_committed(setup, monkeypatch) -> None:
+    """Through a real receiver: the checksum fails, the lease goes back, a commit is refused."""
+    src = SimEngine(sim_config())
+    src.add_request(gen("r", 30, 60))
+    await decode_steps(src, 4)
+    src.suspend("r")
+    blocks = src.block_ids_of("r")
+    src_copier = BlockCopier(migration_ops_for(src).kv_regions())
+    receiver = KVReceiver(setup.incoming, LIMITS, setup.copier.new_host_buffer)
+    address = await receiver.start()
+    senders = KVSenderPool(LIMITS)
+
+    async def corrupt(view: memoryview) -> int:
+        return 12345
+
+    monkeypatch.setattr(senders, "checksum", corrupt)
+    mid = new_migration_id()
+    setup.prealloc(mid, 0, len(blocks))
+    try:
+        with pytest.raises(DestinationRefused, match="BAD_CHECKSUM"):
+            await senders.send_stage(address, mid, 0, 0, blocks, src_copier)
+    finally:
+        senders.close()
+        await receiver.close()
+        src_copier.close()
+    assert setup.incoming.get(mid).status is MigrationStatus.ABORTED_DST
+    assert setup.engine.num_reserved_blocks() == 0 and setup.engine.num_free_blocks() == 64
+    ack, committed = setup.incoming.handle_commit(src.migration_commit("r", mid))
+    assert not ack.ok and not committed and setup.engine.get_request("r") is None

@@ -1,0 +1,248 @@
+"""KV data plane: framing, and a real loopback receiver/sender pair (no NATS)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import zlib
+
+import numpy as np
+import pytest
+
+from services.llumlet.migration.copier import BlockCopier
+from services.llumlet.migration.ops import KVRegion
+from services.llumlet.migration.protocol import (
+    DestinationGone,
+    DestinationRefused,
+    MigrationLimits,
+    new_migration_id,
+)
+from services.llumlet.migration.transfer import (
+    HEADER_SIZE,
+    AckStatus,
+    FrameAck,
+    FrameError,
+    FrameHeader,
+    KVReceiver,
+    KVSenderPool,
+    frame_chunks,
+    parse_address,
+)
+
+BLOCK_BYTES = 256
+
+
+def test_header_round_trip() -> None:
+    header = FrameHeader(new_migration_id(), stage=3, lease_offset=17, num_blocks=5, payload_len=5 * 256, payload_crc=0xDEADBEEF)
+    raw = header.pack()
+    assert len(raw) == HEADER_SIZE
+    assert FrameHeader.unpack(raw) == header
+
+
+def test_ack_round_trip() -> None:
+    ack = FrameAck(AckStatus.BAD_CHECKSUM, new_migration_id(), 2, 40)
+    assert FrameAck.unpack(ack.pack()) == ack
+
+
+@pytest.mark.parametrize("position", [0, 5, 30, HEADER_SIZE - 1])
+def test_corrupt_header_is_rejected(position: int) -> None:
+    raw = bytearray(FrameHeader(new_migration_id(), 0, 0, 1, 256, 1).pack())
+    raw[position] ^= 0x01
+    with pytest.raises(FrameError):
+        FrameHeader.unpack(raw)
+
+
+def test_truncated_header_is_rejected() -> None:
+    with pytest.raises(FrameError):
+        FrameHeader.unpack(FrameHeader(new_migration_id(), 0, 0, 1, 256, 1).pack()[:-3])
+
+
+def test_frames_split_a_stage_by_size() -> None:
+    assert frame_chunks(list(range(10)), 100, 350) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert frame_chunks(list(range(3)), 100, 10) == [[0], [1], [2]]  # at least one block per frame
+    assert frame_chunks([], 100, 350) == [[]]
+    assert frame_chunks([4, 5], 0, 350) == [[4, 5]]  # no KV bytes: one empty frame
+
+
+def test_bad_address_is_a_clear_error() -> None:
+    assert parse_address("10.0.0.1:5000") == ("10.0.0.1", 5000)
+    with pytest.raises(ValueError):
+        parse_address("nohost")
+
+
+class PoolSink:
+    """A FrameSink over one numpy pool: every frame of `migration_id` goes to `lease` blocks."""
+
+    def __init__(self, copier: BlockCopier, lease: list[int]) -> None:
+        self.copier = copier
+        self.lease = lease
+        self.migration_id = ""
+        self.filled = 0
+        self.failed: list[AckStatus] = []
+
+    def admit(self, header: FrameHeader) -> AckStatus:
+        if header.migration_id != self.migration_id:
+            return AckStatus.UNKNOWN_MIGRATION
+        if header.lease_offset != self.filled:
+            return AckStatus.BAD_RANGE
+        return AckStatus.OK
+
+    async def write(self, header: FrameHeader, payload: memoryview) -> AckStatus:
+        start = header.lease_offset
+        await self.copier.scatter(self.lease[start : start + header.num_blocks], payload)
+        self.filled += header.num_blocks
+        return AckStatus.OK
+
+    def frame_failed(self, header: FrameHeader, status: AckStatus) -> None:
+        self.failed.append(status)
+
+
+def make_pool(num_blocks: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (num_blocks, BLOCK_BYTES), dtype=np.uint8)
+
+
+@pytest.fixture
+async def link():
+    """(source pool, its copier, sender pool, destination pool, sink, receiver address)."""
+    limits = MigrationLimits(frame_bytes=4 * BLOCK_BYTES)  # small frames: a stage spans several
+    src_pool, dst_pool = make_pool(64, 1), np.zeros((64, BLOCK_BYTES), dtype=np.uint8)
+    src_copier, dst_copier = BlockCopier([KVRegion(src_pool)]), BlockCopier([KVRegion(dst_pool)])
+    sink = PoolSink(dst_copier, lease=list(range(40, 64)))
+    receiver = KVReceiver(sink, limits, dst_copier.new_host_buffer)
+    address = await receiver.start()
+    senders = KVSenderPool(limits)
+    yield src_pool, src_copier, senders, dst_pool, sink, address, receiver
+    senders.close()
+    await receiver.close()
+    src_copier.close()
+    dst_copier.close()
+
+
+async def test_stages_land_in_the_lease_blocks_over_one_connection(link) -> None:
+    src_pool, copier, senders, dst_pool, sink, address, receiver = link
+    sink.migration_id = mid = new_migration_id()
+    blocks = [7, 3, 19, 2, 30, 31, 11, 5, 8, 1]
+    first = await senders.send_stage(address, mid, 0, 0, blocks[:9], copier)
+    second = await senders.send_stage(address, mid, 1, 9, blocks[9:], copier)
+    assert (first.num_frames, second.num_frames) == (3, 1)
+    assert first.num_bytes == 9 * BLOCK_BYTES
+    np.testing.assert_array_equal(dst_pool[40:50], src_pool[blocks])
+    assert len(receiver._connections) == 1  # reused across stages
+    assert sink.failed == []
+
+
+async def test_corrupt_payload_is_refused_and_reported(link, monkeypatch) -> None:
+    src_pool, copier, senders, dst_pool, sink, address, receiver = link
+    sink.migration_id = mid = new_migration_id()
+
+    async def wrong_crc(view: memoryview) -> int:
+        return zlib.crc32(view) ^ 1
+
+    monkeypatch.setattr(senders, "checksum", wrong_crc)
+    with pytest.raises(DestinationRefused, match="BAD_CHECKSUM"):
+        await senders.send_stage(address, mid, 0, 0, [1, 2, 3], copier)
+    assert sink.failed == [AckStatus.BAD_CHECKSUM]  # the destination aborts that migration
+
+
+async def test_unknown_migration_is_refused(link) -> None:
+    src_pool, copier, senders, dst_pool, sink, address, receiver = link
+    sink.migration_id = new_migration_id()
+    with pytest.raises(DestinationRefused, match="UNKNOWN_MIGRATION"):
+        await senders.send_stage(address, new_migration_id(), 0, 0, [1], copier)
+    # The connection stays usable for the next (valid) stage.
+    await senders.send_stage(address, sink.migration_id, 0, 0, [4], copier)
+    np.testing.assert_array_equal(dst_pool[40], src_pool[4])
+
+
+async def raw_connection(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = parse_address(address)
+    return await asyncio.open_connection(host, port)
+
+
+async def closed_by_peer(reader: asyncio.StreamReader) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(), 2.0) == b""
+    except ConnectionResetError:  # closed with our bytes still unread
+        return True
+
+
+async def wait_until(predicate, timeout_s: float = 2.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
+async def test_truncated_frame_fails_its_migration(link) -> None:
+    src_pool, copier, senders, dst_pool, sink, address, receiver = link
+    sink.migration_id = mid = new_migration_id()
+    payload = src_pool[[1, 2]].tobytes()
+    reader, writer = await raw_connection(address)
+    writer.write(FrameHeader(mid, 0, 0, 2, len(payload), zlib.crc32(payload)).pack() + payload[:300])
+    await writer.drain()
+    writer.close()
+    await wait_until(lambda: sink.failed == [AckStatus.TRUNCATED])
+    assert sink.filled == 0 and not dst_pool.any()
+
+
+async def test_garbage_header_closes_the_connection(link) -> None:
+    src_pool, copier, senders, dst_pool, sink, address, receiver = link
+    reader, writer = await raw_connection(address)
+    writer.write(b"GET / HTTP/1.1\r\n" + b"x" * HEADER_SIZE)
+    await writer.drain()
+    assert await closed_by_peer(reader)
+    writer.close()
+    assert sink.failed == []
+
+
+async def test_oversized_frame_closes_the_connection(link) -> None:
+    src_pool, copier, senders, dst_pool, sink, address, receiver = link
+    reader, writer = await raw_connection(address)
+    writer.write(FrameHeader(new_migration_id(), 0, 0, 1, receiver.limits.max_frame_bytes + 1, 0).pack())
+    await writer.drain()
+    assert await closed_by_peer(reader)
+    writer.close()
+
+
+async def test_receiver_gone_is_destination_gone() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = "127.0.0.1:%d" % sock.getsockname()[1]  # bound, never listening: refused
+    copier = BlockCopier([KVRegion(make_pool(4, 0))])
+    senders = KVSenderPool(MigrationLimits())
+    with pytest.raises(DestinationGone):
+        await senders.send_stage(address, new_migration_id(), 0, 0, [1], copier)
+    senders.close()
+    copier.close()
+
+
+async def test_bandwidth_cap_paces_frames(link) -> None:
+    src_pool, copier, _, dst_pool, sink, address, receiver = link
+    sink.migration_id = mid = new_migration_id()
+    rate = 40 * BLOCK_BYTES  # bytes per second
+    senders = KVSenderPool(MigrationLimits(bandwidth_bytes_per_s=rate, throttle_frame_s=0.05))
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    transfer = await senders.send_stage(address, mid, 0, 0, list(range(12)), copier)  # 12 frames of 2 blocks
+    elapsed = loop.time() - started
+    senders.close()
+    assert transfer.num_frames == 6
+    assert elapsed >= 10 * BLOCK_BYTES / rate * 0.9  # the 6th frame waits for the first 5 to "drain"
+    np.testing.assert_array_equal(dst_pool[40:52], src_pool[:12])
+
+
+async def test_a_slow_scatter_pauses_the_receiver_without_losing_frames(link) -> None:
+    src_pool, copier, senders, dst_pool, sink, address, receiver = link
+    sink.migration_id = mid = new_migration_id()
+    real_write = sink.write
+
+    async def slow_write(header, payload):
+        await asyncio.sleep(0.01)
+        return await real_write(header, payload)
+
+    sink.write = slow_write
+    blocks = list(range(24))
+    transfer = await senders.send_stage(address, mid, 0, 0, blocks, copier)  # 6 frames, 2 buffers
+    assert transfer.num_frames == 6 and sink.failed == []
+    np.testing.assert_array_equal(dst_pool[40:64], src_pool[blocks])
+    (connection,) = receiver._connections
+    assert len(connection._buffers) == 2  # back-pressure, not more memory

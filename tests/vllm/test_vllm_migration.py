@@ -1,0 +1,274 @@
+"""Live migration between two real vLLM llumlets (each its own process: vLLM's KV connector is
+process-wide): with greedy sampling, a request migrated mid-decode, once or back and forth,
+produces exactly the tokens it produces unmigrated, and every block comes back on both sides.
+
+Migrations are ordered directly (a MigrateOrder to the source), with the scheduler's own pairing
+off, so each test knows which moves happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import httpx
+import nats
+import pytest
+
+from shared import subjects
+from shared.messages import MigrateOrder, TokenChunk, decode, encode
+from tests.support.cluster import Cluster
+from tests.support.observer import NatsObserver
+
+pytestmark = pytest.mark.vllm
+REPO = Path(__file__).resolve().parents[2]
+SELF_CHECK_PREFIX = "SELF-CHECK "
+
+MAX_MODEL_LEN = 2048
+OUTPUT_LEN = 1600  # long enough for several moves; blocks of 128 tokens: multi-stage copies
+LLUMLET = ("--max-model-len", str(MAX_MODEL_LEN), "--vllm-kv-cache-gib", "0.02", "--report-interval-s", "0.05")
+INSTANCES = ("vm-a", "vm-b")
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    from shared.embedded_nats import start_nats
+
+    server = start_nats()
+    cluster = Cluster(server.url, tiny_model_dir, tmp_path_factory.mktemp("vllm-migration-logs"))
+    cluster.start_scheduler("--no-enable-migration")
+    for instance_id in INSTANCES:
+        cluster.start_llumlet(instance_id, *LLUMLET, engine="vllm")
+    cluster.start_gateway()
+    try:
+        cluster.wait_ready(instances=len(INSTANCES), timeout_s=240)
+        yield cluster
+    finally:
+        cluster.stop()
+        server.stop()
+
+
+class Watch:
+    """Load reports, and every token chunk on its way to the gateway."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.chunks: dict[str, list[TokenChunk]] = defaultdict(list)
+
+    async def __aenter__(self) -> Watch:
+        self.observer = await NatsObserver(self.url).__aenter__()
+        self.nc = await nats.connect(self.url)
+
+        async def on_chunk(msg) -> None:
+            chunk = decode(msg.data, TokenChunk)
+            self.chunks[chunk.request_id].append(chunk)
+
+        await self.nc.subscribe(f"{subjects.PREFIX}.gateway.*.out", cb=on_chunk)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.nc.close()
+        await self.observer.__aexit__(*exc)
+
+    def publishers(self, request_id: str) -> list[str]:
+        seen: list[str] = []
+        for chunk in self.chunks[request_id]:
+            if chunk.token_ids and (not seen or seen[-1] != chunk.instance_id):
+                seen.append(chunk.instance_id)
+        return seen
+
+    def tokens(self, request_id: str) -> list[int]:
+        by_index: dict[int, int] = {}
+        for chunk in self.chunks[request_id]:
+            for i, token in enumerate(chunk.token_ids):
+                assert by_index.setdefault(chunk.start_index + i, token) == token, "conflicting duplicate"
+        assert sorted(by_index) == list(range(len(by_index))), "a gap in the token indices"
+        return [by_index[i] for i in range(len(by_index))]
+
+    def live_request(self) -> str | None:
+        live = [rid for rid, chunks in self.chunks.items() if not any(c.finish_reason for c in chunks)]
+        return live[0] if len(live) == 1 else None
+
+    async def until(self, predicate, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if predicate():
+                return True
+            await asyncio.sleep(0.005)
+        return False
+
+    async def move(self, request_id: str, src: str, dst: str, timeout_s: float = 10.0) -> None:
+        """Pair src → dst until the request publishes from dst, then cancel the pair."""
+        pair = f"test-{uuid.uuid4().hex[:8]}"
+        await self.nc.publish(subjects.llumlet(src, "migrate"), encode(MigrateOrder(pair, dst)))
+        moved = await self.until(lambda: self.publishers(request_id)[-1:] == [dst], timeout_s)
+        await self.nc.publish(subjects.llumlet(src, "migrate"), encode(MigrateOrder(pair, dst, cancel=True)))
+        assert moved, f"{request_id} did not move {src} → {dst}: {self.publishers(request_id)}"
+
+
+def all_free(latest) -> bool:
+    return all(
+        i in latest and latest[i].num_blocks_free == latest[i].num_blocks_total and latest[i].reserved_blocks == 0
+        and latest[i].num_running == 0 and latest[i].num_waiting == 0 and latest[i].num_migrating == 0
+        for i in INSTANCES
+    )
+
+
+async def complete(http: httpx.AsyncClient, prompt: list[int]) -> dict:
+    model = (await http.get("/v1/models")).json()["data"][0]["id"]
+    reply = await http.post("/v1/completions", json={
+        "model": model, "prompt": prompt, "max_tokens": OUTPUT_LEN, "temperature": 0, "ignore_eos": True,
+    })
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+async def run_with_moves(cluster: Cluster, prompt: list[int], num_moves: int) -> None:
+    async with Watch(cluster.nats_url) as watch, httpx.AsyncClient(base_url=cluster.base_url, timeout=120) as http:
+        assert await watch.observer.wait_for(all_free, 30), watch.observer.latest
+        reference = await complete(http, prompt)
+        (reference_id,) = watch.chunks
+        expected = watch.tokens(reference_id)
+        assert len(expected) == OUTPUT_LEN and len(watch.publishers(reference_id)) == 1
+
+        task = asyncio.create_task(complete(http, prompt))
+        assert await watch.until(lambda: watch.live_request() is not None, 30)
+        request_id = watch.live_request()
+        for move in range(num_moves):
+            # Let it decode past a few more blocks first: the move copies them in stages.
+            goal = (move + 1) * OUTPUT_LEN // (num_moves + 2)
+            assert await watch.until(lambda: len(watch.tokens(request_id)) >= goal, 60)
+            src = watch.publishers(request_id)[-1]
+            await watch.move(request_id, src, next(i for i in INSTANCES if i != src))
+        result = await task
+
+        publishers = watch.publishers(request_id)
+        assert len(publishers) == num_moves + 1, publishers
+        assert watch.tokens(request_id) == expected
+        assert result["choices"][0]["text"] == reference["choices"][0]["text"]
+        assert result["usage"]["completion_tokens"] == OUTPUT_LEN
+        # Every held, leased and allocated block is back, on both instances.
+        assert await watch.observer.wait_for(all_free, 10), watch.observer.latest
+
+
+def downtimes_ms(cluster: Cluster) -> list[float]:
+    pattern = re.compile(r"migrated \S+ to \S+ in (\d+) stages \(downtime ([\d.]+) ms\)")
+    return [float(m.group(2)) for i in INSTANCES for m in pattern.finditer(cluster.procs[i].log())]
+
+
+async def test_migrated_once_mid_decode_continues_with_the_same_tokens(cluster):
+    await run_with_moves(cluster, [(11 * i) % 200 + 5 for i in range(40)], num_moves=1)
+    print("downtimes (ms):", downtimes_ms(cluster))
+
+
+async def test_migrated_back_and_forth_continues_with_the_same_tokens(cluster):
+    before = len(downtimes_ms(cluster))
+    await run_with_moves(cluster, [(13 * i) % 250 + 3 for i in range(60)], num_moves=5)
+    times = downtimes_ms(cluster)
+    assert len(times) - before == 5, times
+    print("downtimes (ms):", times)
+
+
+# -- the adapter alone: one engine migrating requests into itself (no NATS, no sockets) -----------
+# Run in a subprocess (`python -m tests.vllm.test_vllm_migration MODEL_DIR`): one vLLM engine per
+# process. Prefix caching is off, so the destination loads every block through the connector.
+
+
+def test_adapter_moves_resumes_and_frees_on_one_engine(tiny_model_dir):
+    done = subprocess.run([sys.executable, "-m", "tests.vllm.test_vllm_migration", str(tiny_model_dir)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(SELF_CHECK_PREFIX)]
+    assert done.returncode == 0 and len(lines) == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(lines[0].removeprefix(SELF_CHECK_PREFIX))
+    assert result["migrated_matches"], result
+    assert result["resumed_matches"], result
+    assert not result["corrupted_matches"], "zeroed KV gave the same tokens: the check has no teeth"
+    assert result["short_reservation"] is None
+    assert result["free_after"] == result["free_before"] and result["reserved_after"] == 0, result
+
+
+async def _self_check(model_dir: str) -> dict:
+    from services.llumlet.engines.vllm_engine import VllmEngine, VllmEngineConfig
+    from services.llumlet.migration.copier import BlockCopier
+    from shared.messages import GenerateRequest, SamplingParams
+
+    block_size, output_len = 32, 80
+    engine = VllmEngine(VllmEngineConfig(model_dir=model_dir, max_model_len=512, block_size=block_size,
+                                         kv_cache_space_gib=64 * block_size * 1024 / (1 << 30),
+                                         enable_prefix_caching=False))
+    await engine.start()
+    copier = BlockCopier(engine.kv_regions())  # the KV tensors exist once the engine started
+    tokens: dict[str, dict[int, int]] = defaultdict(dict)
+    finished: set[str] = set()
+
+    async def step_until(predicate) -> None:
+        while not predicate():
+            for out in await engine.step():
+                tokens[out.request_id].update((out.start_index + i, t) for i, t in enumerate(out.token_ids))
+                if out.finish_reason is not None:
+                    finished.add(out.request_id)
+
+    def add(request_id: str) -> None:
+        engine.add_request(GenerateRequest(request_id, prompt, SamplingParams(max_tokens=output_len, temperature=0.0,
+                                                                             ignore_eos=True), "unused"))
+
+    def output(request_id: str) -> list[int | None]:
+        return [tokens[request_id].get(i) for i in range(output_len)]
+
+    async def self_migrate(request_id: str, corrupt: bool = False) -> None:
+        """Two stages into a lease on the same engine, then commit there."""
+        lease = f"lease-{request_id}"
+        await step_until(lambda: len(tokens[request_id]) >= 20)
+        full = engine.migration_snapshot(request_id).num_computed_tokens // block_size
+        await copier.scatter(engine.reserve_blocks(lease, full),
+                             await copier.gather(engine.block_ids_of(request_id)[:full], 0))
+        await step_until(lambda: len(tokens[request_id]) >= 30)
+        assert engine.suspend(request_id)
+        rest = engine.block_ids_of(request_id)[full:]
+        payload = await copier.gather(rest, 0)
+        if corrupt:
+            payload = bytes(len(payload))
+        await copier.scatter(engine.reserve_blocks(lease, len(rest)), payload)
+        commit = engine.migration_commit(request_id, f"m-{request_id}")
+        assert engine.release_migrated(request_id)
+        engine.add_migrated(commit, lease)
+
+    prompt = [(7 * i) % 300 + 3 for i in range(70)]
+    add("reference")
+    await step_until(lambda: "reference" in finished)
+    free_before = engine.num_free_blocks()
+    add("migrated")
+    await self_migrate("migrated")
+    add("corrupted")
+    await self_migrate("corrupted", corrupt=True)
+    add("resumed")
+    await step_until(lambda: len(tokens["resumed"]) >= 25)
+    assert engine.suspend("resumed")
+    assert engine.resume("resumed")
+    await step_until(lambda: {"migrated", "corrupted", "resumed"} <= finished)
+    short = engine.reserve_blocks("too-many", engine.num_blocks_total + 1)
+    engine.reserve_blocks("dropped", 3)
+    engine.release_reservation("dropped")
+    await step_until(lambda: not engine.has_work())
+    result = {
+        "migrated_matches": output("migrated") == output("reference"),
+        "corrupted_matches": output("corrupted") == output("reference"),
+        "resumed_matches": output("resumed") == output("reference"),
+        "short_reservation": short,
+        "free_before": free_before,
+        "free_after": engine.num_free_blocks(),
+        "reserved_after": engine.num_reserved_blocks(),
+    }
+    await engine.stop()
+    return result
+
+
+if __name__ == "__main__":
+    print(SELF_CHECK_PREFIX + json.dumps(asyncio.run(_self_check(sys.argv[1]))), flush=True)
