@@ -1,0 +1,126 @@
+"""Autoscaler: keeps the average normal-priority freeness inside a band by adding instances and
+draining them. A drained instance is stopped only once it is empty, so no request is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+
+from services.autoscaler.config import AutoscalerConfig
+from services.autoscaler.providers import InstanceProvider
+from shared import subjects
+from shared.instance_table import InstanceTable
+from shared.messages import Ack, DrainOrder, LoadReport, ScalingEvent, WireError, decode, encode
+from shared.nats_client import connect
+from shared.policy.scaling import ScaleAction, ScalingState, scaling_decision
+
+log = logging.getLogger(__name__)
+
+
+class Autoscaler:
+    def __init__(self, config: AutoscalerConfig, provider: InstanceProvider) -> None:
+        self.config = config
+        self.provider = provider
+        self.table = InstanceTable(config.instance_timeout_s)
+        self.state = ScalingState()
+        self.nc: Client | None = None
+        self._starting: dict[str, float] = {}  # started, not yet reporting → start time
+        self._draining: set[str] = set()
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.nc = await connect(self.config.nats_url, "autoscaler")
+        await self.nc.subscribe(subjects.LOAD_REPORTS_ALL, cb=self._on_report)
+        for _ in range(self.config.initial_instances):
+            self._start_one()
+        self._task = asyncio.create_task(self._loop(), name="autoscaler-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.to_thread(self.provider.stop_all)
+        if self.nc is not None and not self.nc.is_closed:
+            await self.nc.drain()
+
+    async def _on_report(self, msg: Msg) -> None:
+        try:
+            report = decode(msg.data, LoadReport)
+        except WireError as exc:
+            log.warning("dropping load report: %s", exc)
+            return
+        self.table.update(report)
+        self._starting.pop(report.instance_id, None)
+
+    def _start_one(self) -> str:
+        instance_id = self.provider.start_instance()
+        self._starting[instance_id] = time.monotonic()
+        return instance_id
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.tick_s)
+            await self.tick()
+
+    async def tick(self) -> None:
+        await self._forget_failed_starts()
+        await self._stop_drained()
+        loads = [l for l in self.table.live() if l.instance_id not in self._draining]
+        decision, self.state = scaling_decision(
+            loads, self.state, self.config.scaling, time.monotonic(), pending=len(self._starting)
+        )
+        if decision.action is ScaleAction.OUT:
+            instance_id = self._start_one()
+            await self._event("scale_out", instance_id, decision.average_freeness)
+        elif decision.action is ScaleAction.IN:
+            victim = self._managed_victim(loads, decision.victim)
+            if victim is not None:
+                await self._drain(victim)
+                await self._event("drain", victim, decision.average_freeness)
+
+    def _managed_victim(self, loads: list[LoadReport], preferred: str | None) -> str | None:
+        """The policy's victim if this provider can stop it, else the emptiest one it can."""
+        managed = self.provider.managed()
+        if preferred in managed:
+            return preferred
+        candidates = [l for l in loads if l.instance_id in managed]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda l: (l.num_running + l.num_waiting, l.instance_id)).instance_id
+
+    async def _drain(self, instance_id: str) -> None:
+        try:
+            reply = await self.nc.request(subjects.llumlet(instance_id, "drain"), encode(DrainOrder(drain=True)), timeout=2.0)
+            decode(reply.data, Ack)
+        except (NoRespondersError, TimeoutError) as exc:
+            log.warning("drain order to %s not acknowledged (%s); stopping it when it stops reporting", instance_id, exc)
+        self._draining.add(instance_id)
+
+    async def _stop_drained(self) -> None:
+        for instance_id in list(self._draining):
+            report = self.table.get(instance_id)
+            gone = report is None
+            empty = report is not None and report.draining and report.num_running == 0 and report.num_waiting == 0
+            if gone or empty:
+                self._draining.discard(instance_id)
+                self.table.remove(instance_id)
+                await asyncio.to_thread(self.provider.stop_instance, instance_id)
+                await self._event("stopped", instance_id, None)
+
+    async def _forget_failed_starts(self) -> None:
+        now = time.monotonic()
+        for instance_id, started in list(self._starting.items()):
+            if now - started > self.config.start_timeout_s:
+                log.error("instance %s never reported; giving up on it", instance_id)
+                del self._starting[instance_id]
+                await asyncio.to_thread(self.provider.stop_instance, instance_id)
+
+    async def _event(self, action: str, instance_id: str, average: float | None) -> None:
+        log.info("%s %s (average freeness %s)", action, instance_id, average)
+        event = ScalingEvent(action, instance_id, len(self.provider.managed()), time.time(), average)
+        await self.nc.publish(subjects.SCALING_EVENTS, encode(event))

@@ -1,0 +1,142 @@
+"""`corral`: start the whole cluster (`corral up`) or one service (`corral gateway`, ...)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from shared.config import env
+from shared.logs import setup_logging
+
+
+def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
+    from services.supervisor import run_cluster
+    from services.tools.make_model import ensure_tiny_model
+
+    model_dir = args.model or str(ensure_tiny_model())
+    llumlet_args = ["--model", model_dir, *extra]
+    if args.engine:
+        llumlet_args += ["--engine", args.engine]
+    gateway_args = ["--model", model_dir, "--port", str(args.port), "--host", args.host]
+    autoscaler_args = None
+    if args.autoscale:  # the autoscaler starts (and stops) the llumlets itself
+        autoscaler_args = ["--initial-instances", str(args.instances), "--min-instances", str(args.min_instances),
+                           "--max-instances", str(args.max_instances), "--llumlet-args", shlex.join(llumlet_args)]
+    return run_cluster(
+        nats_url=args.nats_url,
+        instances=args.instances,
+        gateway_args=gateway_args,
+        llumlet_args=llumlet_args,
+        scheduler_args=[],
+        autoscaler_args=autoscaler_args,
+        port=args.port,
+        ready_timeout_s=args.ready_timeout_s,
+    )
+
+
+def _cmd_scheduler(args: argparse.Namespace) -> int:
+    from services.global_scheduler.config import config_from_args
+    from services.global_scheduler.service import GlobalScheduler
+    from services.runner import run, serve_until_signalled
+
+    run(serve_until_signalled(GlobalScheduler(config_from_args(args))))
+    return 0
+
+
+def _cmd_llumlet(args: argparse.Namespace) -> int:
+    from services.llumlet.config import config_from_args
+    from services.llumlet.engines import create_engine
+    from services.llumlet.service import Llumlet
+    from services.runner import run, serve_until_signalled
+
+    config = config_from_args(args)
+    llumlet = Llumlet(config, create_engine(config))
+    run(serve_until_signalled(llumlet, wait=llumlet.wait_failed))
+    return 0
+
+
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    from services.gateway.config import ConfigError, config_from_args
+    from services.gateway.service import serve
+    from services.runner import run
+
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"corral gateway: error: {exc}", file=sys.stderr)
+        return 2
+    run(serve(config))
+    return 0
+
+
+def _cmd_autoscaler(args: argparse.Namespace) -> int:
+    from services.autoscaler.config import config_from_args
+    from services.autoscaler.providers import LocalProcessProvider
+    from services.autoscaler.service import Autoscaler
+    from services.runner import run, serve_until_signalled
+
+    config = config_from_args(args)
+    provider = LocalProcessProvider(config.nats_url, config.llumlet_args, config.instance_prefix)
+    run(serve_until_signalled(Autoscaler(config, provider)))
+    return 0
+
+
+def _cmd_make_model(args: argparse.Namespace) -> int:
+    from services.tools.make_model import run as make_model
+
+    return make_model(args) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from services.autoscaler.config import add_arguments as autoscaler_arguments
+    from services.gateway.config import add_arguments as gateway_arguments
+    from services.global_scheduler.config import add_arguments as scheduler_arguments
+    from services.llumlet.config import add_arguments as llumlet_arguments
+    from services.tools.make_model import add_arguments as make_model_arguments
+
+    parser = argparse.ArgumentParser(prog="corral", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start NATS (embedded unless --nats-url), the scheduler, N llumlets and the gateway",
+                        description="Unrecognised flags are passed to every llumlet (see `corral llumlet --help`).")
+    up.add_argument("--nats-url", default=env("NATS_URL", None), help="use this NATS server instead of an embedded one")
+    up.add_argument("--instances", type=int, default=2, help="number of llumlets")
+    up.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
+    up.add_argument("--host", default="127.0.0.1", help="gateway bind address")
+    up.add_argument("--engine", choices=["sim", "vllm"], default=None, help="default: vllm when importable, else sim")
+    up.add_argument("--model", default=None, help="local model directory (default: a tiny Llama made on first use)")
+    up.add_argument("--ready-timeout-s", type=float, default=300.0)
+    up.add_argument("--autoscale", action="store_true",
+                    help="let the autoscaler start and stop llumlets (--instances is the initial count)")
+    up.add_argument("--min-instances", type=int, default=1)
+    up.add_argument("--max-instances", type=int, default=8)
+
+    scheduler_arguments(sub.add_parser("scheduler", help="run the global scheduler"))
+    llumlet_arguments(sub.add_parser("llumlet", help="run one llumlet (one engine instance)"))
+    gateway_arguments(sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway"))
+    autoscaler_arguments(sub.add_parser("autoscaler", help="run the autoscaler (starts llumlets as local processes)"))
+    make_model_arguments(sub.add_parser("make-model", help="write a tiny random-weight Llama model for tests and demos"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "up":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    setup_logging(args.command)
+    handlers = {
+        "scheduler": _cmd_scheduler,
+        "llumlet": _cmd_llumlet,
+        "gateway": _cmd_gateway,
+        "autoscaler": _cmd_autoscaler,
+        "make-model": _cmd_make_model,
+    }
+    if args.command == "up":
+        return _cmd_up(args, extra)
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Global scheduler settings."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+from shared.config import add_nats_argument, env
+from shared.policy.config import PolicyConfig
+
+
+@dataclass
+class SchedulerConfig:
+    nats_url: str
+    instance_timeout_s: float = 3.0
+    migration_interval_s: float = 0.1
+    enable_migration: bool = True
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_nats_argument(parser)
+    parser.add_argument("--instance-timeout-s", type=float, default=env("INSTANCE_TIMEOUT_S", 3.0),
+                        help="drop an instance that has not reported for this long")
+    parser.add_argument("--migration-interval-s", type=float, default=env("MIGRATION_INTERVAL_S", 0.1))
+    parser.add_argument("--enable-migration", action=argparse.BooleanOptionalAction,
+                        default=env("ENABLE_MIGRATION", True), help="pair sources and destinations (default: on)")
+    defaults = PolicyConfig()
+    parser.add_argument("--migrate-out-freeness", type=float, default=env("MIGRATE_OUT_FREENESS", defaults.migrate_out_freeness),
+                        help="instances below this freeness migrate requests out")
+    parser.add_argument("--migrate-in-freeness", type=float, default=env("MIGRATE_IN_FREENESS", defaults.migrate_in_freeness),
+                        help="instances above this freeness take migrated requests")
+
+
+def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        nats_url=args.nats_url,
+        instance_timeout_s=args.instance_timeout_s,
+        migration_interval_s=args.migration_interval_s,
+        enable_migration=args.enable_migration,
+        policy=policy_from_args(args),
+    )
+
+
+def policy_from_args(args: argparse.Namespace) -> PolicyConfig:
+    if args.migration_interval_s <= 0:
+        raise SystemExit("--migration-interval-s must be positive")
+    if args.migrate_out_freeness >= args.migrate_in_freeness:
+        raise SystemExit("--migrate-out-freeness must be below --migrate-in-freeness (the gap stops ping-pong)")
+    return dataclasses.replace(PolicyConfig(), migrate_out_freeness=args.migrate_out_freeness,
+                               migrate_in_freeness=args.migrate_in_freeness)

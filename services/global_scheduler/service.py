@@ -1,0 +1,80 @@
+"""Global scheduler: a load table from reports; answers dispatch requests by freeness."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from services.global_scheduler.config import SchedulerConfig
+from services.global_scheduler.migration_loop import MigrationLoop, MigrationPairer
+from shared import subjects
+from shared.instance_table import InstanceTable
+from shared.messages import DispatchReply, DispatchRequest, LoadReport, WireError, decode, encode
+from shared.nats_client import connect
+from shared.policy.dispatch import account_dispatch, choose_instance
+
+log = logging.getLogger(__name__)
+
+
+class GlobalScheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.table = InstanceTable(config.instance_timeout_s)
+        self.nc: Client | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.dispatched: dict[str, int] = {}
+        self.migration_loop: MigrationLoop | None = None
+
+    async def start(self) -> None:
+        self.nc = await connect(self.config.nats_url, "global-scheduler")
+        await self.nc.subscribe(subjects.LOAD_REPORTS_ALL, cb=self._on_report)
+        await self.nc.subscribe(subjects.DISPATCH, queue=subjects.SCHEDULER_QUEUE, cb=self._on_dispatch)
+        self._tasks = [asyncio.create_task(self._expiry_loop(), name="expiry")]
+        if self.config.enable_migration:
+            self.migration_loop = MigrationLoop(MigrationPairer(self.config.policy), self.table.live, self.nc.publish,
+                                                self.config.migration_interval_s)
+            self._tasks.append(asyncio.create_task(self.migration_loop.run(), name="migration-pairing"))
+        log.info("global scheduler up (migration %s)", "on" if self.config.enable_migration else "off")
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.nc is not None and not self.nc.is_closed:
+            await self.nc.drain()
+
+    async def _on_report(self, msg: Msg) -> None:
+        try:
+            report = decode(msg.data, LoadReport)
+        except WireError as exc:
+            log.warning("dropping load report: %s", exc)
+            return
+        if self.table.get(report.instance_id) is None:
+            log.info("instance %s joined (%s, %d blocks)", report.instance_id, report.engine, report.num_blocks_total)
+        self.table.update(report)
+
+    def decide(self, request: DispatchRequest) -> DispatchReply:
+        decision = choose_instance(self.table.live(), request, self.config.policy)
+        if decision.instance_id is None:
+            return DispatchReply(rejected=decision.rejected)
+        chosen = self.table.get(decision.instance_id)
+        self.table.replace_load(account_dispatch(chosen, request))
+        self.dispatched[decision.instance_id] = self.dispatched.get(decision.instance_id, 0) + 1
+        return DispatchReply(instance_id=decision.instance_id)
+
+    async def _on_dispatch(self, msg: Msg) -> None:
+        try:
+            request = decode(msg.data, DispatchRequest)
+        except WireError as exc:
+            await msg.respond(encode(DispatchReply(rejected=str(exc))))
+            return
+        await msg.respond(encode(self.decide(request)))
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.instance_timeout_s / 4)
+            for instance_id in self.table.expire():
+                log.warning("instance %s stopped reporting; dropped", instance_id)

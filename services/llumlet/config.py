@@ -1,0 +1,155 @@
+"""Llumlet settings: one dataclass, flags with env-variable defaults."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from services.llumlet.migration.protocol import MigrationLimits
+from shared import subjects
+from shared.config import add_nats_argument, env, short_id
+from shared.policy.config import PolicyConfig
+
+
+@dataclass
+class SimSettings:
+    num_blocks: int = 851
+    block_size: int = 16
+    gpu: str = "A10"
+    time_scale: float = 1.0
+    queue_policy: str = "fcfs"
+    step_mode: str = "v1"
+    kv_bytes_per_token: int = 64
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+
+
+@dataclass
+class VllmSettings:
+    kv_cache_space_gib: float = 1.0
+    max_num_seqs: int = 64
+
+
+@dataclass
+class LlumletConfig:
+    instance_id: str
+    nats_url: str
+    engine: str = "sim"
+    model_dir: str | None = None
+    max_model_len: int = 2048
+    report_interval_s: float = 0.05
+    metrics_port: int = 0  # Prometheus /metrics (0: off; several llumlets on one host would collide)
+    # Publish a report at once when free blocks moved by this fraction of the capacity.
+    report_change_fraction: float = 0.05
+    seed: int = 0
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # Live migration: the KV receiver listens on kv_host:kv_port (0: an ephemeral port) and is
+    # advertised to peers as kv_advertise_host (default: kv_host).
+    enable_migration: bool = True
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 0
+    kv_advertise_host: str | None = None
+    migration: MigrationLimits = field(default_factory=MigrationLimits)
+    sim: SimSettings = field(default_factory=SimSettings)
+    vllm: VllmSettings = field(default_factory=VllmSettings)
+
+
+def default_engine() -> str:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return "sim"
+    return "vllm"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_nats_argument(parser)
+    parser.add_argument("--instance-id", default=env("INSTANCE_ID", None), help="default: a random id")
+    parser.add_argument("--engine", choices=["sim", "vllm"], default=env("ENGINE", None),
+                        help="inference engine (default: vllm when importable, else sim)")
+    parser.add_argument("--model", dest="model_dir", default=env("MODEL_DIR", None),
+                        help="local model directory (env CORRAL_MODEL_DIR)")
+    parser.add_argument("--max-model-len", type=int, default=env("MAX_MODEL_LEN", 2048))
+    parser.add_argument("--report-interval-s", type=float, default=env("REPORT_INTERVAL_S", 0.05))
+    parser.add_argument("--seed", type=int, default=env("SEED", 0))
+    parser.add_argument("--metrics-port", type=int, default=env("METRICS_PORT", 0),
+                        help="serve Prometheus metrics on this port (0: off)")
+    mig = parser.add_argument_group("live migration")
+    mig.add_argument("--enable-migration", action=argparse.BooleanOptionalAction,
+                     default=env("ENABLE_MIGRATION", True), help="take part in live migration (default: on)")
+    mig.add_argument("--kv-host", default=env("KV_HOST", "127.0.0.1"), help="KV receiver bind address")
+    mig.add_argument("--kv-port", type=int, default=env("KV_PORT", 0), help="KV receiver port (0: ephemeral)")
+    mig.add_argument("--kv-advertise-host", default=env("KV_ADVERTISE_HOST", None),
+                     help="address peers use to reach the KV receiver (default: --kv-host)")
+    defaults = MigrationLimits()
+    mig.add_argument("--migration-max-out", type=int, default=env("MIGRATION_MAX_OUT", defaults.max_out),
+                     help="concurrent outgoing migrations")
+    mig.add_argument("--migration-max-in", type=int, default=env("MIGRATION_MAX_IN", defaults.max_in),
+                     help="concurrent incoming migrations")
+    mig.add_argument("--migration-stage-limit", type=int, default=env("MIGRATION_STAGE_LIMIT", defaults.stage_limit),
+                     help="the last stage is forced at this stage count (1: blocking copy)")
+    mig.add_argument("--migration-last-stage-blocks", type=int,
+                     default=env("MIGRATION_LAST_STAGE_BLOCKS", defaults.last_stage_blocks),
+                     help="suspend and copy the rest once at most this many full blocks remain")
+    mig.add_argument("--migration-lease-s", type=float, default=env("MIGRATION_LEASE_S", defaults.lease_s),
+                     help="reserved blocks of an incoming migration are freed if the source is silent this long")
+    mig.add_argument("--migration-pair-ttl-s", type=float, default=env("MIGRATION_PAIR_TTL_S", defaults.pair_ttl_s),
+                     help="a migrate order lapses unless the scheduler re-confirms it within this time")
+    mig.add_argument("--migration-bandwidth-mib-s", type=float, default=env("MIGRATION_BANDWIDTH_MIB_S", 0.0),
+                     help="cap on the KV data plane's rate in MiB/s (0: none)")
+    sim = parser.add_argument_group("simulated engine")
+    sim.add_argument("--sim-num-blocks", type=int, default=env("SIM_NUM_BLOCKS", 851))
+    sim.add_argument("--sim-block-size", type=int, default=env("SIM_BLOCK_SIZE", 16))
+    sim.add_argument("--sim-gpu", choices=["A10", "A100", "H100"], default=env("SIM_GPU", "A10"))
+    sim.add_argument("--sim-time-scale", type=float, default=env("SIM_TIME_SCALE", 1.0),
+                     help="multiply simulated step times (0.01 = 100x faster than the modelled GPU)")
+    sim.add_argument("--sim-queue-policy", choices=["fcfs", "priority", "sjf"], default=env("SIM_QUEUE_POLICY", "fcfs"))
+    sim.add_argument("--sim-step-mode", choices=["v1", "v0"], default=env("SIM_STEP_MODE", "v1"))
+    sim.add_argument("--sim-kv-bytes-per-token", type=int, default=env("SIM_KV_BYTES_PER_TOKEN", 64))
+    vl = parser.add_argument_group("vLLM engine")
+    vl.add_argument("--vllm-kv-cache-gib", type=float, default=env("VLLM_KV_CACHE_GIB", 1.0))
+    vl.add_argument("--vllm-max-num-seqs", type=int, default=env("VLLM_MAX_NUM_SEQS", 64))
+
+
+def config_from_args(args: argparse.Namespace) -> LlumletConfig:
+    instance_id = subjects.valid_token(args.instance_id or short_id("llumlet"))
+    return LlumletConfig(
+        instance_id=instance_id,
+        nats_url=args.nats_url,
+        engine=args.engine or default_engine(),
+        model_dir=args.model_dir,
+        max_model_len=args.max_model_len,
+        report_interval_s=args.report_interval_s,
+        metrics_port=args.metrics_port,
+        seed=args.seed,
+        enable_migration=args.enable_migration,
+        kv_host=args.kv_host,
+        kv_port=args.kv_port,
+        kv_advertise_host=args.kv_advertise_host,
+        migration=migration_limits_from_args(args),
+        sim=SimSettings(
+            num_blocks=args.sim_num_blocks,
+            block_size=args.sim_block_size,
+            gpu=args.sim_gpu,
+            time_scale=args.sim_time_scale,
+            queue_policy=args.sim_queue_policy,
+            step_mode=args.sim_step_mode,
+            kv_bytes_per_token=args.sim_kv_bytes_per_token,
+        ),
+        vllm=VllmSettings(kv_cache_space_gib=args.vllm_kv_cache_gib, max_num_seqs=args.vllm_max_num_seqs),
+    )
+
+
+def migration_limits_from_args(args: argparse.Namespace) -> MigrationLimits:
+    try:
+        return MigrationLimits(
+            max_out=args.migration_max_out,
+            max_in=args.migration_max_in,
+            stage_limit=args.migration_stage_limit,
+            last_stage_blocks=args.migration_last_stage_blocks,
+            lease_s=args.migration_lease_s,
+            pair_ttl_s=args.migration_pair_ttl_s,
+            bandwidth_bytes_per_s=args.migration_bandwidth_mib_s * (1 << 20),
+        )
+    except ValueError as exc:
+        raise SystemExit(f"bad migration settings: {exc}") from exc

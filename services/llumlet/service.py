@@ -1,0 +1,297 @@
+"""The llumlet: owns one engine, streams its outputs, reports its load, takes orders over NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from services.llumlet.config import LlumletConfig
+from services.llumlet.engine import Engine, EngineError, StepOutput
+from services.llumlet.load import build_load_report
+from services.llumlet.metrics import LlumletMetrics
+from shared.metrics_server import serve_metrics
+from services.llumlet.migration.ops import migration_ops_for
+from services.llumlet.migration.runtime import LlumletMigration
+from shared import subjects
+from shared.messages import (
+    AbortRequest,
+    Ack,
+    DrainOrder,
+    FinishReason,
+    GenerateRequest,
+    LoadReport,
+    MigrationCommit,
+    TokenChunk,
+    WireError,
+    decode,
+    encode,
+)
+from shared.nats_client import connect
+
+log = logging.getLogger(__name__)
+
+
+class Llumlet:
+    def __init__(self, config: LlumletConfig, engine: Engine) -> None:
+        self.config = config
+        self.engine = engine
+        self.instance_id = config.instance_id
+        self.nc: Client | None = None
+        self.draining = False
+        self._reply_subjects: dict[str, str] = {}  # request id → gateway output subject
+        self._work = asyncio.Event()
+        self._report_now = asyncio.Event()
+        self._seq = 0
+        self._last_report: LoadReport | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.migration: LlumletMigration | None = None
+        self.metrics: LlumletMetrics | None = None
+
+    def _build_migration(self) -> LlumletMigration | None:
+        """After the engine started: its KV tensors (what the copier moves) exist only then."""
+        ops = migration_ops_for(self.engine) if self.config.enable_migration else None
+        if ops is None:
+            if self.config.enable_migration:
+                log.warning("engine %s cannot migrate requests: migration off", self.engine.kind)
+            return None
+        config = self.config
+        return LlumletMigration(
+            self.instance_id, ops, config.migration, _MigrationHooks(self),
+            config.kv_host, config.kv_port, config.kv_advertise_host,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        await self.engine.start()
+        self.migration = self._build_migration()
+        self.metrics = LlumletMetrics(self.engine.model_name, self.engine.kind)
+        serve_metrics(self.metrics.registry, self.config.metrics_port)
+        self.nc = await connect(self.config.nats_url, f"llumlet-{self.instance_id}")
+        nc = self.nc
+        await nc.subscribe(subjects.llumlet(self.instance_id, "generate"), cb=self._on_generate)
+        await nc.subscribe(subjects.ABORT_ALL, cb=self._on_abort)
+        await nc.subscribe(subjects.llumlet(self.instance_id, "drain"), cb=self._on_drain)
+        self._tasks = [
+            asyncio.create_task(self._engine_loop(), name="engine-loop"),
+            asyncio.create_task(self._report_loop(), name="report-loop"),
+        ]
+        if self.migration is not None:
+            for loop in await self.migration.start(nc):
+                self._tasks.append(asyncio.create_task(loop, name=loop.__qualname__))
+        await self.publish_report()
+        log.info(
+            "llumlet %s up: engine=%s blocks=%d block_size=%d",
+            self.instance_id,
+            self.engine.kind,
+            self.engine.num_blocks_total,
+            self.engine.block_size,
+        )
+
+    async def wait_failed(self) -> None:
+        """Returns (raising) only if a background loop died: the process should then exit."""
+        done, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.migration is not None:
+            await self.migration.stop()  # outgoing requests resume here, incoming leases are freed
+        await self._fail_all("instance stopped")
+        if self.nc is not None and not self.nc.is_closed:
+            await self.nc.drain()
+        await self.engine.stop()
+
+    # ------------------------------------------------------------------ orders
+
+    async def _on_generate(self, msg: Msg) -> None:
+        try:
+            request = decode(msg.data, GenerateRequest)
+            if request.request_id in self._reply_subjects:
+                raise EngineError(f"request {request.request_id} is already running here")
+            self.engine.add_request(request)
+        except (WireError, EngineError) as exc:
+            await msg.respond(encode(Ack(ok=False, error=str(exc))))
+            return
+        self._reply_subjects[request.request_id] = request.reply_subject
+        self._work.set()
+        self._report_now.set()
+        await msg.respond(encode(Ack(ok=True)))
+
+    async def _on_abort(self, msg: Msg) -> None:
+        try:
+            order = decode(msg.data, AbortRequest)
+        except WireError as exc:
+            log.warning("dropping abort: %s", exc)
+            return
+        if self.migration is not None:
+            self.migration.on_request_aborted(order.request_id)
+        if self._reply_subjects.pop(order.request_id, None) is not None:
+            self.engine.abort_request(order.request_id)
+            self._report_now.set()
+
+    async def _on_drain(self, msg: Msg) -> None:
+        try:
+            order = decode(msg.data, DrainOrder)
+        except WireError as exc:
+            log.warning("dropping drain order: %s", exc)
+            return
+        self.draining = order.drain
+        log.info("llumlet %s draining=%s", self.instance_id, self.draining)
+        self._report_now.set()
+        if msg.reply:
+            await msg.respond(encode(Ack(ok=True)))
+
+    # ------------------------------------------------------------------ engine loop
+
+    async def _engine_loop(self) -> None:
+        while True:
+            if not self.engine.has_work():
+                self._work.clear()
+                await self._work.wait()
+                continue
+            try:
+                outputs = await self.engine.step()
+            except Exception:
+                log.exception("engine step failed; failing in-flight requests")
+                await self._fail_all("engine failure")
+                raise
+            for output in outputs:
+                await self._publish_output(output)
+            if outputs:
+                self._maybe_report_now()
+
+    async def _publish_output(self, output: StepOutput) -> None:
+        subject = self._reply_subjects.get(output.request_id)
+        if subject is None:
+            return  # aborted meanwhile
+        if output.finish_reason is not None:
+            del self._reply_subjects[output.request_id]
+        chunk = TokenChunk(
+            request_id=output.request_id,
+            instance_id=self.instance_id,
+            start_index=output.start_index,
+            token_ids=output.token_ids,
+            finish_reason=output.finish_reason,
+            num_prompt_tokens=output.num_prompt_tokens,
+            num_preemptions=output.num_preemptions,
+        )
+        await self.nc.publish(subject, encode(chunk))
+
+    async def fail_request(self, request_id: str, reason: str) -> None:
+        subject = self._reply_subjects.pop(request_id, None)
+        self.engine.abort_request(request_id)
+        if subject is not None and self.nc is not None and not self.nc.is_closed:
+            error = f"{reason} ({self.instance_id})"
+            chunk = TokenChunk(request_id, self.instance_id, 0, [], finish_reason=FinishReason.ERROR, error=error)
+            await self.nc.publish(subject, encode(chunk))
+
+    async def _fail_all(self, reason: str) -> None:
+        """Every request this instance holds ends with an error, never silence."""
+        if self.nc is None or self.nc.is_closed:
+            return
+        for request_id, subject in list(self._reply_subjects.items()):
+            chunk = TokenChunk(
+                request_id=request_id,
+                instance_id=self.instance_id,
+                start_index=0,
+                token_ids=[],
+                finish_reason=FinishReason.ERROR,
+                error=f"{reason} ({self.instance_id})",
+            )
+            await self.nc.publish(subject, encode(chunk))
+            self.engine.abort_request(request_id)
+        self._reply_subjects.clear()
+        await self.nc.flush()
+
+    # ------------------------------------------------------------------ load reports
+
+    def current_load(self) -> LoadReport:
+        self._seq += 1
+        migration = self.migration
+        return build_load_report(
+            instance_id=self.instance_id,
+            seq=self._seq,
+            sent_at=time.time(),
+            views=self.engine.request_views(),
+            num_blocks_total=self.engine.num_blocks_total,
+            num_blocks_free=self.engine.num_free_blocks(),
+            block_size=self.engine.block_size,
+            num_preemptions_total=self.engine.num_preemptions_total(),
+            headroom_blocks=self.config.policy.headroom_blocks,
+            draining=self.draining,
+            reserved_blocks=migration.reserved_blocks if migration is not None else 0,
+            num_migrating=migration.num_migrating if migration is not None else 0,
+            kv_address=migration.kv_address if migration is not None else "",
+            max_model_len=self.engine.max_model_len,
+            model=self.engine.model_name,
+            engine=self.engine.kind,
+        )
+
+    async def publish_report(self) -> None:
+        report = self.current_load()
+        self._last_report = report
+        self.metrics.observe_report(report)
+        await self.nc.publish(subjects.load_report(self.instance_id), encode(report))
+
+    def _maybe_report_now(self) -> None:
+        last = self._last_report
+        threshold = max(1, int(self.engine.num_blocks_total * self.config.report_change_fraction))
+        if last is None or abs(last.num_blocks_free - self.engine.num_free_blocks()) >= threshold:
+            self._report_now.set()
+
+    async def _report_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._report_now.wait(), self.config.report_interval_s)
+            except TimeoutError:
+                pass
+            self._report_now.clear()
+            await self.publish_report()
+
+
+class _MigrationHooks:
+    """What the migration runtime may do to its llumlet (`MigrationHooks`)."""
+
+    def __init__(self, llumlet: Llumlet) -> None:
+        self.llumlet = llumlet
+
+    def refusal(self) -> str | None:
+        return "draining" if self.llumlet.draining else None
+
+    def migrated_out(self, request_id: str) -> None:
+        self.llumlet._reply_subjects.pop(request_id, None)  # the destination publishes from now on
+
+    def resumed(self) -> None:
+        self.llumlet._work.set()
+
+    def changed(self) -> None:
+        self.llumlet._report_now.set()
+
+    async def fail_request(self, request_id: str, reason: str) -> None:
+        await self.llumlet.fail_request(request_id, reason)
+
+    async def migrated_in(self, commit: MigrationCommit) -> None:
+        """Publish from now on; first, everything output so far: the source may not have
+        published its last token before it stopped (the gateway drops what it has seen)."""
+        llumlet, request = self.llumlet, commit.request
+        llumlet._reply_subjects[request.request_id] = request.reply_subject
+        llumlet._work.set()
+        llumlet._report_now.set()
+        catch_up = TokenChunk(
+            request_id=request.request_id,
+            instance_id=llumlet.instance_id,
+            start_index=0,
+            token_ids=commit.output_token_ids,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_preemptions=commit.num_preemptions,
+        )
+        await llumlet.nc.publish(request.reply_subject, encode(catch_up))

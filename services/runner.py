@@ -1,0 +1,49 @@
+"""Run one service in this process until SIGINT/SIGTERM, then stop it cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+
+class Service(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+async def serve_until_signalled(service: Service, wait: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Start, wait for a signal (or for `wait()` to return, e.g. a crashed loop), then stop."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await service.start()
+    waiters = [asyncio.create_task(stop.wait())]
+    if wait is not None:
+        waiters.append(asyncio.create_task(wait()))
+    try:
+        done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in waiters:
+            task.cancel()
+        await service.stop()
+    for task in done:
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+
+
+def run(main: Awaitable[None]) -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio still works
+        asyncio.run(main)
+        return
+    with contextlib.suppress(KeyboardInterrupt):
+        uvloop.run(main)

@@ -1,0 +1,124 @@
+"""Real Corral processes for end-to-end tests: scheduler, llumlets and a gateway on one NATS."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.process.kill()
+            self.process.wait()
+
+    def terminate(self, timeout_s: float = 20.0) -> int:
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@dataclass
+class Cluster:
+    nats_url: str
+    model_dir: Path
+    log_dir: Path
+    gateway_port: int = 0
+    procs: dict[str, ServiceProcess] = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    def spawn(self, name: str, *argv: str, env: dict[str, str] | None = None) -> ServiceProcess:
+        log_path = self.log_dir / f"{name}.log"
+        handle = open(log_path, "ab")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *argv, "--nats-url", self.nats_url],
+            cwd=REPO,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+        handle.close()
+        proc = ServiceProcess(name, process, log_path)
+        self.procs[name] = proc
+        return proc
+
+    def start_scheduler(self, *extra: str) -> ServiceProcess:
+        return self.spawn("scheduler", "scheduler", *extra)
+
+    def start_llumlet(self, instance_id: str, *extra: str, engine: str = "sim") -> ServiceProcess:
+        return self.spawn(
+            instance_id,
+            "llumlet",
+            "--instance-id",
+            instance_id,
+            "--engine",
+            engine,
+            "--model",
+            str(self.model_dir),
+            *extra,
+        )
+
+    def start_autoscaler(self, *extra: str, llumlet_args: tuple[str, ...] = ()) -> ServiceProcess:
+        import shlex
+
+        args = shlex.join(["--engine", "sim", "--model", str(self.model_dir), *llumlet_args])
+        return self.spawn("autoscaler", "autoscaler", "--llumlet-args", args, *extra)
+
+    def start_gateway(self, *extra: str) -> ServiceProcess:
+        self.gateway_port = free_port()
+        return self.spawn("gateway", "gateway", "--model", str(self.model_dir), "--port", str(self.gateway_port), *extra)
+
+    def wait_ready(self, instances: int, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for proc in self.procs.values():
+                if not proc.alive():
+                    raise RuntimeError(f"{proc.name} exited early:\n{proc.log()[-3000:]}")
+            try:
+                reply = httpx.get(f"{self.base_url}/healthz", timeout=1.0)
+                if reply.status_code == 200 and reply.json().get("instances", 0) >= instances:
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.2)
+        logs = "\n".join(f"--- {p.name}\n{p.log()[-2000:]}" for p in self.procs.values())
+        raise TimeoutError(f"cluster not ready after {timeout_s} s\n{logs}")
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.terminate()
