@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import enum
 import math
-import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from shared.messages import DispatchRequest, LoadReport
 from shared.policy.config import PolicyConfig
 from shared.policy.dispatch import DispatchDecision, choose_instance, dispatchable, pick_tied
-from shared.policy.freeness import QueueDemand, freeness, total_virtual_usage
+from shared.policy.freeness import QueueDemand, freeness
 from shared.policy.migration import MigrationPair
 
 

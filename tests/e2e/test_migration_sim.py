@@ -10,10 +10,8 @@ import asyncio
 import json
 import time
 import uuid
-from collections import defaultdict
 
 import httpx
-import nats
 import pytest
 from transformers import AutoTokenizer
 
@@ -21,9 +19,9 @@ from services.llumlet.engines import model_vocabulary
 from services.llumlet.engines.sim.engine import SyntheticTokens
 from shared import subjects
 from shared.embedded_nats import start_nats
-from shared.messages import DrainOrder, MigrateOrder, TokenChunk, decode, encode
+from shared.messages import DrainOrder, MigrateOrder, encode
 from tests.support.cluster import Cluster
-from tests.support.observer import NatsObserver
+from tests.support.stream_watch import StreamWatch
 
 SIM = ("--sim-time-scale", "0.05", "--max-model-len", "4096", "--report-interval-s", "0.05")
 # The scheduler pairs an instance below freeness 20 (blocks per running request) with one above 60.
@@ -69,52 +67,12 @@ def llumlets(cluster):
         time.sleep(0.2)
 
 
-class Watch:
-    """Load reports and every token chunk on the way to the gateway."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.chunks: dict[str, list[TokenChunk]] = defaultdict(list)
-
-    async def __aenter__(self) -> Watch:
-        self.observer = await NatsObserver(self.url).__aenter__()
-        self.nc = await nats.connect(self.url)
-
-        async def on_chunk(msg) -> None:
-            chunk = decode(msg.data, TokenChunk)
-            self.chunks[chunk.request_id].append(chunk)
-
-        await self.nc.subscribe(f"{subjects.PREFIX}.gateway.*.out", cb=on_chunk)
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.nc.close()
-        await self.observer.__aexit__(*exc)
-
-    @property
-    def latest(self):
-        return self.observer.latest
-
-    async def wait_for(self, predicate, timeout_s: float = 10.0) -> bool:
-        return await self.observer.wait_for(predicate, timeout_s)
+class Watch(StreamWatch):
+    """Stream watch plus the orders this module's tests give."""
 
     async def order(self, instance_id: str, message) -> None:
         await self.nc.publish(subjects.llumlet(instance_id, "drain" if isinstance(message, DrainOrder) else "migrate"),
                               encode(message))
-
-    def publishers(self, request_id: str) -> list[str]:
-        seen: list[str] = []
-        for chunk in self.chunks[request_id]:
-            if chunk.token_ids and (not seen or seen[-1] != chunk.instance_id):
-                seen.append(chunk.instance_id)
-        return seen
-
-    def tokens(self, request_id: str) -> list[int]:
-        by_index: dict[int, int] = {}
-        for chunk in self.chunks[request_id]:
-            for i, token in enumerate(chunk.token_ids):
-                assert by_index.setdefault(chunk.start_index + i, token) == token, "conflicting duplicate"
-        return [by_index[i] for i in range(len(by_index))]
 
 
 async def wait_ready(cluster: Cluster, watch: Watch, *instance_ids: str, timeout_s: float = 60.0) -> None:

@@ -102,8 +102,13 @@ async def test_engine_reports_its_kv_geometry(engine):
 async def test_engine_runs_inside_this_process(engine, reference_run):
     import psutil
 
-    children = {child.pid for child in psutil.Process().children(recursive=True)}
-    assert children - {reference_run.process.pid} == set()
+    # vLLM's engine core would be a python child; the suite's own nats-server (and the
+    # reference run's subprocess) are not the engine.
+    children = {
+        child.pid for child in psutil.Process().children(recursive=True)
+        if child.pid != reference_run.process.pid and "nats-server" not in child.name()
+    }
+    assert children == set()
 
 
 async def test_greedy_output_matches_vllm_llm_generate(engine, reference_run):

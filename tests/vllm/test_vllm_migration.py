@@ -19,13 +19,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import httpx
-import nats
 import pytest
 
 from shared import subjects
-from shared.messages import MigrateOrder, TokenChunk, decode, encode
+from shared.messages import MigrateOrder, encode
 from tests.support.cluster import Cluster
-from tests.support.observer import NatsObserver
+from tests.support.stream_watch import StreamWatch
 
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[2]
@@ -55,42 +54,8 @@ def cluster(tiny_model_dir, tmp_path_factory):
         server.stop()
 
 
-class Watch:
-    """Load reports, and every token chunk on its way to the gateway."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.chunks: dict[str, list[TokenChunk]] = defaultdict(list)
-
-    async def __aenter__(self) -> Watch:
-        self.observer = await NatsObserver(self.url).__aenter__()
-        self.nc = await nats.connect(self.url)
-
-        async def on_chunk(msg) -> None:
-            chunk = decode(msg.data, TokenChunk)
-            self.chunks[chunk.request_id].append(chunk)
-
-        await self.nc.subscribe(f"{subjects.PREFIX}.gateway.*.out", cb=on_chunk)
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.nc.close()
-        await self.observer.__aexit__(*exc)
-
-    def publishers(self, request_id: str) -> list[str]:
-        seen: list[str] = []
-        for chunk in self.chunks[request_id]:
-            if chunk.token_ids and (not seen or seen[-1] != chunk.instance_id):
-                seen.append(chunk.instance_id)
-        return seen
-
-    def tokens(self, request_id: str) -> list[int]:
-        by_index: dict[int, int] = {}
-        for chunk in self.chunks[request_id]:
-            for i, token in enumerate(chunk.token_ids):
-                assert by_index.setdefault(chunk.start_index + i, token) == token, "conflicting duplicate"
-        assert sorted(by_index) == list(range(len(by_index))), "a gap in the token indices"
-        return [by_index[i] for i in range(len(by_index))]
+class Watch(StreamWatch):
+    """Stream watch plus the orders this module's tests give."""
 
     def live_request(self) -> str | None:
         live = [rid for rid, chunks in self.chunks.items() if not any(c.finish_reason for c in chunks)]

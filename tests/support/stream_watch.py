@@ -1,0 +1,58 @@
+"""Watch load reports and every token chunk on its way to a gateway (read-only, for tests)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import nats
+
+from shared import subjects
+from shared.messages import TokenChunk, decode
+from tests.support.observer import NatsObserver
+
+
+class StreamWatch:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.chunks: dict[str, list[TokenChunk]] = defaultdict(list)
+
+    async def __aenter__(self) -> StreamWatch:
+        self.observer = await NatsObserver(self.url).__aenter__()
+        self.nc = await nats.connect(self.url)
+
+        async def on_chunk(msg) -> None:
+            chunk = decode(msg.data, TokenChunk)
+            self.chunks[chunk.request_id].append(chunk)
+
+        await self.nc.subscribe(f"{subjects.PREFIX}.gateway.*.out", cb=on_chunk)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.nc.close()
+        await self.observer.__aexit__(*exc)
+
+    @property
+    def latest(self):
+        return self.observer.latest
+
+    async def wait_for(self, predicate, timeout_s: float = 10.0) -> bool:
+        return await self.observer.wait_for(predicate, timeout_s)
+
+    def publishers(self, request_id: str) -> list[str]:
+        """The instances that published the request's tokens, in order of hand-over."""
+        seen: list[str] = []
+        for chunk in self.chunks[request_id]:
+            if chunk.token_ids and (not seen or seen[-1] != chunk.instance_id):
+                seen.append(chunk.instance_id)
+        return seen
+
+    def tokens(self, request_id: str, contiguous: bool = True) -> list[int]:
+        """The request's tokens by index; a duplicate must repeat the same token, and with
+        `contiguous` no index may be missing."""
+        by_index: dict[int, int] = {}
+        for chunk in self.chunks[request_id]:
+            for i, token in enumerate(chunk.token_ids):
+                assert by_index.setdefault(chunk.start_index + i, token) == token, "conflicting duplicate"
+        if contiguous:
+            assert sorted(by_index) == list(range(len(by_index))), "a gap in the token indices"
+        return [by_index[i] for i in range(len(by_index))]
