@@ -45,7 +45,7 @@ def _latency_cdfs(plt, records: Sequence[RequestRecord], path: Path) -> Path:
         axis.set_xlabel("ms")
         axis.set_ylabel("fraction")
         axis.grid(alpha=0.3)
-    return _save(plt, figure, path)
+    return save_figure(plt, figure, path)
 
 
 def _timeline(plt, records: Sequence[RequestRecord], path: Path) -> Path:
@@ -65,7 +65,7 @@ def _timeline(plt, records: Sequence[RequestRecord], path: Path) -> Path:
     bottom.set_ylabel("output tokens/s (chunks)")
     bottom.set_xlabel("seconds since start")
     bottom.grid(alpha=0.3)
-    return _save(plt, figure, path)
+    return save_figure(plt, figure, path)
 
 
 def timeline_bucket_s(end_s: float) -> float:
@@ -83,10 +83,11 @@ def in_flight_steps(records: Sequence[RequestRecord]) -> tuple[list[float], list
     return times, counts
 
 
-def _save(plt, figure, path: Path) -> Path:
+def save_figure(plt, figure, path: Path, dpi: int = 100) -> Path:
+    """Write and close a matplotlib figure; an unwritable path is a LoadgenError."""
     figure.tight_layout()
     try:
-        figure.savefig(path, dpi=100)
+        figure.savefig(path, dpi=dpi)
     except OSError as exc:
         raise LoadgenError(f"cannot write plot {path}: {exc.strerror or exc}") from None
     finally:

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from loadgen.errors import LoadgenError
+from loadgen.plots import save_figure
 from loadgen.simulator.cluster import SimResult
 from loadgen.simulator.metrics import ClassMetrics, RequestLatencies, RunMetrics
 
@@ -150,7 +151,7 @@ def _latency_cdfs(plt, group: Sequence[RunRecord], path: Path) -> Path:
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
     figure.suptitle(group[0].metrics.workload + (f" @ {group[0].rate:g} req/s" if group[0].rate else ""))
-    return _save(plt, figure, path)
+    return save_figure(plt, figure, path, dpi=90)
 
 
 def _timeline(plt, record: RunRecord, path: Path) -> Path:
@@ -176,7 +177,7 @@ def _timeline(plt, record: RunRecord, path: Path) -> Path:
         axis.grid(alpha=0.3)
     at_rate = f" @ {record.rate:g} req/s" if record.rate else ""
     figure.suptitle(f"{record.policy}: {record.metrics.workload}{at_rate}")
-    return _save(plt, figure, path)
+    return save_figure(plt, figure, path, dpi=90)
 
 
 def _sweep(plt, records: Sequence[RunRecord], path: Path) -> Path:
@@ -195,15 +196,4 @@ def _sweep(plt, records: Sequence[RunRecord], path: Path) -> Path:
         axis.set_xlabel("request rate (req/s)")
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
-    return _save(plt, figure, path)
-
-
-def _save(plt, figure, path: Path) -> Path:
-    figure.tight_layout()
-    try:
-        figure.savefig(path, dpi=90)
-    except OSError as exc:
-        raise LoadgenError(f"cannot write plot {path}: {exc.strerror or exc}") from None
-    finally:
-        plt.close(figure)
-    return path
+    return save_figure(plt, figure, path, dpi=90)
