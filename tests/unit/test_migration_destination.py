@@ -251,7 +251,7 @@ def test_status_transitions_assert_the_starting_state(setup) -> None:
     m = setup.incoming.get(mid)
     m.abort(MigrationStatus.ABORTED_SRC, "test", 0.0)
     with pytest.raises(AssertionError):
-        m.commit(0.0)
+        m.finish(0.0)
     with pytest.raises(AssertionError):
         m.abort(MigrationStatus.ABORTED_DST, "twice", 0.0)
 

@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 from services.llumlet.engine import EngineError
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.ops import MigratableEngine
-from services.llumlet.migration.protocol import ALREADY_COMMITTED, MigrationLimits, MigrationStatus, PreAllocGrant
+from services.llumlet.migration.protocol import (
+    ALREADY_COMMITTED,
+    MigrationLifecycle,
+    MigrationLimits,
+    MigrationStatus,
+    PreAllocGrant,
+)
 from services.llumlet.migration.transfer import AckStatus, FrameHeader
 from shared.messages import Ack, MigrationAbort, MigrationCommit, PreAlloc
 
@@ -29,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class IncomingMigration:
+class IncomingMigration(MigrationLifecycle):
     migration_id: str
     request_id: str
     expires_at: float
@@ -41,15 +47,6 @@ class IncomingMigration:
     writers: int = 0  # scatters in flight: the lease must not be released under them
     release_pending: bool = False
     ended_at: float | None = None
-
-    def commit(self, now: float) -> None:
-        assert self.status is MigrationStatus.RUNNING, (self.migration_id, self.status)
-        self.status, self.ended_at = MigrationStatus.FINISHED, now
-
-    def abort(self, status: MigrationStatus, reason: str, now: float) -> None:
-        assert self.status is MigrationStatus.RUNNING, (self.migration_id, self.status)
-        assert status in (MigrationStatus.ABORTED_SRC, MigrationStatus.ABORTED_DST), status
-        self.status, self.reason, self.ended_at = status, reason, now
 
 
 class IncomingMigrations:
@@ -147,7 +144,7 @@ class IncomingMigrations:
         if problem is not None:
             self._end(m, MigrationStatus.ABORTED_DST, problem)
             return Ack(ok=False, error=problem), False
-        m.commit(self._clock())
+        m.finish(self._clock())
         self._on_change()
         return Ack(ok=True), True
 

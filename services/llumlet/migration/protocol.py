@@ -148,3 +148,17 @@ def migration_id_bytes(migration_id: str) -> bytes:
 
 def migration_id_from_bytes(raw: bytes) -> str:
     return uuid.UUID(bytes=raw).hex
+
+
+class MigrationLifecycle:
+    """Status transitions shared by both sides of a migration; each asserts the legal start.
+    The dataclasses using it declare `migration_id`, `status`, `reason` and `ended_at`."""
+
+    def finish(self, now: float) -> None:
+        assert self.status is MigrationStatus.RUNNING, (self.migration_id, self.status)
+        self.status, self.ended_at = MigrationStatus.FINISHED, now
+
+    def abort(self, status: MigrationStatus, reason: str, now: float) -> None:
+        assert self.status is MigrationStatus.RUNNING, (self.migration_id, self.status)
+        assert status in (MigrationStatus.ABORTED_SRC, MigrationStatus.ABORTED_DST), status
+        self.status, self.reason, self.ended_at = status, reason, now

@@ -25,6 +25,7 @@ from services.llumlet.migration.protocol import (
     DestinationRefused,
     DestinationSlow,
     MigrationFailed,
+    MigrationLifecycle,
     MigrationLimits,
     MigrationStatus,
     SourceAborted,
@@ -66,7 +67,7 @@ class StageRecord:
 
 
 @dataclass(eq=False)
-class OutgoingMigration:
+class OutgoingMigration(MigrationLifecycle):
     migration_id: str
     request_id: str
     dst: str
@@ -82,15 +83,6 @@ class OutgoingMigration:
     suspended_at: float | None = None
     commit_s: float = 0.0  # the COMMIT round trip
     ended_at: float | None = None
-
-    def finish(self, now: float) -> None:
-        assert self.status is MigrationStatus.RUNNING, (self.migration_id, self.status)
-        self.status, self.ended_at = MigrationStatus.FINISHED, now
-
-    def abort(self, status: MigrationStatus, reason: str, now: float) -> None:
-        assert self.status is MigrationStatus.RUNNING, (self.migration_id, self.status)
-        assert status in (MigrationStatus.ABORTED_SRC, MigrationStatus.ABORTED_DST), status
-        self.status, self.reason, self.ended_at = status, reason, now
 
     @property
     def downtime_s(self) -> float | None:
