@@ -8,6 +8,7 @@ deep inside a handler.
 from __future__ import annotations
 
 import enum
+import logging
 from typing import TypeVar
 
 import msgspec
@@ -213,6 +214,16 @@ def decode(data: bytes, type_: type[T]) -> T:
         return msgspec.msgpack.decode(data, type=type_)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise WireError(f"bad {type_.__name__} payload: {exc}") from exc
+
+
+def decode_or_drop(data: bytes, type_: type[T], log: logging.Logger, what: str) -> T | None:
+    """For fire-and-forget subjects: a bad payload is logged and dropped, never raised into a
+    subscription callback (which would stall the subject)."""
+    try:
+        return decode(data, type_)
+    except WireError as exc:
+        log.warning("dropping a bad %s: %s", what, exc)
+        return None
 
 
 _encoder = msgspec.msgpack.Encoder()

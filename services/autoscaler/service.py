@@ -15,7 +15,15 @@ from services.autoscaler.config import AutoscalerConfig
 from services.autoscaler.providers import InstanceProvider
 from shared import subjects
 from shared.instance_table import InstanceTable
-from shared.messages import Ack, DrainOrder, LoadReport, ScalingEvent, WireError, decode, encode
+from shared.messages import (
+    Ack,
+    DrainOrder,
+    LoadReport,
+    ScalingEvent,
+    decode,
+    decode_or_drop,
+    encode,
+)
 from shared.nats_client import connect
 from shared.policy.scaling import ScaleAction, ScalingState, scaling_decision
 
@@ -49,10 +57,8 @@ class Autoscaler:
             await self.nc.drain()
 
     async def _on_report(self, msg: Msg) -> None:
-        try:
-            report = decode(msg.data, LoadReport)
-        except WireError as exc:
-            log.warning("dropping load report: %s", exc)
+        report = decode_or_drop(msg.data, LoadReport, log, "load report")
+        if report is None:
             return
         self.table.update(report)
         self._starting.pop(report.instance_id, None)

@@ -28,7 +28,8 @@ from services.gateway.streams import OutputStream, StreamRegistry
 from services.gateway.tokenizer import ModelTokenizer
 from shared import subjects
 from shared.messages import (
-    AbortRequest, Ack, DispatchRequest, GenerateRequest, LoadReport, TokenChunk, WireError, decode, encode,
+    AbortRequest, Ack, DispatchRequest, GenerateRequest, LoadReport, TokenChunk, WireError, decode, decode_or_drop,
+    encode,
 )
 from shared.nats_client import connect
 
@@ -113,19 +114,16 @@ class GatewayService:
     # ---- subscriptions ----------------------------------------------------------------------
 
     async def _on_token_chunk(self, msg: Msg) -> None:
-        try:
-            chunk = decode(msg.data, TokenChunk)
-        except WireError as exc:
-            log.warning("dropped a bad token chunk: %s", exc)
+        chunk = decode_or_drop(msg.data, TokenChunk, log, "token chunk")
+        if chunk is None:
             return
         if not self.streams.route(chunk):
             log.debug("chunk for unknown request %s (finished or aborted)", chunk.request_id)
 
     async def _on_load_report(self, msg: Msg) -> None:
-        try:
-            self.instances.update(decode(msg.data, LoadReport))
-        except WireError as exc:
-            log.warning("dropped a bad load report on %s: %s", msg.subject, exc)
+        report = decode_or_drop(msg.data, LoadReport, log, f"load report on {msg.subject}")
+        if report is not None:
+            self.instances.update(report)
 
     async def _watch_holders(self) -> None:
         """Fail requests whose instance went silent; a dead holder would otherwise hang them."""

@@ -12,7 +12,15 @@ from services.global_scheduler.config import SchedulerConfig
 from services.global_scheduler.migration_loop import MigrationLoop, MigrationPairer
 from shared import subjects
 from shared.instance_table import InstanceTable
-from shared.messages import DispatchReply, DispatchRequest, LoadReport, WireError, decode, encode
+from shared.messages import (
+    DispatchReply,
+    DispatchRequest,
+    LoadReport,
+    WireError,
+    decode,
+    decode_or_drop,
+    encode,
+)
 from shared.nats_client import connect
 from shared.policy.dispatch import account_dispatch, choose_instance
 
@@ -47,10 +55,8 @@ class GlobalScheduler:
             await self.nc.drain()
 
     async def _on_report(self, msg: Msg) -> None:
-        try:
-            report = decode(msg.data, LoadReport)
-        except WireError as exc:
-            log.warning("dropping load report: %s", exc)
+        report = decode_or_drop(msg.data, LoadReport, log, "load report")
+        if report is None:
             return
         if self.table.get(report.instance_id) is None:
             log.info("instance %s joined (%s, %d blocks)", report.instance_id, report.engine, report.num_blocks_total)

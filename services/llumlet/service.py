@@ -28,6 +28,7 @@ from shared.messages import (
     TokenChunk,
     WireError,
     decode,
+    decode_or_drop,
     encode,
 )
 from shared.nats_client import connect
@@ -127,10 +128,8 @@ class Llumlet:
         await msg.respond(encode(Ack(ok=True)))
 
     async def _on_abort(self, msg: Msg) -> None:
-        try:
-            order = decode(msg.data, AbortRequest)
-        except WireError as exc:
-            log.warning("dropping abort: %s", exc)
+        order = decode_or_drop(msg.data, AbortRequest, log, "abort")
+        if order is None:
             return
         if self.migration is not None:
             self.migration.on_request_aborted(order.request_id)
@@ -139,10 +138,8 @@ class Llumlet:
             self._report_now.set()
 
     async def _on_drain(self, msg: Msg) -> None:
-        try:
-            order = decode(msg.data, DrainOrder)
-        except WireError as exc:
-            log.warning("dropping drain order: %s", exc)
+        order = decode_or_drop(msg.data, DrainOrder, log, "drain order")
+        if order is None:
             return
         self.draining = order.drain
         log.info("llumlet %s draining=%s", self.instance_id, self.draining)

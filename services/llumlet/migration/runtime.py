@@ -18,7 +18,11 @@ from services.llumlet.migration.protocol import MigrationLimits
 from services.llumlet.migration.source import MigrationCoordinator, SourceHooks
 from services.llumlet.migration.transfer import KVReceiver, KVSenderPool
 from shared import subjects
-from shared.messages import MigrateOrder, MigrationCommit, WireError, decode
+from shared.messages import (
+    MigrateOrder,
+    MigrationCommit,
+    decode_or_drop,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +82,8 @@ class LlumletMigration:
             self.copier.close()
 
     async def _on_order(self, msg: Msg) -> None:
-        try:
-            order = decode(msg.data, MigrateOrder)
-        except WireError as exc:
-            log.warning("dropping migrate order: %s", exc)
+        order = decode_or_drop(msg.data, MigrateOrder, log, "migrate order")
+        if order is None:
             return
         if self.coordinator is not None:
             self.coordinator.on_order(order)
