@@ -152,6 +152,7 @@ async def test_scheduler_pairs_the_loaded_instance_and_streams_stay_exact(cluste
             assert await watch.wait_for(lambda latest: latest[loaded].num_running == 8, 10)
             await watch.order(idle, DrainOrder(drain=False))
             results = await asyncio.gather(*requests)
+        assert await watch.wait_finished(*(r["id"] for r in results))
         for result in results:
             assert result["error"] is None and result["finish"] == "length"
             assert result["usage"]["completion_tokens"] == 900

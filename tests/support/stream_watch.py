@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import defaultdict
 
 import nats
@@ -37,6 +39,19 @@ class StreamWatch:
 
     async def wait_for(self, predicate, timeout_s: float = 10.0) -> bool:
         return await self.observer.wait_for(predicate, timeout_s)
+
+    def finished(self, request_id: str) -> bool:
+        return any(chunk.finish_reason for chunk in self.chunks[request_id])
+
+    async def wait_finished(self, *request_ids: str, timeout_s: float = 5.0) -> bool:
+        """The gateway and this watch subscribe separately: an HTTP reply can beat our copy of
+        the last chunk, so wait for it before comparing token streams."""
+        deadline = time.monotonic() + timeout_s
+        while not all(self.finished(rid) for rid in request_ids):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
 
     def publishers(self, request_id: str) -> list[str]:
         """The instances that published the request's tokens, in order of hand-over."""

@@ -58,7 +58,7 @@ class Watch(StreamWatch):
     """Stream watch plus the orders this module's tests give."""
 
     def live_request(self) -> str | None:
-        live = [rid for rid, chunks in self.chunks.items() if not any(c.finish_reason for c in chunks)]
+        live = [rid for rid in self.chunks if not self.finished(rid)]
         return live[0] if len(live) == 1 else None
 
     async def until(self, predicate, timeout_s: float) -> bool:
@@ -100,6 +100,7 @@ async def run_with_moves(cluster: Cluster, prompt: list[int], num_moves: int) ->
         assert await watch.observer.wait_for(all_free, 30), watch.observer.latest
         reference = await complete(http, prompt)
         (reference_id,) = watch.chunks
+        assert await watch.wait_finished(reference_id)
         expected = watch.tokens(reference_id)
         assert len(expected) == OUTPUT_LEN and len(watch.publishers(reference_id)) == 1
 
@@ -113,6 +114,7 @@ async def run_with_moves(cluster: Cluster, prompt: list[int], num_moves: int) ->
             src = watch.publishers(request_id)[-1]
             await watch.move(request_id, src, next(i for i in INSTANCES if i != src))
         result = await task
+        assert await watch.wait_finished(request_id)
 
         publishers = watch.publishers(request_id)
         assert len(publishers) == num_moves + 1, publishers
