@@ -60,6 +60,10 @@ class GenerateRequest(Struct):
     arrival_time: float = 0.0
     # Output length a trace asked for (the simulated engine stops there); None: until max_tokens/EOS.
     target_output_len: int | None = None
+    # W3C trace context (`traceparent`, `tracestate`) of the gateway's request span. It arrives in
+    # the generate message's NATS headers; the llumlet keeps it here so that it travels with the
+    # request through migrations (the commit carries the request).
+    trace_context: dict[str, str] | None = None
 
 
 class TokenChunk(Struct):

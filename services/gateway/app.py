@@ -26,6 +26,7 @@ from services.gateway.protocol import (
 from services.gateway.responses import SSE_DONE, ResponseFormatter, json_bytes, sse_error, sse_event
 from services.gateway.service import GatewayService, PreparedRequest
 from services.gateway.streams import OutputStream
+from services.gateway.tracing import RequestTrace
 from services.gateway.tokenizer import PromptError
 
 log = logging.getLogger(__name__)
@@ -96,29 +97,39 @@ class GatewayApp:
     # ---- OpenAI endpoints -------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, "/v1/chat/completions", parse_chat_request)
+        return await self._generate(request, "/v1/chat/completions", parse_chat_request, RequestKind.CHAT)
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, "/v1/completions", parse_completion_request)
+        return await self._generate(request, "/v1/completions", parse_completion_request, RequestKind.COMPLETION)
 
-    async def _generate(self, request: Request, endpoint: str, parse: Any) -> Response:
+    async def _generate(self, request: Request, endpoint: str, parse: Any, kind: RequestKind) -> Response:
         arrival = time.monotonic()
+        trace = RequestTrace(kind, self.config.model_name, request.headers)
         try:
-            parsed: ParsedRequest = parse(await _read_json(request))
-            prepared = await self._prepare(parsed, request.headers, arrival)
-            stream = await self.service.submit(prepared)
+            with trace.current():  # the scheduler's and the llumlet's spans are its children
+                parsed: ParsedRequest = parse(await _read_json(request))
+                prepared = await self._prepare(parsed, request.headers, arrival)
+                options = parsed.options
+                trace.prepared(prepared.request_id, prepared.response_id, len(prepared.prompt_token_ids),
+                               prepared.max_tokens, options.temperature, options.top_p, options.seed,
+                               prepared.priority, options.stream)
+                stream = await self.service.submit(prepared)
         except ApiError as error:
             self.service.metrics.request_done(endpoint, error.status)
+            trace.rejected(error)
+            raise
+        except BaseException:
+            trace.span.end()
             raise
         generation = Generation(stream, self.service.tokenizer.decode, prepared.prompt_token_ids, parsed.options,
                                 self.config.request_inactivity_timeout_s, prepared.arrival)
         formatter = ResponseFormatter(parsed.kind, prepared.response_id, prepared.created, self.config.model_name)
         headers = {"x-request-id": request.headers[REQUEST_ID_HEADER]} if REQUEST_ID_HEADER in request.headers else {}
         if parsed.options.stream:
-            events = self._event_stream(generation, formatter, prepared, endpoint)
-            on_close = partial(self._finish, generation, prepared, endpoint, CLIENT_CLOSED)
+            events = self._event_stream(generation, formatter, prepared, endpoint, trace)
+            on_close = partial(self._finish, generation, prepared, endpoint, trace, CLIENT_CLOSED)
             return EventStreamResponse(events, on_close, headers={"cache-control": "no-cache", **headers})
-        return await self._complete(request, generation, formatter, prepared, endpoint, headers)
+        return await self._complete(request, generation, formatter, prepared, endpoint, trace, headers)
 
     async def _prepare(self, parsed: ParsedRequest, headers: Mapping[str, str], arrival: float) -> PreparedRequest:
         if parsed.model is not None and parsed.model not in self._model_names:
@@ -146,7 +157,7 @@ class GatewayApp:
             raise bad_request(str(exc), "messages" if parsed.kind is RequestKind.CHAT else "prompt") from None
 
     async def _event_stream(self, generation: Generation, formatter: ResponseFormatter, prepared: PreparedRequest,
-                            endpoint: str) -> AsyncIterator[bytes]:
+                            endpoint: str, trace: RequestTrace) -> AsyncIterator[bytes]:
         options = prepared.options
         status = CLIENT_CLOSED  # until the stream got to its end
         try:
@@ -163,10 +174,11 @@ class GatewayApp:
             status = generation.error.status if generation.error is not None else 200
             yield SSE_DONE
         finally:
-            self._finish(generation, prepared, endpoint, status)
+            self._finish(generation, prepared, endpoint, trace, status)
 
     async def _complete(self, request: Request, generation: Generation, formatter: ResponseFormatter,
-                        prepared: PreparedRequest, endpoint: str, headers: dict[str, str]) -> Response:
+                        prepared: PreparedRequest, endpoint: str, trace: RequestTrace,
+                        headers: dict[str, str]) -> Response:
         async def collect() -> str:
             return "".join([event.text async for event in generation.events()])
 
@@ -189,9 +201,10 @@ class GatewayApp:
             for task in (collecting, disconnect):
                 task.cancel()
             await asyncio.gather(collecting, disconnect, return_exceptions=True)
-            self._finish(generation, prepared, endpoint, status)
+            self._finish(generation, prepared, endpoint, trace, status)
 
-    def _finish(self, generation: Generation, prepared: PreparedRequest, endpoint: str, status: int) -> None:
+    def _finish(self, generation: Generation, prepared: PreparedRequest, endpoint: str, trace: RequestTrace,
+                status: int) -> None:
         """Release the request and record how it ended; only the first call for a request counts."""
         stream: OutputStream = generation.stream
         if not self.service.release(stream, abort=not stream.upstream_finished):
@@ -203,6 +216,9 @@ class GatewayApp:
         metrics.generation_tokens_sent(generation.num_output_tokens)
         if generation.finish_reason is not None:
             metrics.finished(time.monotonic() - prepared.arrival)
+        ttft = None if generation.first_token_at is None else generation.first_token_at - prepared.arrival
+        trace.finished(status, generation.finish_reason, generation.error, generation.num_output_tokens, ttft,
+                       stream.holders)
 
     # ---- the rest ---------------------------------------------------------------------------
 

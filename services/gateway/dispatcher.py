@@ -18,7 +18,7 @@ from nats.errors import NoRespondersError
 from services.gateway.instances import GatewayInstances
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ApiError
-from shared import subjects
+from shared import subjects, tracing
 from shared.messages import DispatchReply, DispatchRequest, WireError, decode, encode
 from shared.policy import PolicyConfig, choose_instance
 from shared.policy.dispatch import REJECT_NO_INSTANCE, REJECT_TOO_LONG
@@ -60,7 +60,8 @@ class Dispatcher:
 
     async def _choose(self, request: DispatchRequest) -> str:
         try:
-            msg = await self._nc.request(subjects.DISPATCH, encode(request), timeout=self._timeout_s)
+            msg = await self._nc.request(subjects.DISPATCH, encode(request), timeout=self._timeout_s,
+                                         headers=tracing.inject())
         except NoRespondersError:
             return self._bypass(request, "no global scheduler is running")
         except TimeoutError:

@@ -26,7 +26,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ApiError, GenerationOptions, RequestKind, bad_request
 from services.gateway.streams import OutputStream, StreamRegistry
 from services.gateway.tokenizer import ModelTokenizer
-from shared import subjects
+from shared import subjects, tracing
 from shared.messages import (
     AbortRequest, Ack, DispatchRequest, GenerateRequest, LoadReport, TokenChunk, WireError, decode, decode_or_drop,
     encode,
@@ -79,6 +79,7 @@ class GatewayService:
 
     async def start(self) -> None:
         assert self._nc is None, "started twice"
+        tracing.setup_tracing("corral-gateway", self.config.gateway_id)
         nc = await connect(self.config.nats_url, name=f"corral-gateway-{self.config.gateway_id}")
         await nc.subscribe(self.output_subject, cb=self._on_token_chunk)
         await nc.subscribe(subjects.LOAD_REPORTS_ALL, cb=self._on_load_report)
@@ -225,7 +226,8 @@ class GatewayService:
             reply_subject=self.output_subject, priority=request.priority, arrival_time=time.time(),
         )
         try:
-            msg = await self._nc.request(subject, encode(generate), timeout=self.config.generate_timeout_s)
+            msg = await self._nc.request(subject, encode(generate), timeout=self.config.generate_timeout_s,
+                                         headers=tracing.inject())
         except NoRespondersError:
             raise
         except TimeoutError as exc:

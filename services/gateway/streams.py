@@ -100,6 +100,7 @@ class OutputStream:
         self.orderer = TokenOrderer()
         self.holder = instance_id  # the instance whose chunks we are reading now
         self.holder_since = time.monotonic()
+        self.holders: list[str] = [instance_id] if instance_id else []  # every holder, in order
         self.num_prompt_tokens = 0
         self._queue: asyncio.Queue[Delivery] = asyncio.Queue()
         self._failed = False
@@ -117,6 +118,7 @@ class OutputStream:
         if instance_id != self.holder:
             self.holder = instance_id
             self.holder_since = time.monotonic()
+            self.holders.append(instance_id)
 
     def feed(self, chunk: TokenChunk) -> None:
         if self.finished:

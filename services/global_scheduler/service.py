@@ -7,10 +7,11 @@ import logging
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.global_scheduler.config import SchedulerConfig
 from services.global_scheduler.migration_loop import MigrationLoop, MigrationPairer
-from shared import subjects
+from shared import subjects, tracing
 from shared.instance_table import InstanceTable
 from shared.messages import (
     DispatchReply,
@@ -25,6 +26,7 @@ from shared.nats_client import connect
 from shared.policy.dispatch import account_dispatch, choose_instance
 
 log = logging.getLogger(__name__)
+_tracer = tracing.tracer("corral.global_scheduler")
 
 
 class GlobalScheduler:
@@ -37,6 +39,7 @@ class GlobalScheduler:
         self.migration_loop: MigrationLoop | None = None
 
     async def start(self) -> None:
+        tracing.setup_tracing("corral-global-scheduler")
         self.nc = await connect(self.config.nats_url, "global-scheduler")
         await self.nc.subscribe(subjects.LOAD_REPORTS_ALL, cb=self._on_report)
         await self.nc.subscribe(subjects.DISPATCH, queue=subjects.SCHEDULER_QUEUE, cb=self._on_dispatch)
@@ -72,12 +75,21 @@ class GlobalScheduler:
         return DispatchReply(instance_id=decision.instance_id)
 
     async def _on_dispatch(self, msg: Msg) -> None:
-        try:
-            request = decode(msg.data, DispatchRequest)
-        except WireError as exc:
-            await msg.respond(encode(DispatchReply(rejected=str(exc))))
-            return
-        await msg.respond(encode(self.decide(request)))
+        with _tracer.start_as_current_span(f"process {subjects.DISPATCH}", context=tracing.extract(msg.headers),
+                                           kind=SpanKind.CONSUMER) as span:
+            try:
+                request = decode(msg.data, DispatchRequest)
+            except WireError as exc:
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+                await msg.respond(encode(DispatchReply(rejected=str(exc))))
+                return
+            reply = self.decide(request)
+            if span.is_recording():
+                span.set_attributes({"corral.request_id": request.request_id,
+                                     "corral.instance_id": reply.instance_id or "",
+                                     "corral.rejected": reply.rejected or "",
+                                     "corral.instances_live": len(self.table.live())})
+            await msg.respond(encode(reply))
 
     async def _expiry_loop(self) -> None:
         while True:

@@ -13,10 +13,11 @@ from services.llumlet.config import LlumletConfig
 from services.llumlet.engine import Engine, EngineError, StepOutput
 from services.llumlet.load import build_load_report
 from services.llumlet.metrics import LlumletMetrics
+from services.llumlet.tracing import RequestSpans, trace_context_of
 from shared.metrics_server import serve_metrics
 from services.llumlet.migration.ops import migration_ops_for
 from services.llumlet.migration.runtime import LlumletMigration
-from shared import subjects
+from shared import subjects, tracing
 from shared.messages import (
     AbortRequest,
     Ack,
@@ -51,6 +52,7 @@ class Llumlet:
         self._tasks: list[asyncio.Task] = []
         self.migration: LlumletMigration | None = None
         self.metrics: LlumletMetrics | None = None
+        self.spans = RequestSpans(self.instance_id, "")  # replaced once tracing is set up in start()
 
     def _build_migration(self) -> LlumletMigration | None:
         """After the engine started: its KV tensors (what the copier moves) exist only then."""
@@ -68,7 +70,9 @@ class Llumlet:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        tracing.setup_tracing("corral-llumlet", self.instance_id)
         await self.engine.start()
+        self.spans = RequestSpans(self.instance_id, self.engine.model_name)
         self.migration = self._build_migration()
         self.metrics = LlumletMetrics(self.engine.model_name, self.engine.kind)
         serve_metrics(self.metrics.registry, self.config.metrics_port)
@@ -118,11 +122,13 @@ class Llumlet:
             request = decode(msg.data, GenerateRequest)
             if request.request_id in self._reply_subjects:
                 raise EngineError(f"request {request.request_id} is already running here")
+            request.trace_context = trace_context_of(msg.headers) or request.trace_context
             self.engine.add_request(request)
         except (WireError, EngineError) as exc:
             await msg.respond(encode(Ack(ok=False, error=str(exc))))
             return
         self._reply_subjects[request.request_id] = request.reply_subject
+        self.spans.started(request)
         self._work.set()
         self._report_now.set()
         await msg.respond(encode(Ack(ok=True)))
@@ -135,6 +141,7 @@ class Llumlet:
             self.migration.on_request_aborted(order.request_id)
         if self._reply_subjects.pop(order.request_id, None) is not None:
             self.engine.abort_request(order.request_id)
+            self.spans.ended(order.request_id, "aborted")
             self._report_now.set()
 
     async def _on_drain(self, msg: Msg) -> None:
@@ -172,6 +179,7 @@ class Llumlet:
             return  # aborted meanwhile
         if output.finish_reason is not None:
             del self._reply_subjects[output.request_id]
+        self.spans.output(output)
         chunk = TokenChunk(
             request_id=output.request_id,
             instance_id=self.instance_id,
@@ -186,6 +194,7 @@ class Llumlet:
     async def fail_request(self, request_id: str, reason: str) -> None:
         subject = self._reply_subjects.pop(request_id, None)
         self.engine.abort_request(request_id)
+        self.spans.ended(request_id, "failed", error=reason)
         if subject is not None and self.nc is not None and not self.nc.is_closed:
             error = f"{reason} ({self.instance_id})"
             chunk = TokenChunk(request_id, self.instance_id, 0, [], finish_reason=FinishReason.ERROR, error=error)
@@ -207,6 +216,7 @@ class Llumlet:
             await self.nc.publish(subject, encode(chunk))
             self.engine.abort_request(request_id)
         self._reply_subjects.clear()
+        self.spans.end_all("failed", error=reason)
         await self.nc.flush()
 
     # ------------------------------------------------------------------ load reports
@@ -266,6 +276,7 @@ class _MigrationHooks:
 
     def migrated_out(self, request_id: str) -> None:
         self.llumlet._reply_subjects.pop(request_id, None)  # the destination publishes from now on
+        self.llumlet.spans.ended(request_id, "migrated_out")
 
     def resumed(self) -> None:
         self.llumlet._work.set()
@@ -281,6 +292,7 @@ class _MigrationHooks:
         published its last token before it stopped (the gateway drops what it has seen)."""
         llumlet, request = self.llumlet, commit.request
         llumlet._reply_subjects[request.request_id] = request.reply_subject
+        llumlet.spans.started(request, migrated_in=True, num_output_tokens=len(commit.output_token_ids))
         llumlet._work.set()
         llumlet._report_now.set()
         catch_up = TokenChunk(

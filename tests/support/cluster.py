@@ -57,6 +57,7 @@ class Cluster:
     log_dir: Path
     gateway_port: int = 0
     procs: dict[str, ServiceProcess] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for every process
 
     @property
     def base_url(self) -> str:
@@ -70,7 +71,7 @@ class Cluster:
             cwd=REPO,
             stdout=handle,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **self.env, **(env or {})},
         )
         handle.close()
         proc = ServiceProcess(name, process, log_path)

@@ -9,7 +9,7 @@ from collections import defaultdict
 import nats
 
 from shared import subjects
-from shared.messages import TokenChunk, decode
+from shared.messages import DrainOrder, MigrateOrder, TokenChunk, decode, encode
 from tests.support.observer import NatsObserver
 
 
@@ -52,6 +52,11 @@ class StreamWatch:
                 return False
             await asyncio.sleep(0.01)
         return True
+
+    async def order(self, instance_id: str, message: DrainOrder | MigrateOrder) -> None:
+        """Give a llumlet a drain or migrate order, as the scheduler would."""
+        verb = "drain" if isinstance(message, DrainOrder) else "migrate"
+        await self.nc.publish(subjects.llumlet(instance_id, verb), encode(message))
 
     def publishers(self, request_id: str) -> list[str]:
         """The instances that published the request's tokens, in order of hand-over."""

@@ -78,7 +78,7 @@ class FakeNats:
     def __init__(self, outcome) -> None:
         self.outcome = outcome
 
-    async def request(self, subject, data, timeout):
+    async def request(self, subject, data, timeout, headers=None):
         if isinstance(self.outcome, Exception):
             raise self.outcome
         return SimpleNamespace(data=encode(self.outcome))
