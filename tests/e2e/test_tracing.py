@@ -6,12 +6,17 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import threading
 import time
 import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+)
 
 from shared import subjects
 from shared.embedded_nats import start_nats
@@ -26,11 +31,55 @@ SRC, DST = "trace-src", "trace-dst"
 OUTPUT_LEN = 150
 
 
+class OtlpReceiver:
+    """A stand-in for Jaeger's OTLP/HTTP port: decodes what the exporters post to /v1/traces."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, str, str]] = []  # (service name, span name, trace id hex)
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"]))
+                receiver.take(self.path, self.headers.get("content-type", ""), body)
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.end_headers()
+                self.wfile.write(ExportTraceServiceResponse().SerializeToString())
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def take(self, path: str, content_type: str, body: bytes) -> None:
+        assert path == "/v1/traces" and content_type == "application/x-protobuf", (path, content_type)
+        request = ExportTraceServiceRequest.FromString(body)
+        for resource_spans in request.resource_spans:
+            service = next(a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name")
+            for scope_spans in resource_spans.scope_spans:
+                self.spans += [(service, span.name, span.trace_id.hex()) for span in scope_spans.spans]
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
 @pytest.fixture(scope="module")
-def traced(tiny_model_dir, tmp_path_factory):
+def otlp():
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="module")
+def traced(tiny_model_dir, tmp_path_factory, otlp):
     logs = tmp_path_factory.mktemp("tracing")
     server = start_nats()
-    cluster = Cluster(server.url, tiny_model_dir, logs, env={TRACE_FILE_ENV: str(logs / "spans.jsonl")})
+    env = {TRACE_FILE_ENV: str(logs / "spans.jsonl"), "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint,
+           "OTEL_BSP_SCHEDULE_DELAY": "100"}  # export batches every 100 ms, not 5 s
+    cluster = Cluster(server.url, tiny_model_dir, logs, env=env)
     cluster.start_scheduler()
     cluster.start_llumlet(SRC, *SIM)
     cluster.start_llumlet(DST, *SIM)
@@ -114,3 +163,16 @@ async def test_a_rejected_request_still_leaves_its_span(traced):
     (span,) = read_spans(span_file, trace_id, lambda s: len(s) >= 1)
     assert span["attributes"]["http.response.status_code"] == 400
     assert span["status"]["status_code"] == "UNSET"  # a client error is not a failed server span
+
+
+async def test_every_service_exports_its_spans_over_otlp(traced, otlp):
+    cluster, _ = traced
+    trace_id = secrets.token_hex(16)
+    async with httpx.AsyncClient(base_url=cluster.base_url, timeout=30) as http:
+        headers = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}
+        reply = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5}, headers=headers)
+    assert reply.status_code == 200, reply.text
+    deadline = time.monotonic() + 10
+    while len(services := {svc for svc, _, tid in otlp.spans if tid == trace_id}) < 3 and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert services == {"corral-gateway", "corral-global-scheduler", "corral-llumlet"}
