@@ -17,6 +17,7 @@ class SchedulerConfig:
     migration_interval_s: float = 0.1
     enable_migration: bool = True
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    metrics_port: int = 0  # Prometheus /metrics (0: off)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--instance-timeout-s", type=float, default=env("INSTANCE_TIMEOUT_S", 3.0),
                         help="drop an instance that has not reported for this long")
     parser.add_argument("--migration-interval-s", type=float, default=env("MIGRATION_INTERVAL_S", 0.1))
+    parser.add_argument("--metrics-port", type=int, default=env("METRICS_PORT", 0),
+                        help="serve Prometheus metrics on this port (0: off)")
     parser.add_argument("--enable-migration", action=argparse.BooleanOptionalAction,
                         default=env("ENABLE_MIGRATION", True), help="pair sources and destinations (default: on)")
     defaults = PolicyConfig()
@@ -40,6 +43,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         migration_interval_s=args.migration_interval_s,
         enable_migration=args.enable_migration,
         policy=policy_from_args(args),
+        metrics_port=args.metrics_port,
     )
 
 

@@ -66,18 +66,21 @@ class MigrationLoop:
     """Runs the pairer every `interval_s` over the live loads and publishes its orders."""
 
     def __init__(self, pairer: MigrationPairer, live_loads: Callable[[], list[LoadReport]], publish: Publish,
-                 interval_s: float) -> None:
+                 interval_s: float, on_order: Callable[[MigrateOrder], None] | None = None) -> None:
         assert interval_s > 0, interval_s
         self.pairer = pairer
         self.live_loads = live_loads
         self.publish = publish
         self.interval_s = interval_s
+        self.on_order = on_order
         self.orders_sent = 0
 
     async def round(self) -> None:
         for order in self.pairer.plan(self.live_loads()):
             await self.publish(subjects.llumlet(order.src, "migrate"), encode(order.message))
             self.orders_sent += 1
+            if self.on_order is not None:
+                self.on_order(order.message)
 
     async def run(self) -> None:
         while True:

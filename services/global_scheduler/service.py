@@ -10,6 +10,7 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.global_scheduler.config import SchedulerConfig
+from services.global_scheduler.metrics import SchedulerMetrics
 from services.global_scheduler.migration_loop import MigrationLoop, MigrationPairer
 from shared import subjects, tracing
 from shared.instance_table import InstanceTable
@@ -22,6 +23,7 @@ from shared.messages import (
     decode_or_drop,
     encode,
 )
+from shared.metrics_server import serve_metrics
 from shared.nats_client import connect
 from shared.policy.dispatch import account_dispatch, choose_instance
 
@@ -37,16 +39,22 @@ class GlobalScheduler:
         self._tasks: list[asyncio.Task] = []
         self.dispatched: dict[str, int] = {}
         self.migration_loop: MigrationLoop | None = None
+        self.metrics = SchedulerMetrics(self.table.live, self._standing_pairs)
+
+    def _standing_pairs(self) -> int:
+        return 0 if self.migration_loop is None else len(self.migration_loop.pairer.pairs)
 
     async def start(self) -> None:
         tracing.setup_tracing("corral-global-scheduler")
+        serve_metrics(self.metrics.registry, self.config.metrics_port)
         self.nc = await connect(self.config.nats_url, "global-scheduler")
         await self.nc.subscribe(subjects.LOAD_REPORTS_ALL, cb=self._on_report)
         await self.nc.subscribe(subjects.DISPATCH, queue=subjects.SCHEDULER_QUEUE, cb=self._on_dispatch)
         self._tasks = [asyncio.create_task(self._expiry_loop(), name="expiry")]
         if self.config.enable_migration:
             self.migration_loop = MigrationLoop(MigrationPairer(self.config.policy), self.table.live, self.nc.publish,
-                                                self.config.migration_interval_s)
+                                                self.config.migration_interval_s,
+                                                on_order=lambda order: self.metrics.order_sent(order.cancel))
             self._tasks.append(asyncio.create_task(self.migration_loop.run(), name="migration-pairing"))
         log.info("global scheduler up (migration %s)", "on" if self.config.enable_migration else "off")
 
@@ -66,7 +74,9 @@ class GlobalScheduler:
         self.table.update(report)
 
     def decide(self, request: DispatchRequest) -> DispatchReply:
-        decision = choose_instance(self.table.live(), request, self.config.policy)
+        with self.metrics.decision_seconds.time():
+            decision = choose_instance(self.table.live(), request, self.config.policy)
+        self.metrics.dispatched(decision.rejected if decision.instance_id is None else None)
         if decision.instance_id is None:
             return DispatchReply(rejected=decision.rejected)
         chosen = self.table.get(decision.instance_id)
