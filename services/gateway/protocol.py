@@ -181,6 +181,18 @@ def _unsupported(body: _Body) -> None:
             raise bad_request(f"`{name}` is not supported by Corral; use `repetition_penalty`", name)
 
 
+def _unsupported_chat_features(body: _Body) -> None:
+    """Tool calls and structured output change what the model must produce: ignoring them would
+    answer a different question, so refuse them (tools with tool_choice "none" are harmless)."""
+    tools = body.raw("tools")
+    if tools and body.raw("tool_choice") != "none":
+        raise bad_request("tool calling (`tools`) is not supported by Corral", "tools")
+    response_format = body.raw("response_format")
+    if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
+        raise bad_request("structured output (`response_format` other than text) is not supported by Corral",
+                          "response_format")
+
+
 def _stop_strings(body: _Body) -> tuple[str, ...]:
     stop = body.raw("stop")
     if stop is None:
@@ -254,6 +266,7 @@ def parse_chat_request(raw: object) -> ParsedRequest:
     body = _Body(raw)
     if body.boolean("logprobs") or body.integer("top_logprobs", minimum=0):
         raise bad_request("`logprobs` is not supported by Corral", "logprobs")
+    _unsupported_chat_features(body)
     # As vLLM: max_completion_tokens (the newer name) wins over max_tokens.
     max_tokens = body.integer("max_completion_tokens", minimum=1) or body.integer("max_tokens", minimum=1)
     return ParsedRequest(

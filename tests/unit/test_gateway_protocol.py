@@ -129,6 +129,8 @@ BAD_CHAT_BODIES = {
     "n above one": {"messages": HELLO, "n": 2},
     "logprobs": {"messages": HELLO, "logprobs": True},
     "presence_penalty": {"messages": HELLO, "presence_penalty": 0.5},
+    "tools": {"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}]},
+    "json response_format": {"messages": HELLO, "response_format": {"type": "json_object"}},
     "unknown priority": {"messages": HELLO, "priority": "urgent"},
     "max_tokens above the context": {"messages": HELLO, "max_tokens": MAX_MODEL_LEN + 1},
     "prompt fills the context": {"messages": [{"role": "user", "content": "x " * MAX_MODEL_LEN}]},
@@ -197,6 +199,8 @@ async def test_unknown_route_and_wrong_method_are_json_errors(client):
     (CHAT, {"messages": [{"role": "system", "content": "be brief"}, *HELLO,
                          {"role": "assistant", "content": None}, {"role": "user", "content": "again"}]}),
     (CHAT, {"messages": HELLO, "unknown_field": {"is": "ignored"}, "n": 1, "presence_penalty": 0}),
+    (CHAT, {"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none",
+            "response_format": {"type": "text"}}),
     (COMPLETIONS, {"prompt": "hello", "max_tokens": MAX_MODEL_LEN - 2, "priority": "normal"}),
     (COMPLETIONS, {"prompt": [1, 5, 9], "max_tokens": None, "temperature": None}),
 ])
