@@ -95,6 +95,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="reserved blocks of an incoming migration are freed if the source is silent this long")
     mig.add_argument("--migration-pair-ttl-s", type=float, default=env("MIGRATION_PAIR_TTL_S", defaults.pair_ttl_s),
                      help="a migrate order lapses unless the scheduler re-confirms it within this time")
+    mig.add_argument("--migration-min-residence-s", type=float,
+                     default=env("MIGRATION_MIN_RESIDENCE_S", defaults.min_residence_s),
+                     help="a request migrates out only after this long here since it arrived or migrated in")
+    mig.add_argument("--migration-dest-max-waiting", type=int,
+                     default=env("MIGRATION_DEST_MAX_WAITING", defaults.dest_max_waiting),
+                     help="refuse incoming migrations while more requests than this wait here")
+    mig.add_argument("--migration-dest-min-free-fraction", type=float,
+                     default=env("MIGRATION_DEST_MIN_FREE_FRACTION", defaults.dest_min_free_fraction),
+                     help="refuse an incoming migration that would leave less than this fraction of blocks free")
     mig.add_argument("--migration-bandwidth-mib-s", type=float, default=env("MIGRATION_BANDWIDTH_MIB_S", 0.0),
                      help="cap on the KV data plane's rate in MiB/s (0: none)")
     sim = parser.add_argument_group("simulated engine")
@@ -149,6 +158,9 @@ def migration_limits_from_args(args: argparse.Namespace) -> MigrationLimits:
             last_stage_blocks=args.migration_last_stage_blocks,
             lease_s=args.migration_lease_s,
             pair_ttl_s=args.migration_pair_ttl_s,
+            min_residence_s=args.migration_min_residence_s,
+            dest_max_waiting=args.migration_dest_max_waiting,
+            dest_min_free_fraction=args.migration_dest_min_free_fraction,
             bandwidth_bytes_per_s=args.migration_bandwidth_mib_s * (1 << 20),
         )
     except ValueError as exc:

@@ -23,7 +23,9 @@ from shared.messages import DrainOrder, MigrateOrder, encode
 from tests.support.cluster import Cluster
 from tests.support.stream_watch import StreamWatch
 
-SIM = ("--sim-time-scale", "0.05", "--max-model-len", "4096", "--report-interval-s", "0.05")
+# The tests migrate requests a moment after they start: no residence guard.
+SIM = ("--sim-time-scale", "0.05", "--max-model-len", "4096", "--report-interval-s", "0.05",
+       "--migration-min-residence-s", "0")
 # The scheduler pairs an instance below freeness 20 (blocks per running request) with one above 60.
 INSTANCE_TIMEOUT_S = 2.0  # scheduler and gateway forget a silent instance after this
 SCHEDULER = ("--migrate-out-freeness", "20", "--migrate-in-freeness", "60", "--migration-interval-s", "0.1",

@@ -156,7 +156,8 @@ async def test_back_and_forth_several_times(llumlets, client) -> None:
 
 
 async def test_orders_keep_migrating_until_cancelled(llumlets, client, nc) -> None:
-    a, b = await llumlets(), await llumlets()
+    young = MigrationLimits(min_residence_s=0)  # move requests at once (the guard has its own tests)
+    a, b = await llumlets(young), await llumlets(young)
     for i in range(4):
         await client.submit(a, gen(f"o{i}", 200 + 50 * i, 3000))
     async with asyncio.timeout(5):

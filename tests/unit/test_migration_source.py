@@ -427,7 +427,7 @@ def test_orders_are_idempotent_and_lapse_without_confirmation() -> None:
 
 
 async def test_the_loop_migrates_lowest_priority_then_shortest_until_cancelled(make_harness) -> None:
-    h = await make_harness()
+    h = await make_harness(MigrationLimits(min_residence_s=0))  # (the guard has its own tests)
     h.src.add_request(gen("long-normal", 300, 2000))
     h.src.add_request(gen("short-normal", 80, 2000))
     h.src.add_request(gen("short-high", 40, 2000, priority=-1))

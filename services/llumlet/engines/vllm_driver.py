@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from services.llumlet.engine import RequestPhase, RequestView, StepOutput
@@ -98,6 +99,7 @@ class VllmDriver:
         self._suspended: dict[str, Tracked] = {}  # aborted in vLLM, blocks held, by our id
         self._leases: dict[str, list[Any]] = {}  # lease id → vLLM blocks taken from the pool
         self._adopted: dict[str, str] = {}  # internal id → lease holding its migrated KV
+        self._adopted_at: dict[str, tuple[float, float]] = {}  # internal id → (committed, added to vLLM)
         from services.llumlet.engines.vllm_connector import MIGRATION_STATE
 
         self.kv_state = MIGRATION_STATE
@@ -129,10 +131,11 @@ class VllmDriver:
     def step(self) -> None:
         self.apply_commands()
         if self.llm_engine.has_unfinished_requests():
+            started = time.monotonic()
             request_outputs = self.llm_engine.step()
             self._count_preemptions()
             self._collect(request_outputs)
-            self._release_loaded_leases()
+            self._release_loaded_leases(started)
         self.take_snapshot()
 
     def apply_commands_and_snapshot(self) -> None:
@@ -281,13 +284,25 @@ class VllmDriver:
         blocks = self._leases.get(load.lease_id, [])
         self.kv_state.loads[internal_id] = LoadPlan([b.block_id for b in blocks], load.num_tokens)
         self._adopted[internal_id] = load.lease_id
+        self._adopted_at[internal_id] = (load.committed_at, time.monotonic())
 
-    def _release_loaded_leases(self) -> None:
+    def _release_loaded_leases(self, step_started: float) -> None:
         loaded, self.kv_state.loaded = self.kv_state.loaded, []
         for internal_id in loaded:
             lease_id = self._adopted.pop(internal_id, None)
             if lease_id is not None:
                 self.release_lease(lease_id)
+            self._log_load_timing(internal_id, step_started)
+
+    def _log_load_timing(self, internal_id: str, step_started: float) -> None:
+        """Where a migrated request's first step went (the destination's share of its token gap)."""
+        times = self._adopted_at.pop(internal_id, None)
+        if times is None:
+            return
+        committed, added = times
+        now = time.monotonic()
+        log.info("migrated-in %s: added to vLLM %.2f ms after its commit, first step %.2f-%.2f ms after it",
+                 internal_id, 1e3 * (added - committed), 1e3 * (step_started - committed), 1e3 * (now - committed))
 
     def _release_adopted(self, tracked: Tracked) -> None:
         """An adopted lease whose request went away before its KV was loaded."""
@@ -296,6 +311,7 @@ class VllmDriver:
             return
         self.kv_state.loads.pop(internal_id, None)
         self.kv_state.pending_copies.pop(internal_id, None)
+        self._adopted_at.pop(internal_id, None)
         self.release_lease(self._adopted.pop(internal_id))
 
     def _free_held(self, tracked: Tracked) -> None:
@@ -373,6 +389,7 @@ class VllmDriver:
             running=tuple(v for v in running if v is not None),
             num_free_blocks=probe.num_free_blocks(),
             migration=self._migration_views(),
+            num_waiting_for_memory=sum(1 for r in probe.waiting() if r.request_id not in self._adopted),
         )
         with self.shared.lock:
             self.shared.snapshot = snapshot

@@ -7,6 +7,7 @@ and writes outputs and snapshots. Everything in `SharedState` is read and writte
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ class Tracked:
     # after a failed migration): vLLM sees them as prompt.
     prior_output_token_ids: list[int] = field(default_factory=list)
     suspended: Suspended | None = None  # out of the batch for a migration's last stage
+    placed_at: float = field(default_factory=time.monotonic)  # arrived or migrated in here
 
     @property
     def num_preemptions(self) -> int:
@@ -55,6 +57,7 @@ class MigratedLoad:
 
     lease_id: str
     num_tokens: int
+    committed_at: float = field(default_factory=time.monotonic)  # (for the load's timing log)
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,9 @@ class Snapshot:
     running: tuple[RequestView, ...] = ()
     num_free_blocks: int = 0
     migration: dict[str, MigrationView] = field(default_factory=dict)  # by our request id
+    # Waiting requests that need blocks from the pool, i.e. not migrated-in ones whose KV is
+    # still in their lease (they join the batch at the next step).
+    num_waiting_for_memory: int = 0
 
 
 @dataclass

@@ -8,6 +8,11 @@ A migration's lease holds its reserved blocks, cumulative over stages, in reserv
 source block i of the request lands in lease block i, and at commit the lease becomes the
 request's block table. Ended migrations stay as tombstones for `tombstone_s`, so a late or
 repeated message gets the same answer (idempotency) and a late commit after an abort is refused.
+
+A new migration's first PRE-ALLOC passes the simulator's guard on this instance's own load (no
+queue here, enough blocks left free after taking the request: `guard_refusal`). A COMMIT may
+arrive before the last stage's frame (the source does not wait for its ack): the handshake waits
+for it (`wait_for_kv`) before `handle_commit` decides.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass, field
 
 from services.llumlet.engine import EngineError
 from services.llumlet.migration.copier import BlockCopier
-from services.llumlet.migration.ops import MigratableEngine
+from services.llumlet.migration.ops import IntakeLoad, MigratableEngine
 from services.llumlet.migration.protocol import (
     ALREADY_COMMITTED,
     MigrationLifecycle,
@@ -29,9 +34,26 @@ from services.llumlet.migration.protocol import (
     PreAllocGrant,
 )
 from services.llumlet.migration.transfer import AckStatus, FrameHeader
-from shared.messages import Ack, MigrationAbort, MigrationCommit, PreAlloc
+from shared.messages import Ack, LoadReport, MigrationAbort, MigrationCommit, PreAlloc
+from shared.policy.baselines import may_migrate_into
 
 log = logging.getLogger(__name__)
+
+
+def guard_refusal(load: IntakeLoad, num_blocks: int, limits: MigrationLimits) -> str | None:
+    """Why a request of `num_blocks` may not migrate in, by the simulator's own rule
+    (`may_migrate_into`: no queue here, and enough blocks left free afterwards); None: it may."""
+    report = LoadReport(instance_id="", seq=0, sent_at=0.0, num_blocks_total=load.num_blocks_total,
+                        num_blocks_free=load.num_blocks_free, block_size=0, num_running=0,
+                        num_waiting=load.num_waiting, head_demand_blocks=0, waiting_demand_blocks=0,
+                        num_preemptions_total=0)
+    guard = limits.guard()
+    if may_migrate_into(report, num_blocks, guard):
+        return None
+    if load.num_waiting > guard.dest_max_waiting:
+        return f"busy: {load.num_waiting} requests waiting here"
+    return (f"no room: {num_blocks} blocks would leave {load.num_blocks_free - num_blocks} of {load.num_blocks_total} "
+            f"free (the guard keeps {guard.dest_min_free_fraction_after:.0%})")
 
 
 @dataclass(eq=False)
@@ -47,6 +69,12 @@ class IncomingMigration(MigrationLifecycle):
     writers: int = 0  # scatters in flight: the lease must not be released under them
     release_pending: bool = False
     ended_at: float | None = None
+    progress: asyncio.Event = field(default_factory=asyncio.Event)  # set when a frame lands or it ends
+    kv_wait_s: float = 0.0  # how long its COMMIT waited for the last frame
+
+    @property
+    def kv_complete(self) -> bool:
+        return not self.writers and self.filled == len(self.block_ids)
 
 
 class IncomingMigrations:
@@ -55,12 +83,14 @@ class IncomingMigrations:
     def __init__(self, ops: MigratableEngine, copier: BlockCopier, limits: MigrationLimits,
                  refusal: Callable[[], str | None] = lambda: None,
                  on_change: Callable[[], None] = lambda: None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 intake_load: Callable[[], IntakeLoad] | None = None) -> None:
         self.ops = ops
         self.copier = copier
         self.limits = limits
         self.kv_address = ""
         self._refusal = refusal  # e.g. "draining": why we take no migration now (None: we do)
+        self._intake_load = intake_load  # this instance's load for the guard (None: no guard)
         self._on_change = on_change
         self._clock = clock
         self._migrations: dict[str, IncomingMigration] = {}
@@ -90,17 +120,23 @@ class IncomingMigrations:
             return PreAllocGrant(ok=False, reason=f"migration {m.status.value}")
         if msg.request_id != m.request_id or msg.num_blocks < 0:
             return PreAllocGrant(ok=False, reason="pre-alloc does not match the migration")
-        granted = m.granted.get(msg.stage)
-        if granted is None:  # (a repeated pre-alloc of a stage gets the same blocks again)
-            if msg.stage != len(m.granted):
-                return PreAllocGrant(ok=False, reason=f"stage {msg.stage} out of order (expected {len(m.granted)})")
-            granted = self.ops.reserve_blocks(m.migration_id, msg.num_blocks)
-            if granted is None:
+        granted = m.granted.get(msg.stage, [])
+        if msg.stage not in m.granted and msg.stage != len(m.granted):
+            return PreAllocGrant(ok=False, reason=f"stage {msg.stage} out of order (expected {len(m.granted)})")
+        # A repeated pre-alloc of a stage gets the same blocks again; one for more blocks tops the
+        # stage up (the last stage: the request started a block while the pre-alloc travelled).
+        more = msg.num_blocks - len(granted)
+        if more > 0 or msg.stage not in m.granted:
+            if msg.stage != len(m.granted) and msg.stage != len(m.granted) - 1:
+                return PreAllocGrant(ok=False, reason=f"stage {msg.stage} is over: no top-up")
+            added = self.ops.reserve_blocks(m.migration_id, max(0, more))
+            if added is None:
                 self._end(m, MigrationStatus.ABORTED_DST, "no room")
-                return PreAllocGrant(ok=False, reason=f"no room for {msg.num_blocks} more blocks")
-            m.block_ids += granted
-            m.granted[msg.stage] = granted
-            self._on_change()
+                return PreAllocGrant(ok=False, reason=f"no room for {more} more blocks")
+            m.block_ids += added
+            granted = m.granted[msg.stage] = granted + added
+            if added:
+                self._on_change()
         m.expires_at = self._clock() + min(max(msg.lease_s, self.limits.watchdog_interval_s), self.limits.lease_s)
         return PreAllocGrant(ok=True, block_ids=list(granted), kv_address=self.kv_address)
 
@@ -112,6 +148,8 @@ class IncomingMigrations:
             return refusal
         if self.num_active >= self.limits.max_in:
             return f"busy: {self.num_active} incoming migrations"
+        if self._intake_load is not None:
+            return guard_refusal(self._intake_load(), msg.num_blocks, self.limits)
         return None
 
     def handle_abort(self, msg: MigrationAbort) -> Ack:
@@ -136,6 +174,7 @@ class IncomingMigrations:
         if m.status.is_over:
             return Ack(ok=False, error=f"migration {m.status.value}: {m.reason}"), False
         problem = self._commit_problem(m, commit)
+        started = self._clock()
         if problem is None:
             try:
                 self.ops.add_migrated(commit, m.migration_id)
@@ -145,15 +184,35 @@ class IncomingMigrations:
             self._end(m, MigrationStatus.ABORTED_DST, problem)
             return Ack(ok=False, error=problem), False
         m.finish(self._clock())
+        log.info("incoming migration %s of %s committed: %d blocks (waited %.2f ms for the last frame, "
+                 "add_migrated %.2f ms)", m.migration_id, m.request_id, len(m.block_ids), 1e3 * m.kv_wait_s,
+                 1e3 * (m.ended_at - started))
         self._on_change()
         return Ack(ok=True), True
 
     def _commit_problem(self, m: IncomingMigration, commit: MigrationCommit) -> str | None:
         if commit.request.request_id != m.request_id:
             return f"commit for request {commit.request.request_id}, lease is for {m.request_id}"
-        if m.writers or m.filled != len(m.block_ids):
+        if not m.kv_complete:
             return f"KV incomplete: {m.filled} of {len(m.block_ids)} blocks written"
         return None
+
+    async def wait_for_kv(self, migration_id: str) -> None:
+        """The source sends a COMMIT right behind its last frame, and NATS may deliver it before
+        TCP delivers the frame: wait (at most `commit_kv_wait_s`) until the lease is filled or
+        the migration ended; `handle_commit` then decides."""
+        m = self._migrations.get(migration_id)
+        if m is None:
+            return
+        started = self._clock()
+        try:
+            async with asyncio.timeout(self.limits.commit_kv_wait_s):
+                while m.status is MigrationStatus.RUNNING and not m.kv_complete:
+                    m.progress.clear()
+                    await m.progress.wait()
+        except TimeoutError:
+            pass
+        m.kv_wait_s = self._clock() - started
 
     def abort_request(self, request_id: str) -> None:
         """The client aborted the request (broadcast): drop any migration of it into here."""
@@ -209,6 +268,7 @@ class IncomingMigrations:
             m.writers -= 1
             if m.release_pending and not m.writers:
                 self._release(m)
+            m.progress.set()
         if m.status.is_over:
             return AckStatus.UNKNOWN_MIGRATION
         m.filled += header.num_blocks
@@ -224,6 +284,7 @@ class IncomingMigrations:
 
     def _end(self, m: IncomingMigration, status: MigrationStatus, reason: str) -> None:
         m.abort(status, reason, self._clock())
+        m.progress.set()
         log.info("incoming migration %s of %s ended: %s (%s)", m.migration_id, m.request_id, status.value, reason)
         if m.writers:
             m.release_pending = True  # a scatter still writes into these blocks

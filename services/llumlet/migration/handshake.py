@@ -29,7 +29,12 @@ R = TypeVar("R")
 
 
 class DestinationLink(Protocol):
-    """The handshake as the source coordinator sees it (NATS in production, fakes in tests)."""
+    """The handshake as the source coordinator sees it (NATS in production, fakes in tests).
+
+    A link whose `commit_waits_for_kv` is true reaches a destination that, given a COMMIT which
+    overtook the last KV frame, waits for that frame (`HandshakeServer`): the source may then
+    send it without waiting for the frame's ack. Links without the attribute get the COMMIT
+    after the ack."""
 
     async def prealloc(self, dst: str, msg: PreAlloc) -> PreAllocGrant: ...
 
@@ -39,6 +44,8 @@ class DestinationLink(Protocol):
 
 
 class NatsDestinationLink:
+    commit_waits_for_kv = True  # HandshakeServer's COMMIT handler waits for the last frame
+
     def __init__(self, nc: Client, limits: MigrationLimits) -> None:
         self.nc = nc
         self.limits = limits
@@ -67,7 +74,8 @@ class NatsDestinationLink:
 
 class HandshakeServer:
     """The destination's three subjects; each handler decodes, decides (no await in between, so
-    decisions never interleave) and replies."""
+    decisions never interleave) and replies. (A COMMIT first waits for the last frame, which it
+    may have overtaken.)"""
 
     def __init__(self, incoming: IncomingMigrations,
                  on_committed: Callable[[MigrationCommit], Awaitable[None]]) -> None:
@@ -99,6 +107,7 @@ class HandshakeServer:
         except WireError as exc:
             await self._respond(msg, Ack(ok=False, error=str(exc)))
             return
+        await self.incoming.wait_for_kv(commit.migration_id)  # (it may overtake the last frame)
         reply, committed = self.incoming.handle_commit(commit)
         if committed:
             await self.on_committed(commit)

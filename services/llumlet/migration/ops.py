@@ -50,6 +50,15 @@ class KVRegion:
     block_dim: int = 0
 
 
+@dataclass(frozen=True)
+class IntakeLoad:
+    """What the destination guard looks at: this instance's blocks and its queue."""
+
+    num_blocks_free: int  # reserved blocks are not free
+    num_blocks_total: int
+    num_waiting: int  # requests queued for memory (migrated-in ones bring their own)
+
+
 @runtime_checkable
 class MigratableEngine(Protocol):
     block_size: int
@@ -80,9 +89,17 @@ class MigratableEngine(Protocol):
     def release_migrated(self, request_id: str) -> bool:
         """The destination committed: free the blocks; the request produces nothing more here."""
 
+    def residence_s(self, request_id: str) -> float | None:
+        """Seconds since the request arrived here or migrated in (the anti-ping-pong guard);
+        None when it is not here."""
+
     # -- destination ---------------------------------------------------------------------------
+    def intake_load(self) -> IntakeLoad:
+        """Free and total blocks and the waiting queue: may this instance take a new request?"""
+
     def reserve_blocks(self, lease_id: str, num_blocks: int) -> list[int] | None:
-        """Hold `num_blocks` more free blocks under the lease; None (nothing taken) if short."""
+        """Hold `num_blocks` more free blocks under the lease; None (nothing taken) if short.
+        (A stage's PRE-ALLOC asks for its total; a repeat with more tops the lease up.)"""
 
     def release_reservation(self, lease_id: str) -> int:
         """Return the lease's blocks to the free pool; idempotent."""

@@ -3,11 +3,15 @@ interval of the protocol, named in one place.
 
 Message flow (source S, destination D; NATS request/reply unless noted):
 
-    S → D  PRE-ALLOC(stage k, n more blocks)   D reserves under a lease (renewed) or refuses
+    S → D  PRE-ALLOC(stage k, n blocks)        D reserves under a lease (renewed) or refuses; a
+                                               repeat gets the same blocks, a larger n tops up
     S → D  KV frames over TCP (stage k)        D scatters into the lease's blocks, acks each frame
     ...    S re-checks the request after every await: finished/aborted/preempted → ABORT
-    S      last stage: suspend, PRE-ALLOC + copy the rest (incl. the partial block)
+    S      last stage: PRE-ALLOC, suspend, (top-up if it grew), copy the rest (incl. the partial
+           block); forced by the stage limit: suspend first, then PRE-ALLOC and copy
     S → D  COMMIT(request, output so far)      D adopts the lease's blocks and resumes the request
+                                               (sent right behind a one-frame last stage: D waits
+                                               for that frame before it decides)
     S      release the request; D publishes from the next token index on
 
 Either side failing ends the migration: a dead destination leaves the request running on the
@@ -21,6 +25,9 @@ import uuid
 from dataclasses import dataclass
 
 from shared.messages import PreAllocReply
+from shared.policy.baselines import MigrationGuard
+
+_GUARD = MigrationGuard()  # the simulator's anti-thrash defaults, applied by the llumlets too
 
 
 class MigrationStatus(enum.Enum):
@@ -89,6 +96,9 @@ class MigrationLimits:
     abort_timeout_s: float = 0.5
     commit_timeout_s: float = 2.0
     commit_attempts: int = 3
+    # The COMMIT follows a one-frame last stage without waiting for its ack: the destination
+    # waits this long for the frame before it decides (less than commit_timeout_s).
+    commit_kv_wait_s: float = 1.0
     # An unanswered commit leaves the outcome unknown: keep asking (ABORT is decisive) this long
     # before failing the request with an error.
     in_doubt_deadline_s: float = 15.0
@@ -102,6 +112,13 @@ class MigrationLimits:
     throttle_frame_s: float = 0.05
     stage_timeout_base_s: float = 2.0
     stage_timeout_min_bytes_per_s: float = 50e6  # a stage may take base + bytes / this
+    # Anti-thrash guards (as the simulator's `MigrationGuard`). Source: a request is picked only
+    # after it has stayed this long here since it arrived or migrated in (no ping-pong).
+    # Destination: the first PRE-ALLOC is refused while requests wait here, or when taking the
+    # request would leave less than this fraction of the blocks free (it would become a source).
+    min_residence_s: float = _GUARD.min_residence_s
+    dest_max_waiting: int = _GUARD.dest_max_waiting
+    dest_min_free_fraction: float = _GUARD.dest_min_free_fraction_after
     # Source loop.
     max_out: int = 1
     max_in: int = 2
@@ -118,6 +135,12 @@ class MigrationLimits:
             raise ValueError("max_out and max_in must be >= 0")
         if self.bandwidth_bytes_per_s < 0:
             raise ValueError("bandwidth_bytes_per_s must be >= 0 (0: no cap)")
+        if not 0 <= self.commit_kv_wait_s < self.commit_timeout_s:
+            raise ValueError("commit_kv_wait_s must be in [0, commit_timeout_s)")
+        if self.min_residence_s < 0 or self.dest_max_waiting < 0:
+            raise ValueError("min_residence_s and dest_max_waiting must be >= 0")
+        if not 0 <= self.dest_min_free_fraction < 1:
+            raise ValueError("dest_min_free_fraction must be in [0, 1)")
         if self.frame_bytes <= 0 or self.frame_bytes > self.max_frame_bytes:
             raise ValueError("frame_bytes must be in (0, max_frame_bytes]")
         for name in ("lease_s", "watchdog_interval_s", "prealloc_timeout_s", "abort_timeout_s",
@@ -130,6 +153,11 @@ class MigrationLimits:
         if self.bandwidth_bytes_per_s:
             rate = min(rate, self.bandwidth_bytes_per_s / 2)
         return self.stage_timeout_base_s + num_bytes / rate
+
+    def guard(self) -> MigrationGuard:
+        """The guard's rules with these limits (for `may_migrate_into`)."""
+        return MigrationGuard(dest_max_waiting=self.dest_max_waiting, min_residence_s=self.min_residence_s,
+                              dest_min_free_fraction_after=self.dest_min_free_fraction)
 
     def effective_frame_bytes(self) -> int:
         if not self.bandwidth_bytes_per_s:

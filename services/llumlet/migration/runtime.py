@@ -55,7 +55,7 @@ class LlumletMigration:
         """Listen for KV frames and handshakes; returns the background loops to run."""
         self.copier = BlockCopier(self.ops.kv_regions())
         self.incoming = IncomingMigrations(self.ops, self.copier, self.limits, refusal=self.hooks.refusal,
-                                           on_change=self.hooks.changed)
+                                           on_change=self.hooks.changed, intake_load=self.ops.intake_load)
         self.receiver = KVReceiver(self.incoming, self.limits, self.copier.new_host_buffer, self.kv_host,
                                    self.kv_port, self.kv_advertise_host)
         try:

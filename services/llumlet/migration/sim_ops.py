@@ -3,10 +3,12 @@ generic views (KV regions, candidates, snapshots) the coordinator asks for."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from services.llumlet.engines.sim.request import RequestStatus
+from services.llumlet.migration.ops import IntakeLoad
 from services.llumlet.migration.ops import KVRegion, LivePhase, MigrationSnapshot
 from shared.messages import MigrationCommit
 from shared.policy.migration import MigrationCandidate
@@ -36,6 +38,7 @@ class SimMigrationAdapter:
         self.release_migrated = engine.release_migrated
         self.reserve_blocks = engine.reserve_blocks
         self.release_reservation = engine.release_reservation
+        self._migrated_in_at: dict[str, float] = {}  # request id → when it was committed here
 
     def kv_regions(self) -> Sequence[KVRegion]:
         return self._regions
@@ -54,5 +57,21 @@ class SimMigrationAdapter:
         blocks = self.engine.scheduler.block_manager.num_blocks_of(request_id)
         return MigrationSnapshot(_PHASES[request.status], request.num_computed_tokens, request.num_preemptions, blocks)
 
+    def residence_s(self, request_id: str) -> float | None:
+        """Since it arrived (its arrival time: the engine's clock, wall time in a llumlet, or the
+        gateway's) or migrated in here; None if it is not here."""
+        request = self.engine.get_request(request_id)
+        if request is None or request.is_finished:
+            return None
+        since = max(request.arrival_time, self._migrated_in_at.get(request_id, 0.0))
+        return time.time() - since
+
+    def intake_load(self) -> IntakeLoad:
+        scheduler = self.engine.scheduler
+        return IntakeLoad(self.engine.num_free_blocks(), self.engine.num_blocks_total, len(scheduler.waiting))
+
     def add_migrated(self, commit: MigrationCommit, lease_id: str) -> None:
         self.engine.add_migrated(commit, lease_id=lease_id)
+        # (forget the requests that left since: the table holds only live ones)
+        self._migrated_in_at = {rid: t for rid, t in self._migrated_in_at.items() if self.engine.get_request(rid)}
+        self._migrated_in_at[commit.request.request_id] = time.time()

@@ -4,6 +4,8 @@ migrating requests to it, and the multi-stage protocol for one request.
 The request stays untouched on the source until the destination has committed: every stage
 re-checks it after every await (finished, aborted, preempted, stopping → ABORT to the
 destination, the request goes on here), and only the last stage takes it out of the batch.
+The loop picks only requests that have stayed `min_residence_s` here since they arrived or
+migrated in (the simulator's anti-thrash guard: no ping-pong).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from services.llumlet.migration.protocol import (
     new_migration_id,
 )
 from services.llumlet.migration.transfer import KVSenderPool, StageTransfer
-from shared.messages import MigrateOrder, MigrationAbort, PreAlloc
+from shared.messages import MigrateOrder, MigrationAbort, MigrationCommit, PreAlloc
 from shared.policy.migration import select_request_to_migrate
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ class StageRecord:
     num_blocks: int
     num_bytes: int
     seconds: float  # the copy: fusion, wire, scatter and acks
-    prealloc_s: float  # the PRE-ALLOC round trip before it
+    prealloc_s: float  # the PRE-ALLOC round trip before it (last stage: only a top-up while suspended)
     final: bool
 
 
@@ -77,19 +79,25 @@ class OutgoingMigration(MigrationLifecycle):
     stage: int = 0
     blocks_sent: int = 0  # request blocks [0, blocks_sent) are on the destination
     lease_blocks: int = 0  # blocks the destination has reserved for us
+    stage_lease_start: int = 0  # lease blocks reserved before the current stage
     kv_address: str = ""
     stages: list[StageRecord] = field(default_factory=list)
     started_at: float = 0.0
     suspended_at: float | None = None
+    suspend_s: float = 0.0  # the suspend call: waits for the engine step in flight, then aborts
     commit_s: float = 0.0  # the COMMIT round trip
+    commit_pipelined: bool = False  # the COMMIT went out behind the last frame, not after its ack
+    committed_at: float | None = None  # the destination acknowledged the COMMIT
+    release_s: float = 0.0  # freeing the request here afterwards (off the downtime)
     ended_at: float | None = None
 
     @property
     def downtime_s(self) -> float | None:
-        """Out of the batch: suspend → committed on the destination (as the source saw it)."""
-        if self.suspended_at is None or self.ended_at is None:
+        """Out of the batch: suspend → commit acknowledged (the request is queued into the
+        destination's batch), as the source saw it."""
+        if self.suspended_at is None or self.committed_at is None:
             return None
-        return self.ended_at - self.suspended_at
+        return self.committed_at - self.suspended_at
 
 
 @dataclass
@@ -181,9 +189,17 @@ class MigrationCoordinator:
             return None, ""
         if self._pair.backoff_until > self._clock():
             return None, ""
-        candidates = [c for c in self.ops.migration_candidates() if c.request_id not in self._active]
+        candidates = [c for c in self.ops.migration_candidates()
+                      if c.request_id not in self._active and self._resident_long_enough(c.request_id)]
         choice = select_request_to_migrate(candidates)
         return (choice.request_id, dst) if choice is not None else (None, "")
+
+    def _resident_long_enough(self, request_id: str) -> bool:
+        """The residence guard: a request that just arrived or migrated in stays a while."""
+        if self.limits.min_residence_s <= 0:
+            return True
+        residence = self.ops.residence_s(request_id)
+        return residence is not None and residence >= self.limits.min_residence_s
 
     def _task_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
@@ -223,11 +239,16 @@ class MigrationCoordinator:
         request_id = m.request_id
         try:
             await self._run_stages(m)
-            await self._commit(m)
         except MigrationFailed as exc:
             await self._abort(m, exc)
         except asyncio.CancelledError:
             await self._abort(m, SourceAborted("source stopping"))
+            raise
+        except Exception as exc:  # a bug: still, the request must run on exactly one instance
+            if m.committed_at is None:
+                await self._abort(m, SourceAborted(f"internal error: {exc!r}"))  # resumes it here
+            elif not m.status.is_over:
+                m.finish(self._clock())  # it runs on the destination
             raise
         finally:
             del self._active[request_id]
@@ -235,27 +256,49 @@ class MigrationCoordinator:
             self.hooks.changed()
 
     async def _run_stages(self, m: OutgoingMigration) -> None:
+        """Live stages while the request keeps decoding, then the last one with it suspended,
+        and the COMMIT.
+
+        A stage's PRE-ALLOC reserves all the request's blocks so far, the partial last one
+        included. Once few blocks remain, the last stage's PRE-ALLOC still goes out while the
+        request runs: it then usually reserves nothing, and the downtime is only the last copy
+        and the COMMIT (a request that started a block meanwhile gets the stage topped up once
+        suspended). When the stage limit forces the last stage instead, the request outgrows
+        the copies: it is suspended first and reserved for once, at its final size."""
         block_size = self.ops.block_size
         while True:
             snapshot = self._check(m, LivePhase.RUNNING)
             full = snapshot.num_computed_tokens // block_size  # blocks whose content is final
-            final = m.stage >= self.limits.stage_limit - 1 or full - m.blocks_sent <= self.limits.last_stage_blocks
-            phase = LivePhase.SUSPENDED if final else LivePhase.RUNNING
-            if final:
-                if not self.ops.suspend(m.request_id):
-                    raise SourceAborted("request left the batch before the last stage")
-                m.suspended_at = self._clock()
-                full = self._check(m, phase).num_blocks  # everything, the partial block too
-            await self._stage(m, full, final, phase)
-            if final:
-                return
+            forced = m.stage >= self.limits.stage_limit - 1
+            if forced or full - m.blocks_sent <= self.limits.last_stage_blocks:
+                break
+            prealloc_s = await self._prealloc(m, snapshot.num_blocks)
+            self._check(m, LivePhase.RUNNING)
+            await self._copy(m, full, LivePhase.RUNNING, prealloc_s, final=False)
+        if not forced:
+            await self._prealloc(m, snapshot.num_blocks)  # (off the downtime)
+            self._check(m, LivePhase.RUNNING)
+        self._suspend(m)
+        upto = self._check(m, LivePhase.SUSPENDED).num_blocks  # everything, the partial block too
+        if upto < m.lease_blocks:
+            raise SourceAborted(f"request holds {upto} blocks, fewer than the {m.lease_blocks} reserved")
+        prealloc_s = 0.0
+        if forced or upto > m.lease_blocks:
+            prealloc_s = await self._prealloc(m, upto)
+            self._check(m, LivePhase.SUSPENDED)
+        await self._last_stage(m, upto, prealloc_s)
 
-    async def _stage(self, m: OutgoingMigration, upto: int, final: bool, phase: LivePhase) -> None:
-        """Copy request blocks [blocks_sent, upto) into lease blocks of the same indices."""
-        block_ids = self.ops.block_ids_of(m.request_id)[m.blocks_sent : upto]
+    def _suspend(self, m: OutgoingMigration) -> None:
         asked = self._clock()
-        await self._prealloc(m, upto - m.lease_blocks)
-        self._check(m, phase)
+        if not self.ops.suspend(m.request_id):
+            raise SourceAborted("request left the batch before the last stage")
+        m.suspended_at = self._clock()
+        m.suspend_s = m.suspended_at - asked
+
+    async def _copy(self, m: OutgoingMigration, upto: int, phase: LivePhase, prealloc_s: float, final: bool) -> None:
+        """Copy request blocks [blocks_sent, upto) into lease blocks of the same indices."""
+        assert upto <= m.lease_blocks, (upto, m.lease_blocks)
+        block_ids = self.ops.block_ids_of(m.request_id)[m.blocks_sent : upto]
         started = self._clock()
         transfer = StageTransfer(0, 0, 0, 0.0)
         if block_ids:
@@ -263,19 +306,25 @@ class MigrationCoordinator:
                                                      block_ids, self.copier, lambda: self._check(m, phase))
             self._check(m, phase)
         m.stages.append(StageRecord(m.stage, len(block_ids), transfer.num_bytes, self._clock() - started,
-                                    started - asked, final))
+                                    prealloc_s, final))
         m.blocks_sent = upto
         m.stage += 1
+        m.stage_lease_start = m.lease_blocks
 
-    async def _prealloc(self, m: OutgoingMigration, num_blocks: int) -> None:
+    async def _prealloc(self, m: OutgoingMigration, upto: int) -> float:
+        """Reserve lease blocks up to `upto` for this stage (again within a stage: a top-up);
+        returns the seconds the round trip took."""
+        num_blocks = upto - m.stage_lease_start  # the stage's blocks in all
         msg = PreAlloc(m.migration_id, m.request_id, num_blocks, self.limits.lease_s, m.stage)
+        asked = self._clock()
         grant = await self.link.prealloc(m.dst, msg)
         if not grant.ok:
             raise DestinationRefused(f"pre-alloc refused: {grant.reason}")
         if len(grant.block_ids) != num_blocks or not grant.kv_address:
             raise DestinationRefused(f"bad pre-alloc grant ({len(grant.block_ids)} of {num_blocks} blocks)")
-        m.lease_blocks += num_blocks
+        m.lease_blocks = upto
         m.kv_address = grant.kv_address
+        return self._clock() - asked
 
     def _check(self, m: OutgoingMigration, phase: LivePhase) -> MigrationSnapshot:
         """After every await: is the request still where the migration left it?"""
@@ -290,19 +339,54 @@ class MigrationCoordinator:
             raise SourceAborted(f"request is {snapshot.phase.value}, expected {phase.value}")
         return snapshot
 
-    # -- commit and abort --------------------------------------------------------------------------
+    # -- the last stage, commit and abort ----------------------------------------------------------
 
-    async def _commit(self, m: OutgoingMigration) -> None:
+    async def _last_stage(self, m: OutgoingMigration, upto: int, prealloc_s: float) -> None:
+        """Copy the rest and commit. A last stage of one frame (the usual: a block or two) has
+        the COMMIT follow it at once, without waiting for the frame's ack: the destination
+        commits once the frame is in, so the downtime holds one round trip instead of two."""
         commit = self.ops.migration_commit(m.request_id, m.migration_id)
+        copy = self._copy(m, upto, LivePhase.SUSPENDED, prealloc_s, final=True)
+        one_frame = self.copier.frame_bytes(upto - m.blocks_sent) <= self.limits.effective_frame_bytes()
+        if not (one_frame and getattr(self.link, "commit_waits_for_kv", False)):
+            await copy  # (e.g. a blocking copy: the destination would wait too long for it)
+            await self._commit(m, commit)
+            return
+        m.commit_pipelined = True
+        copying = asyncio.ensure_future(copy)
+        try:
+            await self._commit(m, commit, copying)
+        finally:
+            if not copying.done():
+                copying.cancel()
+                await asyncio.gather(copying, return_exceptions=True)
+
+    async def _commit(self, m: OutgoingMigration, commit: MigrationCommit,
+                      copying: asyncio.Future | None = None) -> None:
+        """Ask the destination to commit; `copying`, the last stage's copy still in flight, is
+        awaited once the answer is in (a refused COMMIT stops it)."""
         asked = self._clock()
-        committed = await self._ask_commit(m, commit)
-        m.commit_s = self._clock() - asked
+        try:
+            committed = await self._ask_commit(m, commit)
+        except BaseException:
+            if copying is not None:
+                copying.cancel()
+            raise
+        now = self._clock()
+        m.commit_s = now - asked
+        if committed:
+            m.committed_at = now
+            self.hooks.migrated_out(m.request_id)  # no await since the ack: nothing published meanwhile
+        if copying is not None:
+            (copy_error,) = await asyncio.gather(copying, return_exceptions=True)
+            if copy_error is not None and committed:  # the destination had the KV all the same
+                log.warning("migration %s committed, but its last copy ended with %r", m.migration_id, copy_error)
         if committed is None:  # nobody knows: the request cannot go on anywhere for sure
             m.abort(MigrationStatus.ABORTED_DST, "commit outcome unknown", self._clock())
             await self.hooks.fail_request(m.request_id, "migration outcome unknown")
             return
-        self.hooks.migrated_out(m.request_id)  # no await since the ack: nothing published meanwhile
         self.ops.release_migrated(m.request_id)  # (False if the client aborted it meanwhile)
+        m.release_s = self._clock() - now
         m.finish(self._clock())
         log.info("migrated %s to %s in %d stages (downtime %.1f ms)", m.request_id, m.dst, m.stage,
                  1e3 * (m.downtime_s or 0.0))

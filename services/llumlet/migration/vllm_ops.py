@@ -16,13 +16,14 @@ final). Verbs that change vLLM run on the engine thread and are waited for (at m
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from services.llumlet.engine import EngineError
 from services.llumlet.engines.vllm_driver import VllmDriver, continuation
 from services.llumlet.engines.vllm_params import check_request
-from services.llumlet.engines.vllm_state import MigratedLoad, Tracked
-from services.llumlet.migration.ops import KVRegion, LivePhase, MigrationSnapshot
+from services.llumlet.engines.vllm_state import AddCommand, MigratedLoad, Tracked
+from services.llumlet.migration.ops import IntakeLoad, KVRegion, LivePhase, MigrationSnapshot
 from shared.messages import MigrationCommit
 from shared.policy.migration import MigrationCandidate
 
@@ -48,6 +49,14 @@ class VllmMigrationMixin:
     def num_reserved_blocks(self) -> int:
         return sum(self._leases().values())
 
+    def intake_load(self) -> IntakeLoad:
+        """For the destination guard: the last snapshot, plus new requests queued since."""
+        shared = self.shared
+        with shared.lock:
+            snapshot = shared.snapshot
+            queued = sum(1 for c in shared.commands if isinstance(c, AddCommand) and c.load is None)
+        return IntakeLoad(snapshot.num_free_blocks, self.num_blocks_total, snapshot.num_waiting_for_memory + queued)
+
     # -- source --------------------------------------------------------------------------------
 
     def migration_candidates(self) -> list[MigrationCandidate]:
@@ -60,6 +69,12 @@ class VllmMigrationMixin:
             if (tracked := requests.get(rid)) is not None and tracked.suspended is None
             and not view.queued and view.num_output_tokens > 0
         ]
+
+    def residence_s(self, request_id: str) -> float | None:
+        """How long the request has been here since it arrived or migrated in (None: not here)."""
+        with self.shared.lock:
+            tracked = self.shared.requests.get(request_id)
+        return None if tracked is None else time.monotonic() - tracked.placed_at
 
     def migration_snapshot(self, request_id: str) -> MigrationSnapshot | None:
         shared = self.shared
@@ -111,6 +126,9 @@ class VllmMigrationMixin:
     # -- destination ---------------------------------------------------------------------------
 
     def reserve_blocks(self, lease_id: str, num_blocks: int) -> list[int] | None:
+        if num_blocks == 0:  # (a last stage's pre-alloc, usually: no wait for the engine thread)
+            self._leases().setdefault(lease_id, 0)
+            return []
         block_ids = self.call_on_engine_thread(VllmDriver.reserve, lease_id, num_blocks)
         if block_ids is not None:
             leases = self._leases()

