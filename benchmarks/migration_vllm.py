@@ -45,12 +45,20 @@ from pathlib import Path
 
 import nats
 
-from benchmarks.migration_sim import raw_loopback_gbps, wait_until
+from benchmarks.migration_sim import Chunks as SimBenchChunks
+from benchmarks.migration_sim import raw_loopback_gbps, submit, wait_until
 from services.llumlet.config import LlumletConfig, VllmSettings
 from services.llumlet.engines import model_vocabulary
 from services.llumlet.migration.protocol import MigrationLimits, MigrationStatus
 from shared import subjects
-from shared.messages import AbortRequest, GenerateRequest, LoadReport, SamplingParams, TokenChunk, decode, encode
+from shared.messages import (
+    AbortRequest,
+    GenerateRequest,
+    LoadReport,
+    SamplingParams,
+    decode,
+    encode,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SRC, DST = "bench-vsrc", "bench-vdst"
@@ -99,21 +107,8 @@ def timed_engine(config):
     return TimedVllmEngine(config)
 
 
-class Chunks:
+class Chunks(SimBenchChunks):
     """Arrival time and publisher of every token chunk of the measured requests."""
-
-    def __init__(self) -> None:
-        self.by_request: dict[str, list[tuple[float, TokenChunk]]] = defaultdict(list)
-
-    async def on_chunk(self, msg) -> None:
-        chunk = decode(msg.data, TokenChunk)
-        self.by_request[chunk.request_id].append((time.monotonic(), chunk))
-
-    def count_from(self, request_id: str, instance_id: str) -> int:
-        return sum(len(c.token_ids) for _, c in self.by_request[request_id] if c.instance_id == instance_id)
-
-    def token_times(self, request_id: str, instance_id: str) -> list[float]:
-        return [t for t, c in self.by_request[request_id] if c.instance_id == instance_id and c.token_ids]
 
     def forget(self, request_id: str) -> None:
         self.by_request.pop(request_id, None)
@@ -152,11 +147,6 @@ class Requests:
         prompt = [self.rng.randrange(TOKEN_LOW, self.vocab_size) for _ in range(prompt_len)]
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         return GenerateRequest(f"{tag}-{prompt_len}-{self.count}", prompt, sampling, subject)
-
-
-async def submit(nc, instance_id: str, req: GenerateRequest) -> None:
-    reply = await nc.request(subjects.llumlet(instance_id, "generate"), encode(req), timeout=10)
-    assert b"error" not in reply.data, reply.data
 
 
 async def abort(nc, request_id: str) -> None:
