@@ -15,8 +15,16 @@ The paper uses 10,000 requests per trace; the default here is 5,000 per point, e
 with 2 seeds and the metrics averaged (near the knee a single seed's P99 swings by several
 times between policies either way), so the whole run stays within ~15 minutes on 2 cores
 (`--requests 10000 --seeds 1` for the paper's size). Prints a table per trace and the ratios the
-paper reports, lists every load point where Corral's (seed-averaged) P99 is more than 10 % worse
-than INFaaS++'s, and writes everything as JSON.
+paper reports, and writes everything as JSON.
+
+The issue's hard rule: Corral no more than 10 % worse than INFaaS++ at any load point. Every
+metric of the table is checked (mean and P99 of prefill, decode and end-to-end latency, and the
+preemption loss where it exceeds 10 ms a request), seed-averaged. Near saturation a run is
+chaotic: INFaaS++ against itself with its load reports 0.2 % further apart (the "control")
+differs by up to 1.4x in P99 decode and 5x in P99 prefill at some points of 2 seeds. So each
+point that breaks the rule is re-run on `--confirm-seeds` more seeds, with the control, and
+reported with both numbers: "not confirmed" (within 10 % over all the seeds), "confirmed, but
+within what the control shows", or "CONFIRMED" (beyond the control's own deviation too).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from loadgen.simulator.cluster import ClusterSimulator
 from loadgen.simulator.config import AutoscaleModel, SimConfig
 from loadgen.simulator.metrics import summarize
 from loadgen.simulator.workload import WorkloadSpec, build_workload
-from shared.policy.baselines import get_policy
+from shared.policy.baselines import SchedulingPolicy, get_policy
 from shared.policy.config import ScalingConfig
 
 POLICIES = ("corral", "round-robin", "infaas++", "llumnix-base")
@@ -66,6 +74,15 @@ PAPER_CLUSTER = SimConfig(step_mode="v0")  # 16 × LLaMA-7B on A10, the paper's 
 # -- one load point (runs in a worker process) ---------------------------------------------------
 
 
+CONTROL = "infaas++ (control)"  # INFaaS++ with its load reports 0.2 % further apart
+
+
+def policy_and_config(name: str, config: SimConfig) -> tuple[SchedulingPolicy, SimConfig]:
+    if name == CONTROL:
+        return get_policy("infaas++"), replace(config, report_interval_s=config.report_interval_s * 1.002)
+    return get_policy(name), config
+
+
 def run_point(job: tuple) -> list[dict]:
     """All policies on one workload, once per seed; returns JSON-ready metrics averaged over the
     seeds (small, to ship between processes), with the per-seed ones inside."""
@@ -74,12 +91,13 @@ def run_point(job: tuple) -> list[dict]:
     for seed in seeds:
         workload = build_workload(replace(spec, seed=seed), config.max_seq_len)
         for name in policies:
-            result = ClusterSimulator(config, get_policy(name), workload).run()
-            per_seed[name].append(summarize(result, config.block_bytes).to_json())
+            policy, policy_config = policy_and_config(name, config)
+            result = ClusterSimulator(policy_config, policy, workload).run()
+            per_seed[name].append(summarize(result, config.block_bytes).to_json() | {"policy": name})
     rows = []
     for name, runs in per_seed.items():
         row = {"section": section, "trace": label, "rate": spec.rate, "cv": spec.cv, **average(runs)}
-        row["seeds"] = {str(seed): run for seed, run in zip(seeds, runs)} if len(seeds) > 1 else {}
+        row["seeds"] = {str(seed): run for seed, run in zip(seeds, runs)}
         rows.append(row)
     return rows
 
@@ -141,7 +159,47 @@ HEADER = (
     f"{'':<20} {'s':>8} {'s':>8} {'ms':>8} {'ms':>8} {'s':>8} {'s':>8} {'s':>8}"
 )
 
-P99_KEYS = (("prefill", "P99 prefill"), ("decode", "P99 decode"), ("e2e", "P99 e2e"))
+# -- the hard rule: Corral no more than 10 % worse than INFaaS++ -----------------------------------
+
+RULE_LIMIT = 1.10
+CHECKED = (
+    ("prefill", "mean_s", "mean prefill"), ("prefill", "p99_s", "P99 prefill"),
+    ("decode", "mean_s", "mean decode"), ("decode", "p99_s", "P99 decode"),
+    ("e2e", "mean_s", "mean e2e"), ("e2e", "p99_s", "P99 e2e"),
+)
+LOSS_FLOOR_S = 0.01  # a preemption loss this small a request is no regression, whatever the ratio
+
+
+def metric_of(overall: dict, label: str) -> float:
+    if label == "preemption loss":
+        return overall["preemption_loss_mean_s"]
+    group, stat, _ = next(c for c in CHECKED if c[2] == label)
+    return overall[group][stat]
+
+
+def breaches(corral: dict, infaas: dict) -> list[tuple[str, float]]:
+    """(metric, Corral / INFaaS++) for every checked metric where Corral is over the limit."""
+    found = []
+    for _, _, label in (*CHECKED, (None, None, "preemption loss")):
+        ours, base = metric_of(corral, label), metric_of(infaas, label)
+        if label == "preemption loss" and ours - base <= LOSS_FLOOR_S:
+            continue
+        if ours > RULE_LIMIT * base:
+            found.append((label, ours / base if base > 0 else float("inf")))
+    return found
+
+
+def seed_ratios(rows: dict[str, dict], label: str, policy: str = "corral") -> list[float]:
+    """The metric's ratio to INFaaS++ seed by seed (the same workload for both)."""
+    ours, base = rows[policy]["seeds"], rows["infaas++"]["seeds"]
+    return [metric_of(ours[s]["overall"], label) / max(metric_of(base[s]["overall"], label), 1e-12) for s in ours]
+
+
+def pooled_ratio(runs: list[dict], base_runs: list[dict], label: str) -> float:
+    """Seed-averaged metric over seed-averaged metric, as the main table compares them."""
+    ours = sum(metric_of(r["overall"], label) for r in runs) / len(runs)
+    base = sum(metric_of(r["overall"], label) for r in base_runs) / len(base_runs)
+    return ours / base if base > 0 else float("inf")
 
 
 def ratios(rows: list[dict]) -> dict:
@@ -198,10 +256,12 @@ def report(all_rows: list[dict]) -> dict:
                 f"vs round-robin: prefill mean {_x(rr['prefill_mean'])} P99 {_x(rr['prefill_p99'])}, "
                 f"preemption loss {_pct(rr['preemption_loss_reduction'])}"
             )
-            for key, label in P99_KEYS:
-                value = inf[f"{key}_p99"]
-                if value is not None and value < 1 / 1.10:
-                    summary["violations"].append(f"{trace} @ {rate:g}: {label} {1 / value:.2f}x INFaaS++'s")
+            by_policy = {row["policy"]: row for row in rows}
+            for label, ratio in breaches(by_policy["corral"]["overall"], by_policy["infaas++"]["overall"]):
+                summary["violations"].append({
+                    "trace": trace, "rate": rate, "cv": rows[0]["cv"], "metric": label, "ratio": ratio,
+                    "seed_ratios": seed_ratios(by_policy, label),
+                })
     return summary
 
 
@@ -239,10 +299,11 @@ def headline(summary: dict, all_rows: list[dict]) -> None:
         high, normal = row["by_class"]["high"], row["by_class"]["normal"]
         base = next(r for r in all_rows if r["section"] == "priorities" and r["trace"] == row["trace"]
                     and r["policy"] == "infaas++")["by_class"]["high"]
-        vs_normal = normal["e2e"]["mean_s"] / high["e2e"]["mean_s"]
+        faster = {key: normal[key]["mean_s"] / high[key]["mean_s"] for key in ("prefill", "decode", "e2e")}
         vs_infaas = base["e2e"]["mean_s"] / high["e2e"]["mean_s"]
-        print(f"  high priority ({row['trace']}): e2e mean {vs_normal:.2f}x faster than normal, {vs_infaas:.2f}x "
-              f"faster than under INFaaS++ (paper: up to 1.5x)")
+        print(f"  high priority ({row['trace']}): e2e mean {faster['e2e']:.2f}x faster than normal (TTFT "
+              f"{faster['prefill']:.1f}x, TPOT {faster['decode']:.2f}x), {vs_infaas:.2f}x faster than under "
+              f"INFaaS++ (paper: up to 1.5x)")
     scaled = [r for r in all_rows if r["section"].startswith("autoscale")]
     if scaled:
         print(f"  auto-scaling ({scaled[0]['trace']}), average instances and P99 e2e per scaling band:")
@@ -253,8 +314,68 @@ def headline(summary: dict, all_rows: list[dict]) -> None:
                 for name, row in rows.items()))
         saving = cost_saving_at_similar_p99(scaled)
         print(f"  auto-scaling cost at similar P99 e2e (within 10 %): {saving} (paper: up to -36 %)")
-    print("\n=== Load points where Corral's P99 is more than 10 % worse than INFaaS++'s")
-    print("\n".join(f"  {v}" for v in summary["violations"]) or "  none")
+    print_breaches(summary["violations"])
+
+
+def print_breaches(violations: list[dict]) -> None:
+    print("\n=== Load points where Corral is more than 10 % worse than INFaaS++ (any metric, seed-averaged)")
+    for v in violations:
+        line = f"  {v['trace']} @ {v['rate']:g}: {v['metric']} {v['ratio']:.2f}x (per seed {_xs(v['seed_ratios'])})"
+        if "ratio_all" in v:
+            line += (f"; over {v['num_seeds_all']} seeds {v['ratio_all']:.2f}x (per seed {min(v['seed_ratios_all']):.2f}x"
+                     f" to {max(v['seed_ratios_all']):.2f}x), control {v['control_ratio']:.2f}x: " + _status(v))
+        print(line)
+    if not violations:
+        print("  none")
+
+
+def _status(v: dict) -> str:
+    if not v["confirmed"]:
+        return "not confirmed"
+    return "CONFIRMED" if v["beyond_control_noise"] else "confirmed, but within what the control shows"
+
+
+def _xs(values: list[float]) -> str:
+    return " ".join(f"{value:.2f}x" for value in values)
+
+
+def confirm_breaches(violations: list[dict], all_rows: list[dict], args: argparse.Namespace, cluster: SimConfig,
+                     pool: ProcessPoolExecutor) -> None:
+    """Re-run each point that broke the rule on `--confirm-seeds` more seeds, and the control on
+    all of them; annotate every breach with its ratio over all the seeds."""
+    first = tuple(range(args.seed, args.seed + args.seeds))
+    extra = tuple(range(first[-1] + 1, first[-1] + 1 + args.confirm_seeds))
+    points = list(dict.fromkeys((v["trace"], v["rate"], v["cv"]) for v in violations))
+    todo = []
+    for trace, rate, cv in points:
+        dataset = next(t.dataset for t in TRACES if t.name == trace)
+        spec = WorkloadSpec(dataset, num_requests=args.requests, rate=rate, cv=cv, seed=args.seed)
+        todo.append(("confirm", trace, spec, ("corral", "infaas++", CONTROL), cluster, extra))
+        todo.append(("confirm", trace, spec, (CONTROL,), cluster, first))
+    rows = all_rows + [row for result in pool.map(run_point, todo) for row in result]
+    for v in violations:
+        ours, base, control = (_seed_docs(rows, v, policy) for policy in ("corral", "infaas++", CONTROL))
+        assert len(ours) == len(base) == len(control) == len(first) + len(extra), v
+        label = v["metric"]
+        v["num_seeds_all"] = len(ours)
+        v["ratio_all"] = pooled_ratio(ours, base, label)
+        v["control_ratio"] = pooled_ratio(control, base, label)
+        v["seed_ratios_all"] = [metric_of(a["overall"], label) / max(metric_of(b["overall"], label), 1e-12)
+                                for a, b in zip(ours, base)]
+        v["confirmed"] = v["ratio_all"] > RULE_LIMIT
+        # The control's deviation from 1 is what chaos alone does to this metric at this point.
+        noise = max(v["control_ratio"], 1 / v["control_ratio"]) if v["control_ratio"] > 0 else float("inf")
+        v["beyond_control_noise"] = v["ratio_all"] > RULE_LIMIT * noise
+
+
+def _seed_docs(rows: list[dict], point: dict, policy: str) -> list[dict]:
+    """A policy's per-seed metrics at a serving point, from the sweep and the confirmation."""
+    return [
+        doc for row in rows
+        if row["section"] in ("serving", "confirm") and row["policy"] == policy
+        and (row["trace"], row["rate"]) == (point["trace"], point["rate"])
+        for doc in row["seeds"].values()
+    ]
 
 
 def cost_saving_at_similar_p99(rows: list[dict]) -> str:
@@ -288,6 +409,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="the middle rate of each trace only")
     parser.add_argument("--step-mode", choices=("v0", "v1"), default="v0",
                         help="v0: the paper's testbed (default); v1: vLLM v1 mixed steps (rates stay the v0 ones)")
+    parser.add_argument("--confirm-seeds", type=int, default=6,
+                        help="re-run each point that breaks the 10 %% rule on this many more seeds, with the "
+                        "control (INFaaS++ against itself); 0: no confirmation")
     parser.add_argument("--out", default="results/paper_repro.json", help="(results/ is git-ignored)")
     args = parser.parse_args()
 
@@ -298,7 +422,10 @@ def main() -> int:
           f"{args.jobs} worker(s)", flush=True)
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         all_rows = [row for rows in pool.map(run_point, todo) for row in rows]
-    summary = report(all_rows)
+        summary = report(all_rows)
+        if summary["violations"] and args.confirm_seeds > 0:
+            print(f"\nconfirming {len(summary['violations'])} breach(es) on {args.confirm_seeds} more seeds ...", flush=True)
+            confirm_breaches(summary["violations"], all_rows, args, cluster, pool)
     headline(summary, all_rows)
     elapsed = time.perf_counter() - started
     document = {

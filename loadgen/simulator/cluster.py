@@ -152,7 +152,6 @@ class ClusterSimulator:
             for request in finished:
                 self.finished.append(request)
                 del self.placed_at[request.request_id]
-                instance.left(request)
             if len(self.finished) + len(self.rejected) == len(self.workload.arrivals):
                 self.done = True
         duration = instance.start_step(self.now)
@@ -214,7 +213,6 @@ class ClusterSimulator:
             request_id, arrival.prompt_len, max_tokens=arrival.output_len, priority=priority, arrival_time=self.now
         )
         instance.scheduler.add_request(request)
-        instance.joined(request)
         self.placed_at[request_id] = self.now
         self.kick(instance)
 

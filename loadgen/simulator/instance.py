@@ -8,10 +8,8 @@ import math
 from dataclasses import dataclass, field
 
 from services.llumlet.engines.sim.latency import LatencyModel
-from services.llumlet.engines.sim.request import SimRequest
 from services.llumlet.engines.sim.scheduler import SchedulerOutput, SimScheduler
-from shared.messages import LoadReport, PriorityLoad
-from shared.policy.config import NORMAL_PRIORITY
+from shared.messages import LoadReport
 
 
 class InstanceState(enum.Enum):
@@ -36,9 +34,6 @@ class SimInstance:
     migrations_in: int = 0
     num_steps: int = 0
     busy_s: float = 0.0
-    # Live requests here whose priority is not normal: with them, a report without a queue
-    # costs O(their number) instead of O(running).
-    prioritized: set[str] = field(default_factory=set)
     _seq: int = field(default=0, repr=False)
 
     @property
@@ -73,27 +68,12 @@ class SimInstance:
             and self.scheduler.block_manager.num_reserved == 0
         )
 
-    def joined(self, request: SimRequest) -> None:
-        if request.priority != NORMAL_PRIORITY:
-            self.prioritized.add(request.request_id)
-
-    def left(self, request: SimRequest) -> None:
-        self.prioritized.discard(request.request_id)
-
     def build_report(self, now: float, max_model_len: int) -> LoadReport:
         """What the llumlet would publish now: the aggregates `build_load_report` computes from
-        request views. With a queue, from the scheduler's O(running) `load()`; without one (the
-        common case below saturation), from block counts and the few prioritized requests."""
+        request views, from the scheduler's incrementally kept counts (O(priority levels))."""
         scheduler = self.scheduler
         self._seq += 1
-        if scheduler.waiting:
-            load = scheduler.load()
-            num_running, by_priority, num_waiting = load.num_running, load.by_priority, load.num_waiting
-            head_demand, waiting_demand = load.head_demand_blocks, load.waiting_demand_blocks
-        else:
-            num_running = len(scheduler.running) + len(scheduler.suspended)
-            by_priority = self._running_levels(num_running)
-            num_waiting = head_demand = waiting_demand = 0
+        load = scheduler.load()
         blocks = scheduler.block_manager
         self.report = LoadReport(
             instance_id=self.instance_id,
@@ -102,12 +82,12 @@ class SimInstance:
             num_blocks_total=scheduler.config.num_blocks,
             num_blocks_free=blocks.num_free,
             block_size=scheduler.block_size,
-            num_running=num_running,
-            num_waiting=num_waiting,
-            head_demand_blocks=head_demand,
-            waiting_demand_blocks=waiting_demand,
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            head_demand_blocks=load.head_demand_blocks,
+            waiting_demand_blocks=load.waiting_demand_blocks,
             num_preemptions_total=scheduler.num_preemptions_total,
-            by_priority=by_priority,
+            by_priority=load.by_priority,
             num_migrating=self.migrations_in + self.migrations_out,
             reserved_blocks=blocks.num_reserved,
             draining=self.state is InstanceState.DRAINING,
@@ -116,23 +96,3 @@ class SimInstance:
         )
         self.report_at = now
         return self.report
-
-    def _running_levels(self, num_running: int) -> list[PriorityLoad]:
-        """Per-priority running aggregates when nothing waits: every live request then holds
-        blocks, and the normal level is the total minus the prioritized requests."""
-        blocks = self.scheduler.block_manager
-        levels: dict[int, PriorityLoad] = {}
-        for request_id in self.prioritized:
-            priority = self.scheduler.requests[request_id].priority
-            level = levels.get(priority) or levels.setdefault(priority, PriorityLoad(priority))
-            level.num_running += 1
-            level.running_blocks += blocks.num_blocks_of(request_id)
-        normal_running = num_running - len(self.prioritized)
-        if normal_running:
-            assert NORMAL_PRIORITY not in levels
-            levels[NORMAL_PRIORITY] = PriorityLoad(
-                NORMAL_PRIORITY,
-                num_running=normal_running,
-                running_blocks=blocks.num_used - sum(level.running_blocks for level in levels.values()),
-            )
-        return [levels[p] for p in sorted(levels)]

@@ -245,8 +245,6 @@ class Migrator:
         dst.scheduler.add_migrated(clone, migration.lease_id)
         released = src.scheduler.release_migrated(migration.request_id, sim.now)
         assert released, migration
-        src.left(request)
-        dst.joined(clone)
         sim.placed_at[migration.request_id] = sim.now
         migration.status = MigrationStatus.COMMITTED
         self.stats.committed += 1

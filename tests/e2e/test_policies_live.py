@@ -3,12 +3,14 @@ processes over a NATS server of each test's own.
 
 - De-fragmentation: a long prompt that fits no single instance's free blocks, though the cluster
   has room, is placed once migration moves a resident away, much sooner than without migration.
-- Priorities: under load, high-priority requests see a lower TTFT than normal ones.
-
-TPOT is measured and printed but not asserted: in the A10 latency model a decode step costs
-28.2 ms + 0.1 ms per sequence (+ context), so a smaller batch gains at most a few per cent, and
-under load no instance qualifies as a migration destination (all have queues), so headroom
-cannot move normal requests away. Measured high vs normal TPOT differed by 1-7 %, not reliably.
+- Priorities: under load, high-priority requests see a lower TTFT and a lower TPOT than normal
+  ones. The load is one where admitted requests outgrow memory (short prompts, long outputs):
+  the llumlets' priority queues admit high-priority requests first (and preempt normal ones to
+  make room), and when a running request needs a block the victim is the least important one, so
+  normal requests absorb the preemption stalls. (Execution-priority headroom adds little to TPOT
+  here: with 160-block instances the decode step is nearly all fixed cost, and both instances
+  hold high-priority requests; in the 16-instance simulator it lowers normal requests' share on
+  those instances.)
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ RESIDENCE_S = 1.3
 PRIORITY_LLUMLET = ("--sim-num-blocks", "160", "--sim-time-scale", "0.3", "--max-model-len", "2048",
                     "--sim-queue-policy", "priority", "--report-interval-s", "0.05")
 NUM_NORMAL, NUM_HIGH = 60, 10
-LOAD_PROMPT_TOKENS = 200  # 13 blocks, + 7 while decoding: ~8 requests fit an instance at a time
-LOAD_MAX_TOKENS = 100
+LOAD_PROMPT_TOKENS = 100  # 7 blocks at admission, 26 at the end: admitted requests outgrow memory
+LOAD_MAX_TOKENS = 300
 
 
 @dataclass
@@ -179,8 +181,8 @@ async def test_migration_places_a_long_prompt_that_fits_no_single_instance(tiny_
     assert with_ttft < 0.5 * without_ttft, (with_ttft, without_ttft)
 
 
-async def test_high_priority_requests_see_lower_ttft_under_load(tiny_model_dir, tmp_path):
-    """The llumlets' priority queues admit high-priority requests ahead of the queued normal ones."""
+async def test_high_priority_requests_see_lower_ttft_and_tpot_under_load(tiny_model_dir, tmp_path):
+    """High-priority requests jump the llumlets' queues and are never the preemption victims."""
     live = LiveCluster(tiny_model_dir, tmp_path)
     try:
         await live.start(("--migration-interval-s", "0.1"), PRIORITY_LLUMLET, instances=2)
@@ -203,5 +205,7 @@ async def test_high_priority_requests_see_lower_ttft_under_load(tiny_model_dir, 
         print(f"TTFT high {high_ttft:.3f} s normal {normal_ttft:.3f} s; "
               f"TPOT high {high_tpot * 1000:.1f} ms normal {normal_tpot * 1000:.1f} ms")
         assert high_ttft < 0.5 * normal_ttft, (high_ttft, normal_ttft)
+        # Simulated 0.65x, measured 0.63x: the margin leaves room for a loaded 2-core machine.
+        assert high_tpot < 0.8 * normal_tpot, (high_tpot, normal_tpot)
     finally:
         await live.stop()

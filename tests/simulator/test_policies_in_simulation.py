@@ -8,7 +8,7 @@ import pytest
 
 from loadgen.simulator import cluster as cluster_module
 from loadgen.simulator.cluster import ClusterSimulator
-from loadgen.simulator.config import AutoscaleModel
+from loadgen.simulator.config import AutoscaleModel, SimConfig
 from loadgen.simulator.instance import SimInstance
 from loadgen.simulator.metrics import summarize
 from services.llumlet.load import build_load_report
@@ -19,7 +19,7 @@ from tests.simulator.helpers import SMALL, simulate, small, synthetic, workload_
 
 
 def test_reports_equal_build_load_report_from_request_views(monkeypatch):
-    """The simulator's O(running) report carries what the llumlet's report from request views does."""
+    """The simulator's incremental report carries what the llumlet's report from request views does."""
     checked = []
     original = SimInstance.build_report
 
@@ -34,13 +34,13 @@ def test_reports_equal_build_load_report_from_request_views(monkeypatch):
         )
         reference.freeness = reference.dispatch_freeness = 0.0
         assert report == reference
-        checked.append((report.num_running, report.num_waiting, len(self.prioritized)))
+        prioritized = sum(level.num_running for level in report.by_priority if level.priority != 0)
+        checked.append((report.num_running, report.num_waiting, prioritized))
         return report
 
     monkeypatch.setattr(SimInstance, "build_report", checking)
     simulate(SMALL, "corral", synthetic("synthetic:L-L", 120, rate=5.0, priority_fraction=0.3, seed=2))
-    # Both ways of building a report were exercised: with a queue, and without one but with
-    # prioritized requests running.
+    # Reports with a queue, and without one but with prioritized requests running, were checked.
     assert any(waiting > 0 for _, waiting, _ in checked)
     assert any(waiting == 0 and running > prioritized > 0 for running, waiting, prioritized in checked)
 
@@ -100,6 +100,22 @@ def test_high_priority_gets_lower_ttft_under_load_with_corral():
     assert normal.prefill.mean_s > 1.0  # the load does queue requests
     assert high.prefill.mean_s < 0.5 * normal.prefill.mean_s
     assert high.e2e.mean_s < normal.e2e.mean_s
+
+
+def test_high_priority_gets_lower_tpot_when_admitted_requests_outgrow_memory():
+    """The live priority test's scenario: 2 instances of 160 blocks, short prompts and long outputs
+    arriving faster than they finish. Normal requests are the preemption victims; high-priority
+    ones jump the queue and keep running."""
+    order = [0] * 60
+    for k in range(10):
+        order.insert(20 + k * 5, HIGH_PRIORITY)
+    workload = workload_of([(i * 0.02 / 0.3, 100, 300, p) for i, p in enumerate(order)])
+    config = SimConfig(num_instances=2, num_blocks=160, max_model_len=2048, step_mode="v1")
+    metrics = summarize(simulate(config, "corral", workload), config.block_bytes)
+    high, normal = metrics.by_class["high"], metrics.by_class["normal"]
+    assert metrics.num_preemptions > 0 and high.num_preempted == 0
+    assert high.prefill.mean_s < 0.1 * normal.prefill.mean_s
+    assert high.decode.mean_s < 0.8 * normal.decode.mean_s
 
 
 def _load_step_workload():

@@ -93,6 +93,29 @@ def test_v1_without_chunking_waits_for_room_for_the_whole_prompt() -> None:
         make(max_num_batched_tokens=50, max_model_len=51, enable_chunked_prefill=False)
 
 
+
+def test_v1_admits_a_chunked_prompt_only_when_the_whole_sequence_fits() -> None:
+    # 16 blocks of 4 tokens; "a" holds 6. "long" (44 tokens = 11 blocks) has a 20-token first
+    # chunk that fits the 10 free blocks, but its whole prompt does not (as vLLM's
+    # scheduler_reserve_full_isl): it waits until "a" has finished.
+    s = make(num_blocks=16, max_num_batched_tokens=21)
+    s.add_request(req("a", prompt=20, output=4))
+    step(s)
+    s.add_request(long := req("long", prompt=44, output=2))
+    out, _, _ = step(s)
+    assert scheduled(out) == {"a": 1} and long.status == RequestStatus.WAITING
+    run_until_idle(s)
+    assert long.num_preemptions == 0 and long.num_output_tokens == 2
+
+
+def test_v1_chunk_only_admission_is_available_for_comparison() -> None:
+    s = make(num_blocks=16, max_num_batched_tokens=21, reserve_full_sequence=False)
+    s.add_request(req("a", prompt=20, output=4))
+    step(s)
+    s.add_request(req("long", prompt=44, output=2))
+    out, _, _ = step(s)
+    assert scheduled(out) == {"a": 1, "long": 20}
+
 def test_max_num_seqs_caps_the_batch() -> None:
     s = make(max_num_seqs=2)
     for i in range(4):
@@ -225,6 +248,70 @@ def test_no_admission_in_a_step_that_preempted() -> None:
     assert small not in out.requests and s.block_manager.num_free > 0  # it would fit, but waits
     s.update_from_output(out)
     assert small in s.schedule().requests
+
+
+def fill_with_running_requests(mode: str = "v1", first_priority: int = 0, **overrides) -> SimScheduler:
+    """8 blocks of 4 tokens: three running requests of 10 + 6 + 6 prompt tokens (arrivals 0, 1,
+    2) hold 3 + 2 + 2 blocks, and their next decode fits the blocks they hold."""
+    s = make(num_blocks=8, max_num_batched_tokens=64, queue_policy="priority", step_mode=mode, **overrides)
+    for rid, prompt, arrival in (("n0", 10, 0), ("n1", 6, 1), ("n2", 6, 2)):
+        s.add_request(req(rid, prompt=prompt, output=30, arrival=arrival, priority=first_priority if rid == "n0" else 0))
+    step(s)
+    assert s.block_manager.num_free == 1 and len(s.running) == 3
+    return s
+
+
+@pytest.mark.parametrize("mode", ["v1", "v0"])
+def test_waiting_high_priority_preempts_the_least_important_running_requests(mode: str) -> None:
+    s = fill_with_running_requests(mode)
+    s.add_request(high := req("high", prompt=16, output=2, priority=-1, arrival=3))  # 4 blocks
+    out, _, _ = step(s, now=1.0)
+    # The latest arrival goes first (3 free blocks then), then the next latest (5): enough.
+    assert [r.request_id for r in out.preempted] == ["n2", "n1"]
+    assert high not in out.requests and "n0" in scheduled(out)
+    out, _, _ = step(s, now=2.0)
+    assert scheduled(out)["high"] == 16
+    assert high.num_preemptions == 0 and s.get("n0").num_preemptions == 0
+
+
+def test_equal_priorities_never_preempt_each_other_from_the_queue() -> None:
+    s = fill_with_running_requests()
+    s.add_request(req("late", prompt=12, output=2, arrival=3))
+    out, _, _ = step(s, now=1.0)
+    assert not out.preempted and s.get("late").status == RequestStatus.WAITING
+
+
+def test_nothing_is_preempted_when_even_all_lower_priority_requests_would_not_make_room() -> None:
+    s = fill_with_running_requests(first_priority=-1)
+    s.add_request(req("big", prompt=24, output=2, priority=-1, arrival=3))  # 6 blocks: 1 free + 4
+    out, _, _ = step(s, now=1.0)
+    assert not out.preempted and s.num_preemptions_total == 0
+
+
+def test_fcfs_queue_and_the_switch_turn_priority_preemption_off() -> None:
+    s = fill_with_running_requests(preempt_for_priority=False)
+    s.add_request(req("high", prompt=12, output=2, priority=-1, arrival=3))
+    out, _, _ = step(s, now=1.0)
+    assert not out.preempted
+    s = make(num_blocks=8, max_num_batched_tokens=64)
+    for rid, prompt in (("n0", 10), ("n1", 6), ("n2", 6)):
+        s.add_request(req(rid, prompt=prompt, output=30))
+    step(s)
+    s.add_request(req("high", prompt=12, output=2, priority=-1))
+    out, _, _ = step(s)
+    assert not out.preempted
+
+
+def test_a_full_batch_of_sequences_makes_room_for_a_high_priority_request() -> None:
+    s = make(max_num_seqs=2, queue_policy="priority")
+    s.add_request(req("n0", prompt=4, output=30, arrival=0))
+    s.add_request(req("n1", prompt=4, output=30, arrival=1))
+    step(s)
+    s.add_request(req("high", prompt=4, output=2, priority=-1, arrival=2))
+    out, _, _ = step(s)
+    assert [r.request_id for r in out.preempted] == ["n1"]
+    out, _, _ = step(s)
+    assert "high" in scheduled(out) and len(s.running) == 2
 
 
 # -- v0 step mode ------------------------------------------------------------------------------

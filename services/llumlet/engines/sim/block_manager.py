@@ -2,7 +2,8 @@
 
 Only counts and ids; the bytes (when there are any) live in `kv_pool.KVPool`. Reservations hold
 blocks for an incoming migration under a lease id until it commits (`adopt`) or is dropped
-(`release`).
+(`release`). Each owner belongs to a group (the scheduler uses its priority) whose block total is
+kept up to date, so a load report never walks the block tables.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ class BlockManager:
         self._tables: dict[str, list[int]] = {}
         self._reserved: dict[str, list[int]] = {}
         self._num_reserved = 0
+        self._group_of: dict[str, int] = {}
+        self._group_blocks: dict[int, int] = {}  # group -> blocks its owners hold (0s dropped)
 
     # -- counts --------------------------------------------------------------------------------
 
@@ -48,16 +51,22 @@ class BlockManager:
         table = self._tables.get(owner)
         return 0 if table is None else len(table)
 
+    def group_blocks(self) -> dict[int, int]:
+        """Blocks held per owner group (groups holding none are left out); do not modify."""
+        return self._group_blocks
+
     # -- allocation ----------------------------------------------------------------------------
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
 
-    def allocate(self, owner: str, num_blocks: int) -> list[int]:
+    def allocate(self, owner: str, num_blocks: int, group: int = 0) -> list[int]:
         assert owner not in self._tables, f"double allocate for {owner}"
         assert 0 <= num_blocks <= len(self._free), (num_blocks, len(self._free))
         table = self._take(num_blocks)
         self._tables[owner] = table
+        self._group_of[owner] = group
+        self._count(group, num_blocks)
         return table
 
     def blocks_needed(self, owner: str, num_tokens_total: int) -> int:
@@ -75,10 +84,12 @@ class BlockManager:
         if need > 0:
             assert need <= len(self._free), (owner, need, len(self._free))
             table.extend(self._take(need))
+            self._count(self._group_of[owner], need)
 
     def free(self, owner: str) -> int:
         table = self._tables.pop(owner)  # KeyError: freeing an unknown owner is a bug
         self._free.extend(reversed(table))
+        self._count(self._group_of.pop(owner), -len(table))
         return len(table)
 
     # -- reservations for incoming migrations --------------------------------------------------
@@ -106,15 +117,24 @@ class BlockManager:
         self._free.extend(reversed(blocks))
         return len(blocks)
 
-    def adopt(self, lease_id: str, owner: str) -> list[int]:
+    def adopt(self, lease_id: str, owner: str, group: int = 0) -> list[int]:
         """Migration commit: the lease's blocks, in reservation order, become `owner`'s table."""
         assert owner not in self._tables, f"adopt onto existing owner {owner}"
         blocks = self._reserved.pop(lease_id)  # KeyError: unknown lease is a bug
         self._num_reserved -= len(blocks)
         self._tables[owner] = blocks
+        self._group_of[owner] = group
+        self._count(group, len(blocks))
         return list(blocks)
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _count(self, group: int, delta: int) -> None:
+        total = self._group_blocks.get(group, 0) + delta
+        if total:
+            self._group_blocks[group] = total
+        else:
+            self._group_blocks.pop(group, None)
 
     def _take(self, num_blocks: int) -> list[int]:
         if num_blocks == 0:
@@ -133,3 +153,8 @@ class BlockManager:
         assert sorted(everything) == list(range(self.num_blocks)), "a block is lost or duplicated"
         assert self._num_reserved == len(reserved)
         assert self.num_used == len(owned)
+        by_group: dict[int, int] = {}
+        for owner, table in self._tables.items():
+            if table:
+                by_group[self._group_of[owner]] = by_group.get(self._group_of[owner], 0) + len(table)
+        assert by_group == self._group_blocks, (by_group, self._group_blocks)

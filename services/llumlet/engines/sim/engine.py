@@ -38,6 +38,8 @@ class SimEngineConfig:
     step_mode: str = "v1"  # "v1" (chunked prefill, mixed steps) | "v0" (vLLM 0.2, prefill stalls decode)
     enable_chunked_prefill: bool = True
     watermark_blocks: int = 0
+    reserve_full_sequence: bool = True  # admit only when the whole sequence fits (vLLM v1's default)
+    preempt_for_priority: bool = True  # "priority" queue: a waiting request preempts less important ones
     gpu: str = "A10"  # "A10" | "A100" | "H100"
     fine_latency: bool = False  # the operator-level A10 form
     time_scale: float = 1.0  # real seconds slept per simulated second (0.01: 100x faster)
@@ -69,6 +71,8 @@ class SimEngineConfig:
             step_mode=self.step_mode,
             enable_chunked_prefill=self.enable_chunked_prefill,
             watermark_blocks=self.watermark_blocks,
+            reserve_full_sequence=self.reserve_full_sequence,
+            preempt_for_priority=self.preempt_for_priority,
         )
 
 

@@ -10,6 +10,11 @@ Step modes:
   chunked prefill. A chunk that does not finish the prompt samples no token.
 - "v0" (vLLM 0.2, the Llumnix testbed): if waiting requests can be admitted, the step prefills
   whole prompts only (the running batch stalls); otherwise it decodes all running requests.
+
+Admission needs room for the request's whole sequence (vLLM v1's `scheduler_reserve_full_isl`,
+its default). With the "priority" queue, a waiting request that cannot be admitted preempts
+running requests of strictly lower priority (vLLM V0's priority preemption; vLLM v1 preempts by
+priority only when a running request needs a block).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass, field
 
 from services.llumlet.engine import EngineError, RequestPhase, RequestView
 from services.llumlet.engines.sim.block_manager import BlockManager, blocks_for_tokens
-from services.llumlet.engines.sim.queues import QUEUE_POLICIES, create_request_queue, select_victim
+from services.llumlet.engines.sim.queues import QUEUE_POLICIES, create_request_queue, priority_key, select_victim
 from services.llumlet.engines.sim.request import RequestStatus, SimRequest
 from shared.messages import PriorityLoad
 
@@ -36,7 +41,16 @@ class SchedulerConfig:
     queue_policy: str = "fcfs"
     step_mode: str = "v1"
     enable_chunked_prefill: bool = True  # v1 only; v0 always prefills whole prompts
-    watermark_blocks: int = 0  # kept free at admission (vLLM v0 used 1 % of the blocks)
+    # Kept free when admitting next to requests already running (vLLM v0 used 1 % of the blocks).
+    watermark_blocks: int = 0
+    # Admit a waiting request only when its whole sequence fits the free blocks, not just its
+    # first chunk (vLLM v1's `scheduler_reserve_full_isl`, on by default): without it a long
+    # prompt is admitted chunk by chunk, the growing decodes preempt it half-prefilled (it is
+    # the newest), it is readmitted, and the instance thrashes on its recompute for minutes.
+    reserve_full_sequence: bool = True
+    # Priority queue only: when the head of the waiting queue cannot be admitted, preempt
+    # running requests of strictly lower priority until it can (vLLM V0's priority preemption).
+    preempt_for_priority: bool = True
 
     def __post_init__(self) -> None:
         if self.queue_policy not in QUEUE_POLICIES:
@@ -82,7 +96,7 @@ class StepEvents:
     finished: list[SimRequest]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # (not frozen: a frozen dataclass costs 5x as much to build, per report)
 class SchedulerLoad:
     """Aggregates for a load report, without building a view per request."""
 
@@ -110,6 +124,8 @@ class SimScheduler:
         self.num_preemptions_total = 0
         self._waiting_demand_blocks = 0
         self._waiting_levels: dict[int, list[int]] = {}  # priority -> [count, demand blocks]
+        self._priority_preemption = config.queue_policy == "priority" and config.preempt_for_priority
+        self._live_priorities: dict[int, int] = {}  # priority -> live requests (cheap inversion check)
 
     # -- intake --------------------------------------------------------------------------------
 
@@ -124,6 +140,7 @@ class SimScheduler:
         assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 0
         request.set_stop(self.max_seq_len)
         self.requests[request.request_id] = request
+        self._count_live(request, +1)
         self._push_waiting(request, front=False)
 
     def abort_request(self, request_id: str, now: float = 0.0) -> SimRequest | None:
@@ -153,11 +170,13 @@ class SimScheduler:
 
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.waiting and self._priority_preemption:
+            self._preempt_for_waiting_priority(out, now)
         if self.config.step_mode == "v1":
             self._schedule_running(out, now, self.config.max_num_batched_tokens)
             if not out.preempted:  # as vLLM v1: a step that had to preempt admits nobody
                 self._admit_waiting(out, now, chunked=self.config.enable_chunked_prefill)
-        elif not (self.waiting and self._admit_waiting(out, now, chunked=False)):
+        elif out.preempted or not (self.waiting and self._admit_waiting(out, now, chunked=False)):
             self._schedule_running(out, now, None)  # v0: decode everything, no token budget
         return out
 
@@ -228,9 +247,10 @@ class SimScheduler:
             raise EngineError(f"migrated request {request.request_id} has nothing left to generate")
         if reserved < blocks_for_tokens(request.num_computed_tokens, self.block_size):
             raise EngineError(f"lease {lease_id} holds {reserved} blocks, too few for request {request.request_id}")
-        self.block_manager.adopt(lease_id, request.request_id)
+        self.block_manager.adopt(lease_id, request.request_id, group=request.priority)
         request.start_migrated_in()
         self.requests[request.request_id] = request
+        self._count_live(request, +1)
         self.running.append(request)
 
     def block_ids_of(self, request_id: str) -> list[int]:
@@ -261,32 +281,28 @@ class SimScheduler:
         return views
 
     def load(self) -> SchedulerLoad:
-        """Aggregates for a load report in O(running + priority levels); waiting totals are
-        kept up to date incrementally. Suspended requests count as running, as in
-        `request_views`: they hold their blocks and are out of the batch only briefly."""
-        levels: dict[int, PriorityLoad] = {}
-        num_blocks_of = self.block_manager.num_blocks_of
-        for r in (*self.running, *self.suspended.values()):
-            level = levels.get(r.priority) or levels.setdefault(r.priority, PriorityLoad(r.priority))
-            level.num_running += 1
-            level.running_blocks += num_blocks_of(r.request_id)
-        head_demand = 0
-        if self.waiting:
-            head_demand = self._demand_blocks(self.waiting.peek())
-        for priority, (num_waiting, demand) in self._waiting_levels.items():
-            if num_waiting:
-                level = levels.get(priority) or levels.setdefault(priority, PriorityLoad(priority))
-                level.num_waiting = num_waiting
-                level.waiting_demand_blocks = demand
+        """Aggregates for a load report in O(priority levels): every count is kept up to date as
+        requests move (live and waiting requests per priority here, blocks per priority in the
+        block manager). Suspended requests count as running, as in `request_views`: they hold
+        their blocks and are out of the batch only briefly."""
+        waiting_levels, live = self._waiting_levels, self._live_priorities
+        running_blocks = self.block_manager.group_blocks()
+        by_priority = []
+        for priority in sorted(live) if len(live) > 1 else live:
+            num_waiting, demand = waiting_levels.get(priority) or (0, 0)
+            # PriorityLoad(priority, num_running, running_blocks, num_waiting, waiting_demand_blocks)
+            by_priority.append(PriorityLoad(
+                priority, live[priority] - num_waiting, running_blocks.get(priority, 0), num_waiting, demand
+            ))
         return SchedulerLoad(
             num_running=len(self.running) + len(self.suspended),
             num_waiting=len(self.waiting),
             num_suspended=len(self.suspended),
             num_free_blocks=self.block_manager.num_free,
             num_reserved_blocks=self.block_manager.num_reserved,
-            head_demand_blocks=head_demand,
+            head_demand_blocks=self._demand_blocks(self.waiting.peek()) if self.waiting else 0,
             waiting_demand_blocks=self._waiting_demand_blocks,
-            by_priority=[levels[p] for p in sorted(levels)],
+            by_priority=by_priority,
         )
 
     def check_invariants(self) -> None:
@@ -304,6 +320,10 @@ class SimScheduler:
         assert len(self.requests) == len(waiting) + len(self.running) + len(self.suspended)
         assert self._waiting_demand_blocks == sum(self._demand_blocks(r) for r in waiting)
         assert sum(level[0] for level in self._waiting_levels.values()) == len(waiting)
+        live: dict[int, int] = {}
+        for r in self.requests.values():
+            live[r.priority] = live.get(r.priority, 0) + 1
+        assert live == self._live_priorities, (live, self._live_priorities)
         owners = {r.request_id for r in self.running} | set(self.suspended)
         assert bm.num_used == sum(bm.num_blocks_of(o) for o in owners)
 
@@ -372,16 +392,56 @@ class SimScheduler:
                 elif chunked or out.requests:
                     break  # (an unchunked prompt above the budget runs alone in its step)
             num_blocks = blocks_for_tokens(num_new, self.block_size)
-            if num_blocks + config.watermark_blocks > bm.num_free:
+            gate = self._admission_blocks(request) if config.reserve_full_sequence else num_blocks
+            watermark = config.watermark_blocks if running else 0  # (as vLLM: only next to others)
+            if gate + watermark > bm.num_free:
                 break
             waiting.pop()
             self._count_waiting(request, -1)
-            bm.allocate(request.request_id, num_blocks)
+            bm.allocate(request.request_id, num_blocks, group=request.priority)
             request.start_running(now)
             running.append(request)
             self._record(out, request, num_new, 0)
             admitted = True
         return admitted
+
+    def _admission_blocks(self, request: SimRequest) -> int:
+        """Free blocks the waiting request needs to be admitted (before the watermark): its whole
+        sequence, or with chunk-only admission its first chunk."""
+        config = self.config
+        num_tokens = request.num_tokens
+        if not config.reserve_full_sequence and config.step_mode == "v1" and config.enable_chunked_prefill:
+            num_tokens = min(num_tokens, config.max_num_batched_tokens)
+        return blocks_for_tokens(num_tokens, self.block_size)
+
+    def _preempt_for_waiting_priority(self, out: SchedulerOutput, now: float) -> None:
+        """vLLM V0's `_schedule_priority_preemption`: when the head of the waiting queue (the most
+        important request) cannot be admitted, for want of blocks or of a sequence slot, preempt
+        running requests of strictly lower priority, least important first (largest priority
+        value, then latest arrival), until it can; it is admitted by the next step. Equal
+        priorities never preempt each other (no ping-pong). Unlike V0, nothing is preempted when
+        even all the lower-priority requests together would not make room."""
+        head = self.waiting.peek()
+        if head.priority >= max(self._live_priorities):
+            return  # nothing alive is less important (the common case: one priority)
+        running, bm, config = self.running, self.block_manager, self.config
+        need = self._admission_blocks(head)
+
+        def admissible() -> bool:
+            watermark = config.watermark_blocks if running else 0
+            return need + watermark <= bm.num_free and len(running) < config.max_num_seqs
+
+        if admissible():
+            return
+        lower = [r for r in running if r.priority > head.priority]
+        if not lower or need > bm.num_free + sum(bm.num_blocks_of(r.request_id) for r in lower):
+            return
+        lower.sort(key=priority_key, reverse=True)
+        for victim in lower:
+            running.remove(victim)
+            self._preempt(victim, out, now)
+            if admissible():
+                return
 
     def _record(self, out: SchedulerOutput, request: SimRequest, num_new: int, computed: int) -> None:
         out.requests.append(request)
@@ -459,6 +519,14 @@ class SimScheduler:
     def _finish(self, request: SimRequest, status: RequestStatus, now: float) -> None:
         request.finish(status, now)
         del self.requests[request.request_id]
+        self._count_live(request, -1)
+
+    def _count_live(self, request: SimRequest, sign: int) -> None:
+        count = self._live_priorities.get(request.priority, 0) + sign
+        if count:
+            self._live_priorities[request.priority] = count
+        else:
+            del self._live_priorities[request.priority]
 
     def _count_waiting(self, request: SimRequest, sign: int) -> None:
         demand = sign * self._demand_blocks(request)
