@@ -8,6 +8,7 @@ import time
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 
 from services.llumlet.config import LlumletConfig
 from services.llumlet.engine import Engine, EngineError, StepOutput
@@ -105,6 +106,7 @@ class Llumlet:
                 raise task.exception()
 
     async def stop(self) -> None:
+        await self._announce_leaving()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -114,6 +116,18 @@ class Llumlet:
         if self.nc is not None and not self.nc.is_closed:
             await self.nc.drain()
         await self.engine.stop()
+
+    async def _announce_leaving(self) -> None:
+        """A last report marked draining: dispatch goes elsewhere now, not after the instance
+        timeout (what this instance still holds migrates out or fails with an error)."""
+        if self.nc is None or self.nc.is_closed or self.metrics is None:
+            return
+        self.draining = True
+        try:
+            await self.publish_report()
+            await self.nc.flush(timeout=1)
+        except (NatsError, TimeoutError) as exc:
+            log.warning("could not announce that %s is leaving: %s", self.instance_id, exc)
 
     # ------------------------------------------------------------------ orders
 
