@@ -81,6 +81,9 @@ class TokenChunk(Struct):
     error: str | None = None
     num_prompt_tokens: int = 0
     num_preemptions: int = 0
+    # The destination of a migration, taking the request over (its first chunk repeats the output
+    # so far): the gateway watches this instance from now on, even when the chunk adds nothing.
+    handover: bool = False
 
 
 class AbortRequest(Struct):

@@ -123,7 +123,7 @@ class OutputStream:
     def feed(self, chunk: TokenChunk) -> None:
         if self.finished:
             return
-        if not self.orderer.is_stale(chunk):
+        if chunk.handover or not self.orderer.is_stale(chunk):
             self.set_holder(chunk.instance_id)
         if chunk.num_prompt_tokens:
             self.num_prompt_tokens = chunk.num_prompt_tokens

@@ -316,5 +316,6 @@ class _MigrationHooks:
             token_ids=commit.output_token_ids,
             num_prompt_tokens=len(request.prompt_token_ids),
             num_preemptions=commit.num_preemptions,
+            handover=True,
         )
         await llumlet.nc.publish(request.reply_subject, encode(catch_up))

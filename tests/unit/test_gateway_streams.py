@@ -122,6 +122,16 @@ def test_holder_follows_the_instance_that_sends_new_tokens():
     assert stream.holder == "b"
 
 
+def test_a_handover_moves_the_holder_even_without_new_tokens():
+    """The destination's first chunk may repeat only what the source already sent; if the
+    destination then dies, the watchdog must be watching it, not the live source."""
+    stream = OutputStream("r1", "a")
+    stream.feed(chunk(0, [1, 2, 3], instance="a"))
+    stream.feed(TokenChunk("r1", "b", 0, [1, 2, 3], handover=True))
+    assert stream.holder == "b"
+    assert stream.holders == ["a", "b"]
+
+
 async def test_next_merges_queued_deliveries():
     stream = OutputStream("r1", "a")
     stream.feed(chunk(0, [1]))
