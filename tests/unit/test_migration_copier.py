@@ -143,3 +143,81 @@ async def test_cuda_side_stream_gather_into_pinned_memory_round_trips() -> None:
     assert not dst[:, 6:].any()
     src_copier.close()
     dst_copier.close()
+
+
+# -- block views: frames sent from (or received into) the KV memory itself ------------------------
+
+
+@pytest.fixture
+def any_piece_size(monkeypatch):
+    """Views even for the tiny blocks of these tests (production wants pieces of >= 16 KiB)."""
+    monkeypatch.setattr(copier_module, "MIN_VIEW_BYTES", 1)
+
+
+async def test_block_views_hold_the_gathered_bytes(any_piece_size) -> None:
+    """Both region layouts ([blocks, ...] and vLLM's [2, blocks, ...]), regions one after another."""
+    keys = np.arange(10 * 8, dtype=np.float32).reshape(10, 8)
+    kv = np.arange(2 * 10 * 4, dtype=np.int16).reshape(2, 10, 4)
+    copier = BlockCopier([KVRegion(keys, 0), KVRegion(kv, 1)])
+    ids = [3, 4, 1, 9, 8]
+    views = copier.block_views(ids)
+    assert views is not None
+    assert b"".join(views) == bytes(await copier.gather(ids, 0))
+    copier.close()
+
+
+async def test_torch_cpu_block_views_hold_the_gathered_bytes(any_piece_size) -> None:
+    torch = pytest.importorskip("torch")
+    copier = BlockCopier([KVRegion(torch.randn(2, 10, 4, 8, dtype=torch.bfloat16), 1)])
+    views = copier.block_views(BLOCKS)
+    assert views is not None and b"".join(views) == bytes(await copier.gather(BLOCKS, 0))
+    copier.close()
+
+
+def test_consecutive_blocks_share_one_view(any_piece_size) -> None:
+    copier = BlockCopier([KVRegion(np.zeros((10, 64), np.uint8))])
+    views = copier.block_views([2, 3, 4, 7, 8, 0])
+    assert [v.nbytes for v in views] == [3 * 64, 2 * 64, 64]
+    copier.close()
+
+
+def test_block_views_write_through_to_the_blocks(any_piece_size) -> None:
+    """A receiver reading into the views fills the blocks themselves, in fused order."""
+    pool = np.zeros((10, 64), np.uint8)
+    copier = BlockCopier([KVRegion(pool)])
+    payload = np.random.default_rng(3).integers(0, 256, 3 * 64, dtype=np.uint8)
+    offset = 0
+    for view in copier.block_views([6, 2, 3]):
+        view[:] = payload[offset : offset + view.nbytes].tobytes()
+        offset += view.nbytes
+    np.testing.assert_array_equal(pool[[6, 2, 3]].ravel(), payload)
+    assert not pool[[0, 1, 4, 5, 7, 8, 9]].any()
+    copier.close()
+
+
+def test_block_id_outside_the_pool_is_an_error(any_piece_size) -> None:
+    copier = BlockCopier([KVRegion(np.zeros((10, 64), np.uint8))])
+    for bad in (10, -1):
+        with pytest.raises(IndexError):
+            copier.block_views([1, bad])
+    copier.close()
+
+
+def test_small_pieces_are_gathered_instead() -> None:
+    copier = BlockCopier([KVRegion(np.zeros((10, 64), np.uint8))])  # 64-byte pieces
+    assert copier.block_views([1, 5]) is None
+    copier.close()
+    big = BlockCopier([KVRegion(np.zeros((4, copier_module.MIN_VIEW_BYTES), np.uint8))])
+    assert big.block_views([1, 3]) is not None
+    big.close()
+
+
+def test_strided_tensors_are_gathered_instead(any_piece_size) -> None:
+    torch = pytest.importorskip("torch")
+    strided = torch.randn(4, 10, 2, 8).transpose(0, 1).contiguous().transpose(0, 1)
+    copier = BlockCopier([KVRegion(strided, 1)])
+    assert copier.block_views(BLOCKS) is None
+    copier.close()
+    empty = BlockCopier([])  # no KV bytes at all
+    assert empty.block_views([1]) is None
+    empty.close()

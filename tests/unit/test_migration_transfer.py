@@ -9,6 +9,8 @@ import zlib
 import numpy as np
 import pytest
 
+from services.llumlet.migration import copier as copier_module
+from services.llumlet.migration import transfer as transfer_module
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.ops import KVRegion
 from services.llumlet.migration.protocol import (
@@ -18,7 +20,9 @@ from services.llumlet.migration.protocol import (
     new_migration_id,
 )
 from services.llumlet.migration.transfer import (
+    ACK_SIZE,
     HEADER_SIZE,
+    TRAILER_SIZE,
     AckStatus,
     FrameAck,
     FrameError,
@@ -33,7 +37,7 @@ BLOCK_BYTES = 256
 
 
 def test_header_round_trip() -> None:
-    header = FrameHeader(new_migration_id(), stage=3, lease_offset=17, num_blocks=5, payload_len=5 * 256, payload_crc=0xDEADBEEF)
+    header = FrameHeader(new_migration_id(), stage=3, lease_offset=17, num_blocks=5, payload_len=5 * 256)
     raw = header.pack()
     assert len(raw) == HEADER_SIZE
     assert FrameHeader.unpack(raw) == header
@@ -101,9 +105,11 @@ def make_pool(num_blocks: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (num_blocks, BLOCK_BYTES), dtype=np.uint8)
 
 
-@pytest.fixture
-async def link():
-    """(source pool, its copier, sender pool, destination pool, sink, receiver address)."""
+@pytest.fixture(params=["views", "gather"])
+async def link(request, monkeypatch):
+    """(source pool, its copier, sender pool, destination pool, sink, receiver address), the
+    source sending from views of its blocks or from gathered copies."""
+    monkeypatch.setattr(copier_module, "MIN_VIEW_BYTES", 1 if request.param == "views" else 1 << 30)
     limits = MigrationLimits(frame_bytes=4 * BLOCK_BYTES)  # small frames: a stage spans several
     src_pool, dst_pool = make_pool(64, 1), np.zeros((64, BLOCK_BYTES), dtype=np.uint8)
     src_copier, dst_copier = BlockCopier([KVRegion(src_pool)]), BlockCopier([KVRegion(dst_pool)])
@@ -135,8 +141,8 @@ async def test_corrupt_payload_is_refused_and_reported(link, monkeypatch) -> Non
     src_pool, copier, senders, dst_pool, sink, address, receiver = link
     sink.migration_id = mid = new_migration_id()
 
-    async def wrong_crc(view: memoryview) -> int:
-        return zlib.crc32(view) ^ 1
+    async def wrong_crc(piece: list[memoryview]) -> int:
+        return zlib.crc32(b"".join(piece)) ^ 1
 
     monkeypatch.setattr(senders, "checksum", wrong_crc)
     with pytest.raises(DestinationRefused, match="BAD_CHECKSUM"):
@@ -177,11 +183,56 @@ async def test_truncated_frame_fails_its_migration(link) -> None:
     sink.migration_id = mid = new_migration_id()
     payload = src_pool[[1, 2]].tobytes()
     reader, writer = await raw_connection(address)
-    writer.write(FrameHeader(mid, 0, 0, 2, len(payload), zlib.crc32(payload)).pack() + payload[:300])
+    writer.write(FrameHeader(mid, 0, 0, 2, len(payload)).pack() + payload[:300])
     await writer.drain()
     writer.close()
     await wait_until(lambda: sink.failed == [AckStatus.TRUNCATED])
     assert sink.filled == 0 and not dst_pool.any()
+
+
+async def test_frame_cut_in_its_trailer_fails_its_migration(link) -> None:
+    src_pool, copier, senders, dst_pool, sink, address, receiver = link
+    sink.migration_id = mid = new_migration_id()
+    payload = src_pool[[1, 2]].tobytes()
+    reader, writer = await raw_connection(address)
+    trailer = zlib.crc32(payload).to_bytes(4, "big")
+    writer.write(FrameHeader(mid, 0, 0, 2, len(payload)).pack() + payload + trailer[:2])
+    await writer.drain()
+    writer.close()
+    await wait_until(lambda: sink.failed == [AckStatus.TRUNCATED])
+    assert sink.filled == 0 and not dst_pool.any()
+
+
+async def send_raw_frame(address: str, header: FrameHeader, payload: bytes, crc: int) -> FrameAck:
+    """One hand-made frame (header, payload, trailer); the receiver's ack."""
+    reader, writer = await raw_connection(address)
+    writer.write(header.pack() + payload + crc.to_bytes(TRAILER_SIZE, "big"))
+    await writer.drain()
+    ack = FrameAck.unpack(await asyncio.wait_for(reader.readexactly(ACK_SIZE), 2.0))
+    writer.close()
+    return ack
+
+
+async def test_frame_made_by_the_spec_is_accepted(link) -> None:
+    """The wire format as the module doc states it: header, payload, big-endian crc32 trailer."""
+    src_pool, copier, senders, dst_pool, sink, address, receiver = link
+    sink.migration_id = mid = new_migration_id()
+    payload = src_pool[[5, 6]].tobytes()
+    ack = await send_raw_frame(address, FrameHeader(mid, 0, 0, 2, len(payload)), payload, zlib.crc32(payload))
+    assert ack == FrameAck(AckStatus.OK, mid, 0, 0)
+    np.testing.assert_array_equal(dst_pool[40:42], src_pool[[5, 6]])
+
+
+async def test_payload_corrupted_on_the_wire_is_never_written(link) -> None:
+    src_pool, copier, senders, dst_pool, sink, address, receiver = link
+    sink.migration_id = mid = new_migration_id()
+    payload = bytearray(src_pool[[5, 6]].tobytes())
+    crc = zlib.crc32(payload)
+    payload[300] ^= 0x40  # one bit flipped after the sender's checksum
+    ack = await send_raw_frame(address, FrameHeader(mid, 0, 0, 2, len(payload)), bytes(payload), crc)
+    assert ack.status is AckStatus.BAD_CHECKSUM
+    await wait_until(lambda: sink.failed == [AckStatus.BAD_CHECKSUM])
+    assert sink.filled == 0 and not dst_pool.any()  # the corrupt bytes never reached a block
 
 
 async def test_garbage_header_closes_the_connection(link) -> None:
@@ -246,3 +297,146 @@ async def test_a_slow_scatter_pauses_the_receiver_without_losing_frames(link) ->
     np.testing.assert_array_equal(dst_pool[40:64], src_pool[blocks])
     (connection,) = receiver._connections
     assert len(connection._buffers) == 2  # back-pressure, not more memory
+
+
+# -- checksums and vectored sends -----------------------------------------------------------------
+
+
+def test_crc_combine_fallback_matches_zlib() -> None:
+    rng = np.random.default_rng(5)
+    a, b = rng.bytes(1000), rng.bytes(70_001)
+    assert transfer_module._crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    assert transfer_module._crc32_combine(0, zlib.crc32(b), len(b)) == zlib.crc32(b)  # after nothing
+    assert transfer_module.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_pieces_cut_views_without_losing_bytes() -> None:
+    views = [memoryview(bytes(range(i, i + n))) for i, n in ((0, 5), (50, 12), (100, 1))]
+    pieces = list(transfer_module._pieces(views, 7))
+    assert [sum(v.nbytes for v in piece) for piece in pieces] == [7, 7, 4]
+    assert b"".join(b"".join(piece) for piece in pieces) == b"".join(views)
+
+
+async def test_frames_go_out_in_many_pieces_and_partial_sends(link, monkeypatch) -> None:
+    """Pieces not aligned to blocks and few vectors per sendmsg: the bytes and crc still match."""
+    src_pool, copier, senders, dst_pool, sink, address, receiver = link
+    monkeypatch.setattr(transfer_module, "PIECE_BYTES", 300)  # sender and receiver
+    monkeypatch.setattr(transfer_module, "_IOV_MAX", 3)
+    sink.migration_id = mid = new_migration_id()
+    blocks = [9, 2, 3, 4, 17, 30, 1]
+    transfer = await senders.send_stage(address, mid, 0, 0, blocks, copier)
+    assert transfer.num_frames == 2 and sink.failed == []
+    np.testing.assert_array_equal(dst_pool[40:47], src_pool[blocks])
+
+
+# -- receiving straight into lent blocks ----------------------------------------------------------
+
+
+class LendingSink(PoolSink):
+    """A DirectFrameSink: lends views of the lease blocks; records every close."""
+
+    def __init__(self, copier: BlockCopier, lease: list[int]) -> None:
+        super().__init__(copier, lease)
+        self.closed: list[bool] = []
+        self.open = 0  # frames whose blocks are lent right now
+
+    def open_frame(self, header: FrameHeader):
+        status = self.admit(header)
+        if status is not AckStatus.OK:
+            return status
+        self.open += 1
+        start = header.lease_offset
+        return self.copier.block_views(self.lease[start : start + header.num_blocks])
+
+    def close_frame(self, header: FrameHeader, ok: bool) -> AckStatus:
+        self.open -= 1
+        self.closed.append(ok)
+        if ok:
+            self.filled += header.num_blocks
+        return AckStatus.OK
+
+
+@pytest.fixture
+async def lending_link(monkeypatch):
+    monkeypatch.setattr(copier_module, "MIN_VIEW_BYTES", 1)
+    limits = MigrationLimits(frame_bytes=4 * BLOCK_BYTES, lease_s=0.3)
+    src_pool, dst_pool = make_pool(64, 1), np.zeros((64, BLOCK_BYTES), dtype=np.uint8)
+    src_copier, dst_copier = BlockCopier([KVRegion(src_pool)]), BlockCopier([KVRegion(dst_pool)])
+    sink = LendingSink(dst_copier, lease=[50, 51, 52, 40, 41, 42, 43, 44, 60, 61, 62, 63])
+    receiver = KVReceiver(sink, limits, dst_copier.new_host_buffer)
+    address = await receiver.start()
+    senders = KVSenderPool(limits)
+    yield src_pool, src_copier, senders, dst_pool, sink, address, receiver
+    senders.close()
+    await receiver.close()
+    src_copier.close()
+    dst_copier.close()
+
+
+async def test_lent_blocks_receive_the_payload_without_staging(lending_link) -> None:
+    src_pool, copier, senders, dst_pool, sink, address, receiver = lending_link
+    sink.migration_id = mid = new_migration_id()
+    blocks = [7, 3, 19, 2, 30, 31, 11, 5, 8, 1]
+    transfer = await senders.send_stage(address, mid, 0, 0, blocks, copier)
+    assert transfer.num_frames == 3 and sink.failed == []
+    assert sink.closed == [True, True, True] and sink.open == 0
+    np.testing.assert_array_equal(dst_pool[sink.lease[:10]], src_pool[blocks])
+    (connection,) = receiver._connections
+    assert connection._buffers == []  # no staging buffer, no scatter
+
+
+async def test_corrupt_payload_in_lent_blocks_is_never_counted(lending_link) -> None:
+    src_pool, copier, senders, dst_pool, sink, address, receiver = lending_link
+    sink.migration_id = mid = new_migration_id()
+    payload = bytearray(src_pool[[5, 6]].tobytes())
+    crc = zlib.crc32(payload)
+    payload[3] ^= 0x01
+    ack = await send_raw_frame(address, FrameHeader(mid, 0, 0, 2, len(payload)), bytes(payload), crc)
+    assert ack.status is AckStatus.BAD_CHECKSUM
+    await wait_until(lambda: sink.failed == [AckStatus.BAD_CHECKSUM])
+    assert sink.closed == [False] and sink.open == 0 and sink.filled == 0
+
+
+async def test_truncated_payload_in_lent_blocks_gives_them_back(lending_link) -> None:
+    src_pool, copier, senders, dst_pool, sink, address, receiver = lending_link
+    sink.migration_id = mid = new_migration_id()
+    payload = src_pool[[1, 2]].tobytes()
+    reader, writer = await raw_connection(address)
+    writer.write(FrameHeader(mid, 0, 0, 2, len(payload)).pack() + payload[:300])
+    await writer.drain()
+    writer.close()
+    await wait_until(lambda: sink.failed == [AckStatus.TRUNCATED])
+    assert sink.closed == [False] and sink.open == 0 and sink.filled == 0
+
+
+async def test_sender_stalled_mid_frame_loses_the_connection(lending_link) -> None:
+    """Lent blocks are pinned while their frame is open: a sender that stops sending for a lease
+    period (0.3 s here) is cut off, and the blocks go back."""
+    src_pool, copier, senders, dst_pool, sink, address, receiver = lending_link
+    sink.migration_id = mid = new_migration_id()
+    payload = src_pool[[1, 2]].tobytes()
+    reader, writer = await raw_connection(address)
+    writer.write(FrameHeader(mid, 0, 0, 2, len(payload)).pack() + payload[:300])
+    await writer.drain()
+    assert await closed_by_peer(reader)  # without us closing anything
+    writer.close()
+    assert sink.failed == [AckStatus.TRUNCATED] and sink.closed == [False] and sink.open == 0
+
+
+async def test_refused_lent_frame_is_skipped_and_the_connection_goes_on(lending_link) -> None:
+    src_pool, copier, senders, dst_pool, sink, address, receiver = lending_link
+    sink.migration_id = new_migration_id()
+    with pytest.raises(DestinationRefused, match="UNKNOWN_MIGRATION"):
+        await senders.send_stage(address, new_migration_id(), 0, 0, [1, 2], copier)
+    await senders.send_stage(address, sink.migration_id, 0, 0, [4], copier)
+    np.testing.assert_array_equal(dst_pool[sink.lease[0]], src_pool[4])
+    assert sink.closed == [True]
+
+
+async def test_a_sink_may_decline_to_lend_for_one_frame(lending_link, monkeypatch) -> None:
+    src_pool, copier, senders, dst_pool, sink, address, receiver = lending_link
+    sink.migration_id = mid = new_migration_id()
+    monkeypatch.setattr(sink, "open_frame", lambda header: None)  # e.g. pieces too small
+    await senders.send_stage(address, mid, 0, 0, [6, 7], copier)
+    np.testing.assert_array_equal(dst_pool[sink.lease[:2]], src_pool[[6, 7]])
+    assert sink.closed == [] and sink.failed == []  # written by the staged path (write)

@@ -275,6 +275,34 @@ class IncomingMigrations:
         m.expires_at = max(m.expires_at, self._clock() + self.limits.lease_s)
         return AckStatus.OK
 
+    def open_frame(self, header: FrameHeader) -> list[memoryview] | AckStatus | None:
+        """DirectFrameSink: lend the frame's lease blocks to the receiver (pinned like a
+        scatter, by `writers`, until close_frame); None: not plain host memory, scatter it."""
+        status = self.admit(header)
+        if status is not AckStatus.OK:
+            return status
+        m = self._migrations[header.migration_id]
+        start = header.lease_offset
+        views = self.copier.block_views(m.block_ids[start : start + header.num_blocks])
+        if views is not None:
+            m.writers += 1
+        return views
+
+    def close_frame(self, header: FrameHeader, ok: bool) -> AckStatus:
+        m = self._migrations.get(header.migration_id)
+        if m is None:
+            return AckStatus.UNKNOWN_MIGRATION
+        m.writers -= 1
+        if m.release_pending and not m.writers:
+            self._release(m)
+        m.progress.set()
+        if m.status.is_over:
+            return AckStatus.UNKNOWN_MIGRATION
+        if ok:
+            m.filled += header.num_blocks
+            m.expires_at = max(m.expires_at, self._clock() + self.limits.lease_s)
+        return AckStatus.OK
+
     def frame_failed(self, header: FrameHeader, status: AckStatus) -> None:
         m = self._migrations.get(header.migration_id)
         if m is not None and m.status is MigrationStatus.RUNNING:
