@@ -264,16 +264,10 @@ class IncomingMigrations:
         m.writers += 1
         try:
             await self.copier.scatter(m.block_ids[start : start + header.num_blocks], payload)
-        finally:
-            m.writers -= 1
-            if m.release_pending and not m.writers:
-                self._release(m)
-            m.progress.set()
-        if m.status.is_over:
-            return AckStatus.UNKNOWN_MIGRATION
-        m.filled += header.num_blocks
-        m.expires_at = max(m.expires_at, self._clock() + self.limits.lease_s)
-        return AckStatus.OK
+        except BaseException:
+            self._unpin(m, header, landed=False)
+            raise
+        return self._unpin(m, header, landed=True)
 
     def open_frame(self, header: FrameHeader) -> list[memoryview] | AckStatus | None:
         """DirectFrameSink: lend the frame's lease blocks to the receiver (pinned like a
@@ -292,13 +286,18 @@ class IncomingMigrations:
         m = self._migrations.get(header.migration_id)
         if m is None:
             return AckStatus.UNKNOWN_MIGRATION
+        return self._unpin(m, header, landed=ok)
+
+    def _unpin(self, m: IncomingMigration, header: FrameHeader, landed: bool) -> AckStatus:
+        """A frame's writer is done with the lease blocks (a release waiting on it may go now);
+        count the frame if it landed whole and the migration still stands."""
         m.writers -= 1
         if m.release_pending and not m.writers:
             self._release(m)
         m.progress.set()
         if m.status.is_over:
             return AckStatus.UNKNOWN_MIGRATION
-        if ok:
+        if landed:
             m.filled += header.num_blocks
             m.expires_at = max(m.expires_at, self._clock() + self.limits.lease_s)
         return AckStatus.OK
