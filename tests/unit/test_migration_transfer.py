@@ -111,9 +111,15 @@ async def link(request, monkeypatch):
     source sending from views of its blocks or from gathered copies."""
     monkeypatch.setattr(copier_module, "MIN_VIEW_BYTES", 1 if request.param == "views" else 1 << 30)
     limits = MigrationLimits(frame_bytes=4 * BLOCK_BYTES)  # small frames: a stage spans several
+    async for parts in open_link(limits, lambda copier: PoolSink(copier, lease=list(range(40, 64)))):
+        yield parts
+
+
+async def open_link(limits: MigrationLimits, make_sink):
+    """Source pool and copier, sender pool, destination pool, sink and receiver over loopback."""
     src_pool, dst_pool = make_pool(64, 1), np.zeros((64, BLOCK_BYTES), dtype=np.uint8)
     src_copier, dst_copier = BlockCopier([KVRegion(src_pool)]), BlockCopier([KVRegion(dst_pool)])
-    sink = PoolSink(dst_copier, lease=list(range(40, 64)))
+    sink = make_sink(dst_copier)
     receiver = KVReceiver(sink, limits, dst_copier.new_host_buffer)
     address = await receiver.start()
     senders = KVSenderPool(limits)
@@ -360,17 +366,9 @@ class LendingSink(PoolSink):
 async def lending_link(monkeypatch):
     monkeypatch.setattr(copier_module, "MIN_VIEW_BYTES", 1)
     limits = MigrationLimits(frame_bytes=4 * BLOCK_BYTES, lease_s=0.3)
-    src_pool, dst_pool = make_pool(64, 1), np.zeros((64, BLOCK_BYTES), dtype=np.uint8)
-    src_copier, dst_copier = BlockCopier([KVRegion(src_pool)]), BlockCopier([KVRegion(dst_pool)])
-    sink = LendingSink(dst_copier, lease=[50, 51, 52, 40, 41, 42, 43, 44, 60, 61, 62, 63])
-    receiver = KVReceiver(sink, limits, dst_copier.new_host_buffer)
-    address = await receiver.start()
-    senders = KVSenderPool(limits)
-    yield src_pool, src_copier, senders, dst_pool, sink, address, receiver
-    senders.close()
-    await receiver.close()
-    src_copier.close()
-    dst_copier.close()
+    lease = [50, 51, 52, 40, 41, 42, 43, 44, 60, 61, 62, 63]
+    async for parts in open_link(limits, lambda copier: LendingSink(copier, lease=lease)):
+        yield parts
 
 
 async def test_lent_blocks_receive_the_payload_without_staging(lending_link) -> None:
