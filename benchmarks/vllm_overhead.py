@@ -325,7 +325,21 @@ def pooled(runs: Sequence[RunResult]) -> BenchmarkMetrics:
     return compute_metrics(records, sum(run.duration_s for run in runs), PERCENTILES)
 
 
-def summary_row(m: BenchmarkMetrics) -> dict[str, float]:
+BACK_TO_BACK_S = 0.0005  # chunks this close arrived in one burst, not one engine step apart
+
+
+def back_to_back_fraction(runs: Sequence[RunResult]) -> float:
+    """Share of chunk gaps under 0.5 ms: how bunched a system's stream reaches the client.
+
+    A median ITL near zero says more about this than about per-token cost: a server whose
+    output is delivered in bursts scores a tiny P50 while its users see text arrive in lumps.
+    """
+    gaps = [b - a for run in runs for r in run.records for a, b in zip(r.chunk_s, r.chunk_s[1:])]
+    return sum(g < BACK_TO_BACK_S for g in gaps) / len(gaps) if gaps else 0.0
+
+
+def summary_row(runs: Sequence[RunResult]) -> dict[str, float]:
+    m = pooled(runs)
     return {
         "completed": m.completed,
         "failed": m.failed,
@@ -340,6 +354,7 @@ def summary_row(m: BenchmarkMetrics) -> dict[str, float]:
         "tpot_mean_ms": m.tpot.mean_ms,
         "e2el_p50_ms": m.e2el.median_ms,
         "itl_samples": m.itl.count,
+        "itl_back_to_back_fraction": back_to_back_fraction(runs),
     }
 
 
@@ -368,7 +383,7 @@ def format_table(summaries: dict[str, dict[str, dict[str, float]]], comparisons:
                ("TTFT p50", "ttft_p50_ms", "{:.1f}"), ("TTFT p99", "ttft_p99_ms", "{:.1f}"),
                ("ITL p50", "itl_p50_ms", "{:.2f}"), ("ITL p99", "itl_p99_ms", "{:.2f}"),
                ("TPOT p50", "tpot_p50_ms", "{:.2f}"), ("TPOT p99", "tpot_p99_ms", "{:.2f}"),
-               ("done", "completed", "{:.0f}")]
+               ("ITL<0.5ms", "itl_back_to_back_fraction", "{:.2f}"), ("done", "completed", "{:.0f}")]
     head = f"{'scenario':<10} {'system':<8} " + " ".join(f"{c[0]:>10}" for c in columns)
     lines = [head, "-" * len(head)]
     for scenario, by_system in summaries.items():
@@ -384,6 +399,7 @@ def format_table(summaries: dict[str, dict[str, dict[str, float]]], comparisons:
                 f"{cmp['added_tpot_p50_ms']:>+10.2f} {cmp['added_tpot_p99_ms']:>+10.2f}"
             )
     lines.append("Δ row: out tok/s column = Corral/vLLM throughput ratio; the others = Corral − vLLM in ms")
+    lines.append("ITL<0.5ms: share of chunk gaps under 0.5 ms (chunks that reached the client in one burst)")
     return "\n".join(lines)
 
 
@@ -497,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     comparisons: dict[str, dict[str, float]] = {}
     for scenario in scenarios:
         by_system = {s: [r for r in bench.runs if r.system == s and r.scenario == scenario.name] for s in args.systems}
-        summaries[scenario.name] = {s: summary_row(pooled(runs)) for s, runs in by_system.items()}
+        summaries[scenario.name] = {s: summary_row(runs) for s, runs in by_system.items()}
         if {"corral", "vllm"} <= set(args.systems):
             comparisons[scenario.name] = compare(summaries[scenario.name]["corral"], summaries[scenario.name]["vllm"])
     print()

@@ -138,18 +138,17 @@ class OutputStream:
         self._queue.put_nowait(Delivery([], error=message, error_code=code))
 
     async def next(self, timeout_s: float) -> Delivery:
-        """The next delivery, merged with any others already queued (fewer events for slow readers)."""
-        if self._queue.empty():
-            # Once per token of every stream: `asyncio.timeout` arms a timer, where 3.11's
-            # `wait_for` also wraps the get in a new Task.
-            async with asyncio.timeout(timeout_s):
-                first = await self._queue.get()
-        else:
-            first = self._queue.get_nowait()
-        while not first.final and not self._queue.empty():
-            more = self._queue.get_nowait()
-            first = Delivery(first.token_ids + more.token_ids, more.finish_reason, more.error, more.error_code)
-        return first
+        """The next delivery: one engine step's tokens, as vLLM's server streams them.
+
+        Deliveries are not merged even when several are queued: a client then sees one SSE event
+        per engine step, and the chunk gaps it measures (ITL) mean what they mean against vLLM.
+        """
+        if not self._queue.empty():
+            return self._queue.get_nowait()
+        # Once per token of every stream: `asyncio.timeout` arms a timer, where 3.11's
+        # `wait_for` also wraps the get in a new Task.
+        async with asyncio.timeout(timeout_s):
+            return await self._queue.get()
 
 
 class StreamRegistry:

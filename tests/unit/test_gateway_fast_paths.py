@@ -43,7 +43,8 @@ async def test_next_takes_queued_deliveries_without_waiting():
     stream = OutputStream("r1")
     stream.feed(TokenChunk("r1", "a", 0, [1]))
     stream.feed(TokenChunk("r1", "a", 1, [2]))
-    assert await stream.next(0.0001) == Delivery([1, 2])
+    assert await stream.next(0.0001) == Delivery([1])
+    assert await stream.next(0.0001) == Delivery([2])
 
 
 async def test_next_still_times_out_on_silence():

@@ -132,12 +132,14 @@ def test_a_handover_moves_the_holder_even_without_new_tokens():
     assert stream.holders == ["a", "b"]
 
 
-async def test_next_merges_queued_deliveries():
+async def test_next_keeps_each_engine_step_its_own_delivery():
+    """Queued steps are not merged: the client gets one event per engine step, as from vLLM."""
     stream = OutputStream("r1", "a")
     stream.feed(chunk(0, [1]))
-    stream.feed(chunk(1, [2]))
-    stream.feed(chunk(2, [3], FinishReason.STOP))
-    assert await stream.next(1.0) == Delivery([1, 2, 3], FinishReason.STOP)
+    stream.feed(chunk(1, [2, 3]))
+    stream.feed(chunk(3, [4], FinishReason.STOP))
+    assert [await stream.next(1.0) for _ in range(3)] == [
+        Delivery([1]), Delivery([2, 3]), Delivery([4], FinishReason.STOP)]
 
 
 async def test_fail_delivers_an_error_and_ignores_later_chunks():
