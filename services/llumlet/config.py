@@ -22,6 +22,8 @@ class SimSettings:
     kv_bytes_per_token: int = 64
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    reserve_full_sequence: bool = True  # vLLM 0.32's admission (`scheduler_reserve_full_isl`)
+    preempt_for_priority: bool = True  # vLLM V0's priority preemption (v1 lacks it)
 
 
 @dataclass
@@ -115,6 +117,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--sim-queue-policy", choices=["fcfs", "priority", "sjf"], default=env("SIM_QUEUE_POLICY", "fcfs"))
     sim.add_argument("--sim-step-mode", choices=["v1", "v0"], default=env("SIM_STEP_MODE", "v1"))
     sim.add_argument("--sim-kv-bytes-per-token", type=int, default=env("SIM_KV_BYTES_PER_TOKEN", 64))
+    sim.add_argument("--sim-reserve-full-sequence", action=argparse.BooleanOptionalAction,
+                     default=env("SIM_RESERVE_FULL_SEQUENCE", True),
+                     help="admit a waiting request only when its whole prompt fits (vLLM 0.32's default)")
+    sim.add_argument("--sim-preempt-for-priority", action=argparse.BooleanOptionalAction,
+                     default=env("SIM_PREEMPT_FOR_PRIORITY", True),
+                     help="with --sim-queue-policy priority, a waiting request preempts less important "
+                          "running ones (vLLM V0; vLLM v1 does not)")
     vl = parser.add_argument_group("vLLM engine")
     vl.add_argument("--vllm-kv-cache-gib", type=float, default=env("VLLM_KV_CACHE_GIB", 1.0))
     vl.add_argument("--vllm-max-num-seqs", type=int, default=env("VLLM_MAX_NUM_SEQS", 64))
@@ -144,6 +153,8 @@ def config_from_args(args: argparse.Namespace) -> LlumletConfig:
             queue_policy=args.sim_queue_policy,
             step_mode=args.sim_step_mode,
             kv_bytes_per_token=args.sim_kv_bytes_per_token,
+            reserve_full_sequence=args.sim_reserve_full_sequence,
+            preempt_for_priority=args.sim_preempt_for_priority,
         ),
         vllm=VllmSettings(kv_cache_space_gib=args.vllm_kv_cache_gib, max_num_seqs=args.vllm_max_num_seqs),
     )

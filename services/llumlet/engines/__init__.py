@@ -43,6 +43,8 @@ def create_engine(config: LlumletConfig) -> Engine:
                 gpu=sim.gpu,
                 time_scale=sim.time_scale,
                 kv_bytes_per_token=sim.kv_bytes_per_token,
+                reserve_full_sequence=sim.reserve_full_sequence,
+                preempt_for_priority=sim.preempt_for_priority,
                 vocab_size=vocab_size,
                 eos_token_id=eos,
                 seed=config.seed,

@@ -1,0 +1,40 @@
+"""The llumlet's command line reaches the simulated engine's settings."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services.llumlet.config import add_arguments, config_from_args
+from services.llumlet.engines import create_engine
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--engine", "sim", *argv])
+
+
+def test_sim_admission_and_priority_preemption_default_to_vllms_behaviour():
+    sim = config_from_args(parse()).sim
+    assert sim.reserve_full_sequence and sim.preempt_for_priority
+
+
+def test_sim_admission_and_priority_preemption_can_be_turned_off(tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 100, "eos_token_id": 2}')
+    config = config_from_args(parse("--no-sim-reserve-full-sequence", "--no-sim-preempt-for-priority",
+                                    "--model", str(tmp_path)))
+    assert not config.sim.reserve_full_sequence and not config.sim.preempt_for_priority
+    engine_config = create_engine(config).config
+    assert not engine_config.reserve_full_sequence and not engine_config.preempt_for_priority
+
+
+def test_sim_flags_read_the_environment(monkeypatch):
+    monkeypatch.setenv("CORRAL_SIM_RESERVE_FULL_SEQUENCE", "0")
+    assert config_from_args(parse()).sim.reserve_full_sequence is False
+
+
+def test_a_bad_sim_flag_is_a_usage_error():
+    with pytest.raises(SystemExit):
+        parse("--sim-reserve-full-sequence=maybe")
