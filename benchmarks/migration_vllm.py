@@ -17,9 +17,10 @@ length is the model's whole context (its max_position_embeddings, 4096) less the
 generates on its way.
 
 Downtime = suspend on the source → COMMIT acknowledged (the request is queued into the
-destination's batch). Its breakdown (source clock): the last stage's PRE-ALLOC round trip, its copy
-(gather, TCP, scatter, ack), the COMMIT round trip (NATS both ways plus the destination's checks and
-its add into vLLM). Off the downtime but on the request's token gap: on the source, the suspend
+destination's batch). Its breakdown (source clock): the last stage's PRE-ALLOC round trip (a top-up,
+usually none), and the COMMIT round trip: by default the COMMIT rides in the last KV frame and its
+ack answers it (TCP both ways, the frame's write, the destination's checks and its add into vLLM);
+with the NATS COMMIT (`--commit-over-nats`) NATS both ways plus the wait for the last frame. Off the downtime but on the request's token gap: on the source, the suspend
 waits for the engine step in flight; on the destination, the request joins vLLM at its next step
 boundary and gets its next token from the step after (from the destination's log). "Token gap" =
 the client-side gap between the last token from the source and the first from the destination.
@@ -40,7 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import nats
@@ -241,6 +242,7 @@ class Bench:
             "final_blocks": final.num_blocks,
             "commit_ms": 1e3 * m.commit_s,
             "commit_pipelined": m.commit_pipelined,
+            "commit_via": m.commit_via,
             # Suspend → COMMIT sent: checks, the commit message, (a sequential copy).
             "before_commit_ms": 1e3 * (m.downtime_s - m.commit_s),
             "release_ms": 1e3 * m.release_s,
@@ -345,9 +347,14 @@ def report_line(kind: str, r: dict) -> None:
     if during.get("steps") and before.get("steps"):
         step_note = f", src step {before['median_ms']:.2f}→{during['median_ms']:.2f} ms"
     gbps = f"{r['first_stage_gbps']:.2f} GB/s" if r["first_stage_gbps"] else "-"
-    overlap = "∥" if r["commit_pipelined"] else "then"
+    if r["commit_via"].startswith("frame"):
+        commit = f"copy+commit in frame {r['commit_ms']:.2f} [{r['final_blocks']} blocks]"
+        commit += " + NATS fallback" if r["commit_via"] != "frame" else ""
+    else:
+        overlap = "∥" if r["commit_pipelined"] else "then"
+        commit = f"copy {r['final_copy_ms']:.2f} [{r['final_blocks']} blocks] {overlap} commit {r['commit_ms']:.2f}"
     print(f"{kind:>8} {r['length']:>5}: downtime {r['downtime_ms']:6.2f} ms (top-up {r['final_prealloc_ms']:.2f}, "
-          f"copy {r['final_copy_ms']:.2f} [{r['final_blocks']} blocks] {overlap} commit {r['commit_ms']:.2f}), "
+          f"{commit}), "
           f"token gap {r['token_gap_ms']:6.1f} ms (ITL {r['itl_before_ms']:.1f}), {r['num_stages']} stages, "
           f"stage 0 {gbps}{step_note}", flush=True)
 
@@ -406,7 +413,7 @@ def summarize(s: Settings, raw_runs: list[dict], live: list, blocking: list, rec
     for key in ("kv_wait_ms", "add_migrated_ms", "added_to_vllm_ms", "first_step_start_ms", "first_step_end_ms"):
         breakdown[f"dst_{key}"] = median(live, lambda r, k=key: r["destination"].get(k))
     # The COMMIT's round trip less what the destination spent on it: NATS both ways (with the
-    # nats-server hop) and the two event loops' wake-ups.
+    # nats-server hop) or TCP both ways with the frame, and the two event loops' wake-ups.
     breakdown["commit_transport_ms"] = median(
         live, lambda r: r["commit_ms"] - r["destination"]["kv_wait_ms"] - r["destination"]["add_migrated_ms"]
         if "kv_wait_ms" in r["destination"] else None)
@@ -433,6 +440,7 @@ def summarize(s: Settings, raw_runs: list[dict], live: list, blocking: list, rec
         "live_token_gap_ms_by_length": by_length(live, "token_gap_ms"),
         "live_final_copy_ms_by_length": by_length(live, "final_copy_ms"),
         "live_commit_ms_by_length": by_length(live, "commit_ms"),
+        "commit_via": dict(Counter(r["commit_via"] for r in live)),
         "src_step_ms": {"before_migration": median(live, lambda r: r["src_steps_before"].get("median_ms")),
                         "during_migration": median(live, lambda r: r["src_steps_during"].get("median_ms"))},
         "transfer_gbps_longest_first_stage": transfer,
@@ -453,11 +461,15 @@ def print_summary(result: dict) -> None:
     b = result["downtime_breakdown_ms"]
     dst = {k: b[f"dst_{k}"] for k in ("kv_wait_ms", "add_migrated_ms", "added_to_vllm_ms", "first_step_start_ms",
                                       "first_step_end_ms")}
+    in_frame = result["commit_via"].get("frame", 0) + result["commit_via"].get("frame+nats", 0) > 0
+    where = "in the last frame" if in_frame else "over NATS"
     print(f"downtime breakdown (live, all lengths, medians, ms): total {b['downtime_ms']:.2f} = suspend→COMMIT sent "
           f"{b['before_commit_ms']:.2f} (top-up PRE-ALLOC {b['final_prealloc_ms']:.2f}) + COMMIT round trip "
-          f"{b['commit_ms']:.2f}; the last copy ({b['final_copy_ms']:.2f}) runs beside the COMMIT")
+          f"{b['commit_ms']:.2f} ({where}; commit paths {result['commit_via']})" +
+          ("" if in_frame else f"; the last copy ({b['final_copy_ms']:.2f}) runs beside the COMMIT"))
     if all(v is not None for v in dst.values()):
-        print(f"  COMMIT round trip = NATS both ways {b['commit_transport_ms']:.2f} + destination waiting for the last "
+        transport = "TCP both ways with the frame and its write" if in_frame else "NATS both ways"
+        print(f"  COMMIT round trip = {transport} {b['commit_transport_ms']:.2f} + destination waiting for the last "
               f"frame {dst['kv_wait_ms']:.2f} + add_migrated {dst['add_migrated_ms']:.2f}")
         print(f"  destination after its commit: in vLLM at {dst['added_to_vllm_ms']:.2f} (next step boundary), the "
               f"step with its next token {dst['first_step_start_ms']:.2f}-{dst['first_step_end_ms']:.2f}")
@@ -488,6 +500,8 @@ def parse_args(argv: list[str] | None) -> Settings:
     defaults = MigrationLimits()
     parser.add_argument("--stage-limit", type=int, default=defaults.stage_limit)
     parser.add_argument("--last-stage-blocks", type=int, default=defaults.last_stage_blocks)
+    parser.add_argument("--commit-over-nats", action="store_true",
+                        help="the NATS COMMIT only (the previous protocol), not the COMMIT in the last KV frame")
     args = parser.parse_args(argv)
     lengths = sorted(int(x) for x in args.lengths.split(","))
     if not lengths or lengths[0] < 1 or lengths[-1] + MIN_OUTPUT_BEFORE + 16 > args.max_model_len:
@@ -495,7 +509,8 @@ def parse_args(argv: list[str] | None) -> Settings:
     if args.kv_cache_gib <= 0:
         parser.error("--kv-cache-gib must be positive")
     try:
-        limits = MigrationLimits(stage_limit=args.stage_limit, last_stage_blocks=args.last_stage_blocks)
+        limits = MigrationLimits(stage_limit=args.stage_limit, last_stage_blocks=args.last_stage_blocks,
+                                 commit_in_frame=not args.commit_over_nats)
     except ValueError as exc:
         parser.error(str(exc))
     from services.tools.make_model import ensure_tiny_model

@@ -59,10 +59,15 @@ class StreamWatch:
         await self.nc.publish(subjects.llumlet(instance_id, verb), encode(message))
 
     def publishers(self, request_id: str) -> list[str]:
-        """The instances that published the request's tokens, in order of hand-over."""
+        """The instances that published the request's tokens, in order of hand-over. A chunk
+        that brings no new token is skipped, as the gateway skips it: a source's last chunk may
+        arrive after the destination's catch-up (the COMMIT goes over TCP, not behind it on NATS)."""
         seen: list[str] = []
+        indexes: set[int] = set()
         for chunk in self.chunks[request_id]:
-            if chunk.token_ids and (not seen or seen[-1] != chunk.instance_id):
+            new = set(range(chunk.start_index, chunk.start_index + len(chunk.token_ids))) - indexes
+            indexes |= new
+            if new and (not seen or seen[-1] != chunk.instance_id):
                 seen.append(chunk.instance_id)
         return seen
 

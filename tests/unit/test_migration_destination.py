@@ -15,7 +15,7 @@ from services.llumlet.migration.ops import migration_ops_for
 from services.llumlet.migration.protocol import ALREADY_COMMITTED, MigrationLimits, MigrationStatus, new_migration_id
 from services.llumlet.migration.protocol import DestinationRefused
 from services.llumlet.migration.transfer import AckStatus, FrameHeader, KVReceiver, KVSenderPool
-from shared.messages import MigrationAbort, PreAlloc
+from shared.messages import MigrationAbort, PreAlloc, encode
 from tests.unit.migration_helpers import FakeClock, decode_steps, gen, sim_config
 
 LIMITS = MigrationLimits(lease_s=2.0, max_in=2)
@@ -285,3 +285,60 @@ async def test_a_corrupt_frame_on_the_wire_aborts_and_nothing_is_committed(setup
     assert setup.engine.num_reserved_blocks() == 0 and setup.engine.num_free_blocks() == 64
     ack, committed = setup.incoming.handle_commit(src.migration_commit("r", mid))
     assert not ack.ok and not committed and setup.engine.get_request("r") is None
+
+
+# -- the COMMIT carried by the last KV frame ------------------------------------------------------
+
+
+def committing(s: Setup) -> list:
+    """Record every hand-over to the llumlet (`on_committed`)."""
+    handed: list = []
+
+    async def on_committed(commit) -> None:
+        handed.append(commit.request.request_id)
+
+    s.incoming._on_committed = on_committed
+    return handed
+
+
+async def test_commit_in_a_frame_commits_once_and_hands_the_request_over(setup) -> None:
+    handed = committing(setup)
+    mid, commit, num_blocks = await committable(setup)
+    setup.incoming.get(mid).filled = num_blocks
+    header = setup.frame(mid, num_blocks, 0)
+    assert await setup.incoming.commit_frame(header, encode(commit), AckStatus.OK) == (AckStatus.COMMITTED, "")
+    assert setup.engine.get_request("r") is not None and handed == ["r"]
+    # A repeat (or the NATS COMMIT of the fallback) is acked from the record, nothing added twice.
+    assert await setup.incoming.commit_frame(header, encode(commit), AckStatus.OK) == (AckStatus.COMMITTED, "")
+    assert (await setup.incoming.commit(commit)).ok and handed == ["r"]
+
+
+async def test_commit_in_a_failed_frame_is_refused(setup) -> None:
+    handed = committing(setup)
+    mid, commit, num_blocks = await committable(setup)
+    header = setup.frame(mid, 0, num_blocks)
+    setup.incoming.frame_failed(header, AckStatus.BAD_CHECKSUM)  # (what the receiver reports first)
+    status, detail = await setup.incoming.commit_frame(header, encode(commit), AckStatus.BAD_CHECKSUM)
+    assert status is AckStatus.BAD_CHECKSUM and "bad_checksum" in detail
+    assert handed == [] and setup.engine.get_request("r") is None and setup.engine.num_reserved_blocks() == 0
+    assert not (await setup.incoming.commit(commit)).ok  # a late NATS COMMIT gets the same answer
+
+
+async def test_commit_in_a_frame_is_refused_when_the_kv_is_incomplete(setup) -> None:
+    mid, commit, num_blocks = await committable(setup)
+    status, detail = await setup.incoming.commit_frame(setup.frame(mid, 0, 0), encode(commit), AckStatus.OK)
+    assert status is AckStatus.COMMIT_REFUSED and "KV incomplete" in detail
+    assert setup.incoming.get(mid).status is MigrationStatus.ABORTED_DST and setup.engine.num_reserved_blocks() == 0
+
+
+async def test_garbage_or_foreign_commit_in_a_frame_ends_the_migration(setup) -> None:
+    mid, commit, num_blocks = await committable(setup)
+    setup.incoming.get(mid).filled = num_blocks
+    status, detail = await setup.incoming.commit_frame(setup.frame(mid, 0, 0), b"\x93garbage", AckStatus.OK)
+    assert status is AckStatus.COMMIT_REFUSED and detail
+    assert setup.incoming.get(mid).status is MigrationStatus.ABORTED_DST and setup.engine.num_reserved_blocks() == 0
+    other, _, _ = await committable(setup, "q")
+    setup.incoming.get(other).filled = len(setup.incoming.get(other).block_ids)
+    status, detail = await setup.incoming.commit_frame(setup.frame(other, 0, 0), encode(commit), AckStatus.OK)
+    assert status is AckStatus.COMMIT_REFUSED and "another migration" in detail
+    assert setup.engine.get_request("q") is None and setup.engine.num_reserved_blocks() == 0

@@ -268,7 +268,7 @@ async def pair():
     config = sim_config(time_scale=0.01, num_blocks=256, max_model_len=2048)
     src, dst = SimEngine(config), SimEngine(config)
     src_ops, dst_ops = migration_ops_for(src), migration_ops_for(dst)
-    limits = MigrationLimits(last_stage_blocks=0)
+    limits = MigrationLimits(last_stage_blocks=0, commit_in_frame=False)  # (the NATS COMMIT alone)
     src_copier, dst_copier = BlockCopier(src_ops.kv_regions()), BlockCopier(dst_ops.kv_regions())
     incoming = IncomingMigrations(dst_ops, dst_copier, limits)
     receiver = KVReceiver(incoming, limits, dst_copier.new_host_buffer)

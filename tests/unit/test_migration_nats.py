@@ -60,9 +60,15 @@ class Client:
         return [by_index[i] for i in range(len(by_index))]
 
     def publishers(self, request_id: str) -> list[str]:
+        """Who published new tokens, in arrival order. A chunk that brings nothing new is
+        skipped, as the gateway skips it: the source's last chunk may arrive after the
+        destination's catch-up (the COMMIT travels over TCP, not behind it on NATS)."""
         seen: list[str] = []
+        indexes: set[int] = set()
         for chunk in self.of(request_id):
-            if chunk.token_ids and (not seen or seen[-1] != chunk.instance_id):
+            new = set(range(chunk.start_index, chunk.start_index + len(chunk.token_ids))) - indexes
+            indexes |= new
+            if new and (not seen or seen[-1] != chunk.instance_id):
                 seen.append(chunk.instance_id)
         return seen
 

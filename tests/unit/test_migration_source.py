@@ -10,8 +10,10 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from services.llumlet.engine import EngineError
 from services.llumlet.engines.sim.engine import SimEngine
 from services.llumlet.engines.sim.request import RequestStatus
+from services.llumlet.migration import transfer as transfer_module
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.destination import IncomingMigrations
 from services.llumlet.migration.ops import LivePhase, migration_ops_for
@@ -217,8 +219,28 @@ async def test_the_stage_limit_forces_the_last_stage(make_harness) -> None:
     m = await h.coordinator.migrate("r", "dst")
     assert m.status is MigrationStatus.FINISHED, m.reason
     assert [s.final for s in m.stages] == [False, False, True]
+    assert h.link.calls.count("prealloc") == 4  # the last stage's before the suspend, and a top-up
+    assert m.stages[-1].prealloc_s > 0
     await h.wait_finished("r")
     assert h.stream("r") == expected_tokens(h.src, "r", 600)
+
+
+async def test_a_blocking_copy_reserves_before_the_suspend(make_harness) -> None:
+    h = await make_harness(MigrationLimits(stage_limit=1))
+    await h.decoding("r", prompt=100, max_tokens=200)
+    phases = []
+
+    async def record_phase(msg: PreAlloc) -> None:
+        phases.append(h.src_ops.migration_snapshot("r").phase)
+
+    h.link.before["prealloc"] = record_phase
+    m = await h.coordinator.migrate("r", "dst")
+    assert m.status is MigrationStatus.FINISHED, m.reason
+    assert phases[0] is LivePhase.RUNNING  # the reservation is off the downtime
+    assert m.stages[-1].prealloc_s == 0.0 or phases[1:] == [LivePhase.SUSPENDED]  # (a top-up, if it grew)
+    await h.wait_finished("r")
+    assert h.stream("r") == expected_tokens(h.src, "r", 200)
+    h.assert_blocks_back()
 
 
 async def test_stage_limit_one_is_a_blocking_copy(make_harness) -> None:
@@ -276,9 +298,16 @@ async def test_destination_gone_in_the_last_stage_resumes_the_request(make_harne
     h = await make_harness(MigrationLimits(stage_limit=2, last_stage_blocks=0))
     await h.decoding("r", prompt=100, max_tokens=300)
 
+    last_stage_preallocs = 0
+
     async def gone_at_last_stage(msg: PreAlloc) -> None:
+        nonlocal last_stage_preallocs
         if msg.stage == 1:
-            assert h.src_ops.migration_snapshot("r").phase is LivePhase.SUSPENDED
+            last_stage_preallocs += 1
+            if last_stage_preallocs == 1:  # before the suspend: let the request start new blocks
+                await steps_later(h.src, "r", 8)(msg)
+                return
+            assert h.src_ops.migration_snapshot("r").phase is LivePhase.SUSPENDED  # its top-up
             raise DestinationGone("killed")
 
     h.link.before["prealloc"] = gone_at_last_stage
@@ -293,7 +322,7 @@ async def test_destination_gone_in_the_last_stage_resumes_the_request(make_harne
 
 
 async def test_slow_destination_gets_an_abort_and_the_request_resumes(make_harness) -> None:
-    h = await make_harness(MigrationLimits(stage_limit=2, last_stage_blocks=0))
+    h = await make_harness(MigrationLimits(stage_limit=2, last_stage_blocks=0, commit_in_frame=False))
     await h.decoding("r", prompt=100, max_tokens=300)
 
     async def slow_commit(msg) -> None:
@@ -309,7 +338,7 @@ async def test_slow_destination_gets_an_abort_and_the_request_resumes(make_harne
 
 
 async def test_unanswered_commit_that_did_land_counts_as_committed(make_harness) -> None:
-    h = await make_harness(MigrationLimits(commit_attempts=1))
+    h = await make_harness(MigrationLimits(commit_attempts=1, commit_in_frame=False))
     await h.decoding("r", prompt=60, max_tokens=300)
     real_commit = h.link.commit
 
@@ -326,7 +355,8 @@ async def test_unanswered_commit_that_did_land_counts_as_committed(make_harness)
 
 
 async def test_commit_outcome_unknown_fails_the_request(make_harness) -> None:
-    h = await make_harness(MigrationLimits(commit_attempts=1, in_doubt_deadline_s=0.05, abort_timeout_s=0.01))
+    h = await make_harness(MigrationLimits(commit_attempts=1, in_doubt_deadline_s=0.05, abort_timeout_s=0.01,
+                                           commit_in_frame=False))
     await h.decoding("r", prompt=60, max_tokens=300)
 
     async def silent(msg) -> None:
@@ -402,6 +432,146 @@ async def test_stopping_the_source_resumes_and_tells_the_destination(make_harnes
     assert m.status is MigrationStatus.ABORTED_SRC and "stopping" in m.reason
     assert h.src_ops.migration_snapshot("r").phase is LivePhase.RUNNING
     assert h.dst.num_reserved_blocks() == 0  # the ABORT reached it
+
+
+# -- the COMMIT in the last KV frame (the default) and its NATS fallback --------------------------
+
+
+def count_adds(h: Harness) -> list[str]:
+    """Every add_migrated on the destination (a request must be added exactly once)."""
+    added: list[str] = []
+    real_add = h.dst_ops.add_migrated
+
+    def add(commit, lease_id):
+        added.append(commit.request.request_id)
+        return real_add(commit, lease_id)
+
+    h.dst_ops.add_migrated = add
+    return added
+
+
+async def test_the_commit_rides_in_the_last_frame_and_its_ack_ends_the_downtime(make_harness) -> None:
+    h = await make_harness()
+    added = count_adds(h)
+    await h.decoding("r", prompt=60, max_tokens=300)
+    m = await h.coordinator.migrate("r", "dst")
+    assert m.status is MigrationStatus.FINISHED, m.reason
+    assert m.commit_via == "frame" and "commit" not in h.link.calls  # no NATS COMMIT at all
+    assert h.link.calls[-1] == "prealloc"  # the last stage's, before the suspend
+    assert m.stages[-1].final and m.stages[-1].prealloc_s == 0.0
+    assert m.downtime_s == pytest.approx(m.committed_at - m.suspended_at) and m.commit_s > 0
+    assert added == ["r"] and h.hooks.migrated_out_ids == ["r"]
+    await h.wait_finished("r")
+    assert h.stream("r") == expected_tokens(h.src, "r", 300)
+    h.assert_blocks_back()
+
+
+async def test_a_blocking_copy_carries_the_commit_too(make_harness) -> None:
+    h = await make_harness(MigrationLimits(stage_limit=1, frame_bytes=1024))  # a stage of many frames
+    await h.decoding("r", prompt=100, max_tokens=200)
+    m = await h.coordinator.migrate("r", "dst")
+    assert m.status is MigrationStatus.FINISHED and m.commit_via == "frame"
+    assert len(m.stages) == 1 and m.stages[0].num_blocks == m.blocks_sent
+    await h.wait_finished("r")
+    assert h.stream("r") == expected_tokens(h.src, "r", 200)
+    h.assert_blocks_back()
+
+
+async def test_a_commit_refused_in_the_frame_resumes_the_request_here(make_harness) -> None:
+    h = await make_harness()
+
+    def refuse(commit, lease_id):
+        raise EngineError("does not fit")
+
+    h.dst_ops.add_migrated = refuse
+    await h.decoding("r", prompt=60, max_tokens=300)
+    m = await h.coordinator.migrate("r", "dst")
+    assert m.status is MigrationStatus.ABORTED_DST and "commit refused" in m.reason and "does not fit" in m.reason
+    assert h.hooks.resumes == 1 and h.hooks.migrated_out_ids == [] and "commit" not in h.link.calls
+    assert h.src_ops.migration_snapshot("r").phase is LivePhase.RUNNING
+    await h.wait_finished("r")
+    assert h.stream("r") == expected_tokens(h.src, "r", 300)
+    assert not any(o.request_id == "r" for o in h.outputs["dst"])
+    h.assert_blocks_back()
+
+
+def drop_connections(h: Harness) -> None:
+    for connection in list(h.receiver._connections):
+        connection.close()
+
+
+async def test_ack_lost_after_the_frame_committed_is_resolved_once_over_nats(make_harness) -> None:
+    h = await make_harness()
+    added = count_adds(h)
+    real_commit_frame = h.incoming.commit_frame
+
+    async def commit_then_lose_the_connection(header, raw, frame_status):
+        answer = await real_commit_frame(header, raw, frame_status)
+        drop_connections(h)  # the ack never leaves
+        return answer
+
+    h.incoming.commit_frame = commit_then_lose_the_connection
+    await h.decoding("r", prompt=60, max_tokens=300)
+    m = await h.coordinator.migrate("r", "dst")
+    assert m.status is MigrationStatus.FINISHED, m.reason
+    assert m.commit_via == "frame+nats" and h.link.calls.count("commit") == 1  # answered from the record
+    assert added == ["r"] and h.hooks.migrated_out_ids == ["r"] and h.hooks.resumes == 0
+    await h.wait_finished("r")
+    assert h.stream("r") == expected_tokens(h.src, "r", 300)
+    h.assert_blocks_back()
+
+
+async def test_connection_lost_before_the_commit_landed_resumes_the_request_once(make_harness, monkeypatch) -> None:
+    h = await make_harness()
+    added = count_adds(h)
+    real_send_frame = transfer_module.send_frame
+
+    async def cut_the_commit_frame(loop, sock, header, views, checksum, commit=b""):
+        if not header.commit_len:
+            return await real_send_frame(loop, sock, header, views, checksum, commit)
+        sock.send(header.pack())  # the header only: the destination aborts the migration (TRUNCATED)
+        raise ConnectionResetError("cut mid-frame")
+
+    monkeypatch.setattr(transfer_module, "send_frame", cut_the_commit_frame)
+    await h.decoding("r", prompt=60, max_tokens=300)
+    m = await h.coordinator.migrate("r", "dst")
+    assert m.status is MigrationStatus.ABORTED_DST and "commit refused" in m.reason, m.reason
+    assert m.commit_via == "frame+nats" and h.link.calls.count("commit") == 1
+    assert added == [] and h.hooks.resumes == 1 and h.hooks.migrated_out_ids == []
+    await h.wait_finished("r")
+    assert h.stream("r") == expected_tokens(h.src, "r", 300)
+    assert not any(o.request_id == "r" for o in h.outputs["dst"])
+    h.assert_blocks_back()
+
+
+async def test_stopping_while_the_commit_is_in_flight_asks_before_resuming(make_harness) -> None:
+    """Cancelled after the frame went out: the ABORT decides; the destination had committed,
+    so the request is released here, not resumed (it must not run twice)."""
+    h = await make_harness()
+    added = count_adds(h)
+    real_commit_frame = h.incoming.commit_frame
+    committed = asyncio.Event()
+
+    async def commit_then_hang(header, raw, frame_status):
+        answer = await real_commit_frame(header, raw, frame_status)
+        committed.set()
+        await asyncio.sleep(60)  # the ack is late
+        return answer
+
+    h.incoming.commit_frame = commit_then_hang
+    await h.decoding("r", prompt=60, max_tokens=300)
+    task = asyncio.create_task(h.coordinator.migrate("r", "dst"))
+    await asyncio.wait_for(committed.wait(), 5)
+    await h.coordinator.stop()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    m = h.coordinator.history[-1]
+    assert m.status is MigrationStatus.FINISHED and h.link.calls[-1] == "abort"
+    assert added == ["r"] and h.hooks.resumes == 0 and h.src.get_request("r") is None
+    drop_connections(h)
+    await h.wait_finished("r")
+    assert h.stream("r") == expected_tokens(h.src, "r", 300)
 
 
 # -- pairs and the migrate-out loop ----------------------------------------------------------------

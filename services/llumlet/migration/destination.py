@@ -10,9 +10,10 @@ request's block table. Ended migrations stay as tombstones for `tombstone_s`, so
 repeated message gets the same answer (idempotency) and a late commit after an abort is refused.
 
 A new migration's first PRE-ALLOC passes the simulator's guard on this instance's own load (no
-queue here, enough blocks left free after taking the request: `guard_refusal`). A COMMIT may
-arrive before the last stage's frame (the source does not wait for its ack): the handshake waits
-for it (`wait_for_kv`) before `handle_commit` decides.
+queue here, enough blocks left free after taking the request: `guard_refusal`). The COMMIT
+usually comes in the last KV frame (`commit_frame`, answered in that frame's ack); over NATS it
+is the fallback (or the only path with `commit_in_frame=False`), and may then arrive before the
+last stage's frame: the handshake waits for it (`wait_for_kv`). Both go through `commit`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from services.llumlet.engine import EngineError
@@ -34,7 +35,15 @@ from services.llumlet.migration.protocol import (
     PreAllocGrant,
 )
 from services.llumlet.migration.transfer import AckStatus, FrameHeader
-from shared.messages import Ack, LoadReport, MigrationAbort, MigrationCommit, PreAlloc
+from shared.messages import (
+    Ack,
+    LoadReport,
+    MigrationAbort,
+    MigrationCommit,
+    PreAlloc,
+    WireError,
+    decode,
+)
 from shared.policy.baselines import may_migrate_into
 
 log = logging.getLogger(__name__)
@@ -84,8 +93,10 @@ class IncomingMigrations:
                  refusal: Callable[[], str | None] = lambda: None,
                  on_change: Callable[[], None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic,
-                 intake_load: Callable[[], IntakeLoad] | None = None) -> None:
+                 intake_load: Callable[[], IntakeLoad] | None = None,
+                 on_committed: Callable[[MigrationCommit], Awaitable[None]] | None = None) -> None:
         self.ops = ops
+        self._on_committed = on_committed  # the llumlet publishes the request's output from now on
         self.copier = copier
         self.limits = limits
         self.kv_address = ""
@@ -189,6 +200,40 @@ class IncomingMigrations:
                  1e3 * (m.ended_at - started))
         self._on_change()
         return Ack(ok=True), True
+
+    async def commit(self, commit: MigrationCommit) -> Ack:
+        """A COMMIT, from a KV frame or NATS: decide (`handle_commit`), then hand the request
+        to the llumlet. Idempotent: a repeat is acked from the record, nothing added twice."""
+        reply, committed = self.handle_commit(commit)
+        if committed and self._on_committed is not None:
+            try:
+                await self._on_committed(commit)
+            except Exception:  # committed all the same: the request runs here now
+                log.exception("migration %s committed, but handing it over failed", commit.migration_id)
+        return reply
+
+    async def commit_frame(self, header: FrameHeader, raw: bytes, frame_status: AckStatus) -> tuple[AckStatus, str]:
+        """CommitSink: the commit carried by the last KV frame. A failed frame ended the
+        migration already (`frame_failed`), so it is a refusal, unless the migration had
+        committed before (a repeat)."""
+        m = self._migrations.get(header.migration_id)
+        if frame_status is not AckStatus.OK:
+            if m is not None and m.status is MigrationStatus.FINISHED:
+                return AckStatus.COMMITTED, ""
+            return frame_status, f"KV frame {frame_status.name.lower()}"
+        try:
+            commit = decode(raw, MigrationCommit)
+        except WireError as exc:
+            commit = None
+            problem = str(exc)
+        else:
+            problem = None if commit.migration_id == header.migration_id else "commit for another migration"
+        if problem is not None:
+            if m is not None and m.status is MigrationStatus.RUNNING:
+                self._end(m, MigrationStatus.ABORTED_DST, problem)
+            return AckStatus.COMMIT_REFUSED, problem
+        reply = await self.commit(commit)
+        return (AckStatus.COMMITTED, "") if reply.ok else (AckStatus.COMMIT_REFUSED, reply.error or "refused")
 
     def _commit_problem(self, m: IncomingMigration, commit: MigrationCommit) -> str | None:
         if commit.request.request_id != m.request_id:

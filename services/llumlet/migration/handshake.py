@@ -1,5 +1,6 @@
 """The migration handshake over NATS request/reply: the source's client (`NatsDestinationLink`)
-and the destination's subscriptions (`HandshakeServer`).
+and the destination's subscriptions (`HandshakeServer`). (The COMMIT normally travels in the last
+KV frame instead, see `transfer.py`; over NATS it is the fallback.)
 
 Every request has its own timeout. "No responders" (nobody subscribes: the destination is gone)
 and a timeout (it may be alive but slow) are different errors, and the coordinator treats them
@@ -9,7 +10,6 @@ differently (after an unanswered COMMIT only the second leaves the outcome in do
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
 import msgspec
@@ -77,10 +77,8 @@ class HandshakeServer:
     decisions never interleave) and replies. (A COMMIT first waits for the last frame, which it
     may have overtaken.)"""
 
-    def __init__(self, incoming: IncomingMigrations,
-                 on_committed: Callable[[MigrationCommit], Awaitable[None]]) -> None:
-        self.incoming = incoming
-        self.on_committed = on_committed
+    def __init__(self, incoming: IncomingMigrations) -> None:
+        self.incoming = incoming  # (its `commit` hands a committed request to the llumlet)
 
     async def subscribe(self, nc: Client, instance_id: str) -> None:
         await nc.subscribe(subjects.migration(instance_id, "prealloc"), cb=self._on_prealloc)
@@ -108,10 +106,7 @@ class HandshakeServer:
             await self._respond(msg, Ack(ok=False, error=str(exc)))
             return
         await self.incoming.wait_for_kv(commit.migration_id)  # (it may overtake the last frame)
-        reply, committed = self.incoming.handle_commit(commit)
-        if committed:
-            await self.on_committed(commit)
-        await self._respond(msg, reply)
+        await self._respond(msg, await self.incoming.commit(commit))
 
     @staticmethod
     async def _respond(msg: Msg, reply: msgspec.Struct) -> None:

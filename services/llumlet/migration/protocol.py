@@ -9,9 +9,15 @@ Message flow (source S, destination D; NATS request/reply unless noted):
     ...    S re-checks the request after every await: finished/aborted/preempted → ABORT
     S      last stage: PRE-ALLOC, suspend, (top-up if it grew), copy the rest (incl. the partial
            block); forced by the stage limit: suspend first, then PRE-ALLOC and copy
-    S → D  COMMIT(request, output so far)      D adopts the lease's blocks and resumes the request
-                                               (sent right behind a one-frame last stage: D waits
-                                               for that frame before it decides)
+    S → D  COMMIT(request, output so far)      in the last stage's last KV frame (TCP): once the
+                                               frame is written D adopts the lease's blocks,
+                                               resumes the request and answers in the frame's ack
+                                               (COMMITTED / refused, with the reason)
+    S → D  COMMIT over NATS (fallback)         only when that ack never came (connection lost,
+                                               timeout): idempotent, D answers from its record
+                                               (`commit_in_frame=False`: the NATS COMMIT is the
+                                               only one, sent right behind a one-frame last stage;
+                                               D waits for that frame before it decides)
     S      release the request; D publishes from the next token index on
 
 Either side failing ends the migration: a dead destination leaves the request running on the
@@ -65,6 +71,12 @@ class DestinationSlow(MigrationFailed):
     """The destination did not answer in time (it may still be alive)."""
 
 
+class CommitOutcomeUnknown(MigrationFailed):
+    """A KV frame carrying the COMMIT may have reached the destination, but its ack never came
+    (connection lost, timeout): whether it committed is unknown. The source asks over NATS (the
+    COMMIT is idempotent); never a reason to resume the request by itself."""
+
+
 # An ABORT for a migration the destination already committed is refused with this error: the
 # request runs there now (the source learns the outcome of an unanswered COMMIT this way).
 ALREADY_COMMITTED = "already committed"
@@ -96,6 +108,10 @@ class MigrationLimits:
     abort_timeout_s: float = 0.5
     commit_timeout_s: float = 2.0
     commit_attempts: int = 3
+    # The COMMIT rides in the last stage's last KV frame and is answered in its ack (no NATS hop
+    # in the downtime); the NATS COMMIT stays as the fallback when that ack is lost. False: the
+    # NATS COMMIT only (as before).
+    commit_in_frame: bool = True
     # The COMMIT follows a one-frame last stage without waiting for its ack: the destination
     # waits this long for the frame before it decides (less than commit_timeout_s).
     commit_kv_wait_s: float = 1.0

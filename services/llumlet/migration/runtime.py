@@ -55,7 +55,8 @@ class LlumletMigration:
         """Listen for KV frames and handshakes; returns the background loops to run."""
         self.copier = BlockCopier(self.ops.kv_regions())
         self.incoming = IncomingMigrations(self.ops, self.copier, self.limits, refusal=self.hooks.refusal,
-                                           on_change=self.hooks.changed, intake_load=self.ops.intake_load)
+                                           on_change=self.hooks.changed, intake_load=self.ops.intake_load,
+                                           on_committed=self.hooks.migrated_in)
         self.receiver = KVReceiver(self.incoming, self.limits, self.copier.new_host_buffer, self.kv_host,
                                    self.kv_port, self.kv_advertise_host)
         try:
@@ -65,7 +66,7 @@ class LlumletMigration:
         self.coordinator = MigrationCoordinator(self.instance_id, self.ops, self.copier,
                                                 NatsDestinationLink(nc, self.limits), self.senders, self.limits,
                                                 self.hooks)
-        await HandshakeServer(self.incoming, self.hooks.migrated_in).subscribe(nc, self.instance_id)
+        await HandshakeServer(self.incoming).subscribe(nc, self.instance_id)
         await nc.subscribe(subjects.llumlet(self.instance_id, "migrate"), cb=self._on_order)
         log.info("migration on: KV receiver at %s (%d bytes per block)", self.kv_address, self.copier.block_bytes)
         return [self.coordinator.run(), self.incoming.run_watchdog()]

@@ -23,6 +23,7 @@ from services.llumlet.migration.handshake import DestinationLink
 from services.llumlet.migration.ops import LivePhase, MigratableEngine, MigrationSnapshot
 from services.llumlet.migration.protocol import (
     ALREADY_COMMITTED,
+    CommitOutcomeUnknown,
     DestinationGone,
     DestinationRefused,
     DestinationSlow,
@@ -34,7 +35,7 @@ from services.llumlet.migration.protocol import (
     new_migration_id,
 )
 from services.llumlet.migration.transfer import KVSenderPool, StageTransfer
-from shared.messages import MigrateOrder, MigrationAbort, MigrationCommit, PreAlloc
+from shared.messages import MigrateOrder, MigrationAbort, MigrationCommit, PreAlloc, encode
 from shared.policy.migration import select_request_to_migrate
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,10 @@ class OutgoingMigration(MigrationLifecycle):
     started_at: float = 0.0
     suspended_at: float | None = None
     suspend_s: float = 0.0  # the suspend call: waits for the engine step in flight, then aborts
-    commit_s: float = 0.0  # the COMMIT round trip
+    commit_s: float = 0.0  # the COMMIT round trip (in a frame: the last copy's, with the commit)
     commit_pipelined: bool = False  # the COMMIT went out behind the last frame, not after its ack
+    commit_via: str = ""  # "frame", "frame+nats" (the frame's ack was lost), "nats"
+    commit_sent: bool = False  # a COMMIT may have reached the destination: an abort asks it first
     committed_at: float | None = None  # the destination acknowledged the COMMIT
     release_s: float = 0.0  # freeing the request here afterwards (off the downtime)
     ended_at: float | None = None
@@ -242,11 +245,13 @@ class MigrationCoordinator:
         except MigrationFailed as exc:
             await self._abort(m, exc)
         except asyncio.CancelledError:
-            await self._abort(m, SourceAborted("source stopping"))
+            if not m.status.is_over:
+                await self._abort(m, SourceAborted("source stopping"), in_doubt=m.commit_sent)
             raise
         except Exception as exc:  # a bug: still, the request must run on exactly one instance
             if m.committed_at is None:
-                await self._abort(m, SourceAborted(f"internal error: {exc!r}"))  # resumes it here
+                # (resumes it here, unless a COMMIT it may have sent did land)
+                await self._abort(m, SourceAborted(f"internal error: {exc!r}"), in_doubt=m.commit_sent)
             elif not m.status.is_over:
                 m.finish(self._clock())  # it runs on the destination
             raise
@@ -260,11 +265,13 @@ class MigrationCoordinator:
         and the COMMIT.
 
         A stage's PRE-ALLOC reserves all the request's blocks so far, the partial last one
-        included. Once few blocks remain, the last stage's PRE-ALLOC still goes out while the
-        request runs: it then usually reserves nothing, and the downtime is only the last copy
-        and the COMMIT (a request that started a block meanwhile gets the stage topped up once
-        suspended). When the stage limit forces the last stage instead, the request outgrows
-        the copies: it is suspended first and reserved for once, at its final size."""
+        included. The last stage's PRE-ALLOC still goes out while the request runs: once few
+        blocks remain it then usually reserves nothing, and the downtime is only the last copy
+        with the COMMIT (a request that started a block meanwhile gets the stage topped up once
+        suspended). When the stage limit forces the last stage (a blocking copy: stage limit 1),
+        that PRE-ALLOC reserves what the request outgrew the copies by, also before the suspend:
+        a reservation on vLLM waits for the destination's engine step in flight (2-5 ms), which
+        would otherwise sit in the downtime."""
         block_size = self.ops.block_size
         while True:
             snapshot = self._check(m, LivePhase.RUNNING)
@@ -275,15 +282,14 @@ class MigrationCoordinator:
             prealloc_s = await self._prealloc(m, snapshot.num_blocks)
             self._check(m, LivePhase.RUNNING)
             await self._copy(m, full, LivePhase.RUNNING, prealloc_s, final=False)
-        if not forced:
-            await self._prealloc(m, snapshot.num_blocks)  # (off the downtime)
-            self._check(m, LivePhase.RUNNING)
+        await self._prealloc(m, snapshot.num_blocks)  # (off the downtime)
+        self._check(m, LivePhase.RUNNING)
         self._suspend(m)
         upto = self._check(m, LivePhase.SUSPENDED).num_blocks  # everything, the partial block too
         if upto < m.lease_blocks:
             raise SourceAborted(f"request holds {upto} blocks, fewer than the {m.lease_blocks} reserved")
         prealloc_s = 0.0
-        if forced or upto > m.lease_blocks:
+        if upto > m.lease_blocks:
             prealloc_s = await self._prealloc(m, upto)
             self._check(m, LivePhase.SUSPENDED)
         await self._last_stage(m, upto, prealloc_s)
@@ -342,10 +348,15 @@ class MigrationCoordinator:
     # -- the last stage, commit and abort ----------------------------------------------------------
 
     async def _last_stage(self, m: OutgoingMigration, upto: int, prealloc_s: float) -> None:
-        """Copy the rest and commit. A last stage of one frame (the usual: a block or two) has
-        the COMMIT follow it at once, without waiting for the frame's ack: the destination
-        commits once the frame is in, so the downtime holds one round trip instead of two."""
+        """Copy the rest and commit. With `commit_in_frame` the COMMIT rides in the last frame
+        and its ack is the commit's: the downtime holds one TCP round trip. Otherwise, a last
+        stage of one frame (the usual: a block or two) has the NATS COMMIT follow it at once,
+        without waiting for the frame's ack: the destination commits once the frame is in."""
         commit = self.ops.migration_commit(m.request_id, m.migration_id)
+        if self.limits.commit_in_frame:
+            await self._commit_in_frame(m, upto, prealloc_s, commit)
+            return
+        m.commit_via = "nats"
         copy = self._copy(m, upto, LivePhase.SUSPENDED, prealloc_s, final=True)
         one_frame = self.copier.frame_bytes(upto - m.blocks_sent) <= self.limits.effective_frame_bytes()
         if not (one_frame and getattr(self.link, "commit_waits_for_kv", False)):
@@ -361,17 +372,49 @@ class MigrationCoordinator:
                 copying.cancel()
                 await asyncio.gather(copying, return_exceptions=True)
 
+    async def _commit_in_frame(self, m: OutgoingMigration, upto: int, prealloc_s: float,
+                               commit: MigrationCommit) -> None:
+        """The last copy carries the COMMIT; its ack answers it. When that ack is lost the NATS
+        COMMIT (idempotent) learns the outcome; a refusal raises (→ abort, resumes here)."""
+        assert upto <= m.lease_blocks, (upto, m.lease_blocks)
+        block_ids = self.ops.block_ids_of(m.request_id)[m.blocks_sent : upto]
+        raw = encode(commit)
+        asked = self._clock()
+        m.commit_via, m.commit_sent = "frame", True
+        try:
+            transfer = await self.senders.send_stage(m.kv_address, m.migration_id, m.stage, m.blocks_sent, block_ids,
+                                                     self.copier, lambda: self._check(m, LivePhase.SUSPENDED), raw)
+            committed: bool | None = transfer.committed
+            num_bytes = transfer.num_bytes
+        except CommitOutcomeUnknown as exc:
+            log.warning("migration %s: %s; asking over NATS", m.migration_id, exc)
+            m.commit_via = "frame+nats"
+            committed = await self._ask_commit(m, commit)
+            num_bytes = self.copier.frame_bytes(len(block_ids))
+        now = self._clock()
+        # No re-check here: once committed, the request is the destination's whatever happens.
+        m.stages.append(StageRecord(m.stage, len(block_ids), num_bytes, now - asked, prealloc_s, True))
+        m.blocks_sent = upto
+        m.stage += 1
+        await self._committed(m, committed, asked)
+
     async def _commit(self, m: OutgoingMigration, commit: MigrationCommit,
                       copying: asyncio.Future | None = None) -> None:
-        """Ask the destination to commit; `copying`, the last stage's copy still in flight, is
-        awaited once the answer is in (a refused COMMIT stops it)."""
+        """Ask the destination to commit over NATS; `copying`, the last stage's copy still in
+        flight, is awaited once the answer is in (a refused COMMIT stops it)."""
         asked = self._clock()
+        m.commit_sent = True
         try:
             committed = await self._ask_commit(m, commit)
         except BaseException:
             if copying is not None:
                 copying.cancel()
             raise
+        await self._committed(m, committed, asked, copying)
+
+    async def _committed(self, m: OutgoingMigration, committed: bool | None, asked: float,
+                         copying: asyncio.Future | None = None) -> None:
+        """The COMMIT's outcome: True (runs there now: release it here), None (unknown: fail it)."""
         now = self._clock()
         m.commit_s = now - asked
         if committed:
@@ -388,8 +431,8 @@ class MigrationCoordinator:
         self.ops.release_migrated(m.request_id)  # (False if the client aborted it meanwhile)
         m.release_s = self._clock() - now
         m.finish(self._clock())
-        log.info("migrated %s to %s in %d stages (downtime %.1f ms)", m.request_id, m.dst, m.stage,
-                 1e3 * (m.downtime_s or 0.0))
+        log.info("migrated %s to %s in %d stages (downtime %.1f ms), commit via %s", m.request_id, m.dst, m.stage,
+                 1e3 * (m.downtime_s or 0.0), m.commit_via)
 
     async def _ask_commit(self, m: OutgoingMigration, commit) -> bool | None:
         """True: committed there. Raises (→ abort, the request resumes here) when it surely was
@@ -422,7 +465,17 @@ class MigrationCoordinator:
             raise DestinationRefused(f"abort after an unanswered commit: {ack.error}")
         return None
 
-    async def _abort(self, m: OutgoingMigration, exc: MigrationFailed) -> None:
+    async def _abort(self, m: OutgoingMigration, exc: MigrationFailed, in_doubt: bool = False) -> None:
+        """End the migration here: the request resumes on the source, the destination gets an
+        ABORT. `in_doubt`: a COMMIT may have landed (cancelled or failed while it was in
+        flight), so the ABORT goes first and decides (answered "already committed": the request
+        runs there, and is released here instead)."""
+        if in_doubt:
+            answer = await self._tell_abort(m, exc)
+            if answer == ALREADY_COMMITTED:
+                log.warning("migration %s: %s, but the destination had committed", m.migration_id, exc)
+                await self._committed(m, True, self._clock())
+                return
         m.abort(exc.status, str(exc), self._clock())
         log.info("migration of %s to %s aborted (%s): %s", m.request_id, m.dst, m.status.value, exc)
         snapshot = self.ops.migration_snapshot(m.request_id)
@@ -430,9 +483,15 @@ class MigrationCoordinator:
             self.hooks.resumed()  # the request goes on here as if nothing happened
         if m.status is MigrationStatus.ABORTED_DST and self._pair is not None and self._pair.dst == m.dst:
             self._pair.backoff_until = self._clock() + self.limits.refused_backoff_s
-        if isinstance(exc, DestinationGone):
-            return  # nobody there to release anything
+        if isinstance(exc, DestinationGone) or in_doubt:
+            return  # nobody there to release anything (or told already)
+        await self._tell_abort(m, exc)
+
+    async def _tell_abort(self, m: OutgoingMigration, exc: MigrationFailed) -> str | None:
+        """Send the ABORT; its refusal's error (e.g. ALREADY_COMMITTED), or None."""
         try:
-            await self.link.abort(m.dst, MigrationAbort(m.migration_id, str(exc)))
+            ack = await self.link.abort(m.dst, MigrationAbort(m.migration_id, str(exc)))
         except MigrationFailed as abort_exc:
             log.info("ABORT of %s not delivered (%s); its lease will expire", m.migration_id, abort_exc)
+            return None
+        return None if ack.ok else ack.error

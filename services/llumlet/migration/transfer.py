@@ -1,22 +1,33 @@
 """KV data plane: fused KV frames over TCP from a source's copier to a destination's receiver.
 
 A stage is shipped as one or more frames (at most `frame_bytes` each; a last stage is one small
-frame). Frame = header + payload + trailer:
+frame). Frame = header + payload + trailer [+ commit]:
 
-    header:  magic "CKV2" | version u16 | flags u16 | migration id 16 B | stage u32 |
-             lease offset u32 | num blocks u32 | payload length u64 | header crc32 u32
+    header:  magic "CKV3" | version u16 | flags u16 | migration id 16 B | stage u32 |
+             lease offset u32 | num blocks u32 | payload length u64 | commit length u32 |
+             header crc32 u32
     payload: the blocks' bytes in fused order (see `copier`)
     trailer: payload crc32 u32
+    commit:  (commit length > 0: the migration's last frame) the msgpack `MigrationCommit`,
+             then its crc32 u32
 
 The lease offset is the index, in the destination lease's reservation order, of the frame's first
 block (source block i of the request goes to lease block i). The receiver reads the payload into
 memory it owns, or straight into the target blocks when the sink lends them (`DirectFrameSink`),
-with `BufferedProtocol` (no copy in Python); then it answers with an ack (magic "CKVA" | status
-u16 | reserved u16 | migration id | stage u32 | lease offset u32). A header that does not parse
-closes the connection. A payload whose checksum does not match is never scattered (a lent one
-is never counted as written): it is acked with BAD_CHECKSUM and the destination aborts that
-migration; a connection closed mid-frame aborts it too (TRUNCATED). One connection per
-destination is reused across stages and migrations.
+with `BufferedProtocol` (no copy in Python); then it answers with an ack (magic "CKA3" | status
+u16 | detail length u16 | migration id | stage u32 | lease offset u32 | detail, UTF-8). A header
+that does not parse, or of another version (v1 and v2 peers), closes the connection. A payload
+whose checksum does not match is never scattered (a lent one is never counted as written): it is
+acked with BAD_CHECKSUM and the destination aborts that migration; a connection closed mid-frame
+aborts it too (TRUNCATED). One connection per destination is reused across stages and migrations.
+
+A frame that carries a commit is the COMMIT of the NATS handshake moved onto the data plane: once
+its payload is written (and verified), the destination commits through the same idempotent path
+as a NATS COMMIT and answers in that frame's ack (COMMITTED, or COMMIT_REFUSED with the reason;
+a frame that failed fails the migration, so its error status is a refusal too). The source takes
+that ack as the commit's: no NATS hop, no wait for the frame, in the downtime. When the ack never
+comes (connection lost after the commit went out, timeout) the outcome is unknown and the source
+asks again over NATS (`CommitOutcomeUnknown`).
 
 CPU per byte is what bounds the rate (2 cores, shared with the engines and everything else; see
 benchmarks/migration_sim.py), so each byte is touched as few times as possible:
@@ -52,6 +63,7 @@ import numpy as np
 
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.protocol import (
+    CommitOutcomeUnknown,
     DestinationGone,
     DestinationRefused,
     DestinationSlow,
@@ -63,10 +75,10 @@ from services.llumlet.migration.protocol import (
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"CKV2"
-ACK_MAGIC = b"CKVA"
-VERSION = 2
-_HEADER = struct.Struct("!4sHH16sIIIQ")  # everything but the trailing header crc
+MAGIC = b"CKV3"
+ACK_MAGIC = b"CKA3"
+VERSION = 3
+_HEADER = struct.Struct("!4sHH16sIIIQI")  # everything but the trailing header crc
 HEADER_SIZE = _HEADER.size + 4
 _TRAILER = struct.Struct("!I")
 TRAILER_SIZE = _TRAILER.size
@@ -77,6 +89,7 @@ ACK_SIZE = _ACK.size
 # (~10 µs) is nothing next to the copy (~1.5 ms). 1 MiB measured no better.
 PIECE_BYTES = 4 << 20
 _IOV_MAX = 1024  # vectors per sendmsg (Linux's IOV_MAX)
+MAX_COMMIT_BYTES = 4 << 20  # a commit section (the request's prompt and output ids) is far smaller
 
 _CRC_POLY = 0xEDB88320  # reflected CRC-32
 
@@ -142,6 +155,12 @@ class AckStatus(enum.IntEnum):
     BAD_SIZE = 4  # payload length does not match the number of blocks
     FAILED = 5  # the scatter itself failed
     TRUNCATED = 6  # never sent: the connection closed mid-frame
+    COMMITTED = 7  # a commit frame: written, and the request runs here now (also: committed before)
+    COMMIT_REFUSED = 8  # a commit frame: the commit was refused (the ack's detail says why)
+
+    @property
+    def is_error(self) -> bool:
+        return self not in (AckStatus.OK, AckStatus.COMMITTED)
 
 
 @dataclass(frozen=True)
@@ -152,10 +171,11 @@ class FrameHeader:
     num_blocks: int
     payload_len: int
     payload_crc: int = 0  # carried by the trailer: known once the payload is in
+    commit_len: int = 0  # bytes of the commit section after the trailer (0: no commit)
 
     def pack(self) -> bytes:
         head = _HEADER.pack(MAGIC, VERSION, 0, migration_id_bytes(self.migration_id), self.stage,
-                            self.lease_offset, self.num_blocks, self.payload_len)
+                            self.lease_offset, self.num_blocks, self.payload_len, self.commit_len)
         return head + zlib.crc32(head).to_bytes(4, "big")
 
     @staticmethod
@@ -163,14 +183,18 @@ class FrameHeader:
         if len(raw) != HEADER_SIZE:
             raise FrameError(f"header of {len(raw)} bytes, expected {HEADER_SIZE}")
         head = bytes(raw[: _HEADER.size])
+        magic, version = head[:4], int.from_bytes(head[4:6], "big")
+        if magic[:3] == MAGIC[:3] and (magic != MAGIC or version != VERSION):  # v1, v2 (other layouts)
+            raise FrameError(f"unsupported frame version {magic!r}/{version} (this receiver speaks {VERSION})")
         if zlib.crc32(head) != int.from_bytes(raw[_HEADER.size :], "big"):
             raise FrameError("header checksum mismatch")
-        magic, version, _flags, mid, stage, offset, num_blocks, length = _HEADER.unpack(head)
+        magic, version, _flags, mid, stage, offset, num_blocks, length, commit_len = _HEADER.unpack(head)
         if magic != MAGIC:
             raise FrameError(f"bad magic {magic!r}")
-        if version != VERSION:
-            raise FrameError(f"unsupported frame version {version}")
-        return FrameHeader(migration_id_from_bytes(mid), stage, offset, num_blocks, length)
+        return FrameHeader(migration_id_from_bytes(mid), stage, offset, num_blocks, length, commit_len=commit_len)
+
+
+_MAX_DETAIL_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -179,19 +203,32 @@ class FrameAck:
     migration_id: str
     stage: int
     lease_offset: int
+    detail: str = ""  # why (a refused commit)
 
     def pack(self) -> bytes:
-        return _ACK.pack(ACK_MAGIC, self.status, 0, migration_id_bytes(self.migration_id), self.stage, self.lease_offset)
+        detail = self.detail.encode("utf-8", "replace")[:_MAX_DETAIL_BYTES]
+        return _ACK.pack(ACK_MAGIC, self.status, len(detail), migration_id_bytes(self.migration_id), self.stage,
+                         self.lease_offset) + detail
+
+    @staticmethod
+    def unpack_fixed(raw: bytes | bytearray | memoryview) -> tuple[FrameAck, int]:
+        """The ack's fixed part, and how many detail bytes follow it."""
+        magic, status, detail_len, mid, stage, offset = _ACK.unpack(bytes(raw))
+        if magic != ACK_MAGIC:
+            raise FrameError(f"bad ack magic {magic!r}")
+        if detail_len > _MAX_DETAIL_BYTES:
+            raise FrameError(f"ack detail of {detail_len} bytes")
+        try:
+            return FrameAck(AckStatus(status), migration_id_from_bytes(mid), stage, offset), detail_len
+        except ValueError as exc:
+            raise FrameError(f"bad ack status {status}") from exc
 
     @staticmethod
     def unpack(raw: bytes | bytearray | memoryview) -> FrameAck:
-        magic, status, _reserved, mid, stage, offset = _ACK.unpack(bytes(raw))
-        if magic != ACK_MAGIC:
-            raise FrameError(f"bad ack magic {magic!r}")
-        try:
-            return FrameAck(AckStatus(status), migration_id_from_bytes(mid), stage, offset)
-        except ValueError as exc:
-            raise FrameError(f"bad ack status {status}") from exc
+        ack, detail_len = FrameAck.unpack_fixed(raw[:ACK_SIZE])
+        if len(raw) != ACK_SIZE + detail_len:
+            raise FrameError(f"ack of {len(raw)} bytes, expected {ACK_SIZE + detail_len}")
+        return dataclasses.replace(ack, detail=bytes(raw[ACK_SIZE:]).decode("utf-8", "replace"))
 
 
 def frame_chunks(block_ids: Sequence[int], block_bytes: int, frame_bytes: int) -> list[list[int]]:
@@ -220,6 +257,15 @@ class FrameSink(Protocol):
         """A frame of this migration was refused, corrupt or truncated: abort it."""
 
 
+class CommitSink(FrameSink, Protocol):
+    """A sink that takes commits in frames (implemented by the incoming-migration registry)."""
+
+    async def commit_frame(self, header: FrameHeader, commit: bytes, frame_status: AckStatus) -> tuple[AckStatus, str]:
+        """The frame that carried `commit` (msgpack `MigrationCommit`, checksum verified) ended
+        with `frame_status` (its failure, if any, was reported already). Commit if it may, the
+        way a NATS COMMIT does; the answer (COMMITTED, or an error status and why) is its ack."""
+
+
 class DirectFrameSink(FrameSink, Protocol):
     """A sink that can lend its blocks, so that the payload is received straight into them (no
     staging buffer, no scatter). Used when the sink has these methods."""
@@ -241,6 +287,7 @@ class KVReceiver:
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None) -> None:
         self.sink = sink
         self.sink_lends_blocks = callable(getattr(sink, "open_frame", None))  # a DirectFrameSink
+        self.sink_commits = callable(getattr(sink, "commit_frame", None))  # a CommitSink
         self.limits = limits
         self.buffer_factory = buffer_factory
         self.host, self.port = host, port
@@ -288,6 +335,7 @@ class _Reading(enum.Enum):
     HEADER = "header"
     PAYLOAD = "payload"
     TRAILER = "trailer"
+    COMMIT = "commit"
 
 
 @dataclass
@@ -295,6 +343,7 @@ class _ReceivedFrame:
     header: FrameHeader  # with the trailer's crc
     buffer_index: int | None  # staged payload (None: received straight into lent blocks)
     status: AckStatus | None  # decided already (lent, refused or corrupt); None: scatter it
+    commit: bytes | None = None  # the commit it carries (verified), to be decided after the frame
 
 
 class _FrameConnection(asyncio.BufferedProtocol):
@@ -322,6 +371,7 @@ class _FrameConnection(asyncio.BufferedProtocol):
         self._payload_read = 0  # bytes, over the connection's life (the stall watch looks at it)
         self._complete: asyncio.Queue[_ReceivedFrame | None] = asyncio.Queue()
         self._paused = False
+        self._received: _ReceivedFrame | None = None  # payload and trailer in, commit section being read
 
     # -- asyncio callbacks ----------------------------------------------------------------------
 
@@ -349,8 +399,10 @@ class _FrameConnection(asyncio.BufferedProtocol):
             self._header_done()
         elif self._reading is _Reading.PAYLOAD:
             self._next_target()
-        else:
+        elif self._reading is _Reading.TRAILER:
             self._trailer_done()
+        else:
+            self._commit_done()
 
     def eof_received(self) -> bool:
         return False  # close our side too
@@ -379,6 +431,8 @@ class _FrameConnection(asyncio.BufferedProtocol):
             header = FrameHeader.unpack(self._header)
             if header.payload_len > self.receiver.limits.max_frame_bytes:
                 raise FrameError(f"frame of {header.payload_len} bytes exceeds the limit")
+            if header.commit_len > MAX_COMMIT_BYTES:
+                raise FrameError(f"commit of {header.commit_len} bytes exceeds the limit")
         except FrameError as exc:
             log.warning("KV connection: %s; closing it", exc)
             self.close()
@@ -422,7 +476,27 @@ class _FrameConnection(asyncio.BufferedProtocol):
             status = status if crc_ok else AckStatus.BAD_CHECKSUM
         elif status is None and not crc_ok:
             status = AckStatus.BAD_CHECKSUM  # never written: the blocks keep what they had
-        self._complete.put_nowait(_ReceivedFrame(header, self._buffer_index, status))
+        frame = _ReceivedFrame(header, self._buffer_index, status)
+        if header.commit_len:
+            self._lent = False  # (closed above: nothing pinned while the commit is read)
+            self._received = frame
+            self._expect(_Reading.COMMIT, memoryview(bytearray(header.commit_len + TRAILER_SIZE)))
+            return
+        self._frame_done(frame)
+
+    def _commit_done(self) -> None:
+        frame, section = self._received, self._target.obj
+        assert frame is not None
+        commit = bytes(section[: frame.header.commit_len])
+        (crc,) = _TRAILER.unpack_from(section, frame.header.commit_len)
+        if crc != zlib.crc32(commit) and not (frame.status is not None and frame.status.is_error):
+            frame.status = AckStatus.BAD_CHECKSUM  # (a staged payload is then never written either)
+        frame.commit = commit
+        self._frame_done(frame)
+
+    def _frame_done(self, frame: _ReceivedFrame) -> None:
+        self._complete.put_nowait(frame)
+        self._received = None
         self._end_frame()
         self._expect(_Reading.HEADER, memoryview(self._header))
         if not self._free_buffers and len(self._buffers) >= 2:
@@ -482,8 +556,21 @@ class _FrameConnection(asyncio.BufferedProtocol):
                     self._give_back(frame.buffer_index)
             if status is not AckStatus.OK:
                 self.receiver.sink.frame_failed(header, status)
+            detail = ""
+            if frame.commit is not None:
+                status, detail = await self._commit(frame, status)
             if self.transport is not None and not self.transport.is_closing():
-                self.transport.write(FrameAck(status, header.migration_id, header.stage, header.lease_offset).pack())
+                self.transport.write(FrameAck(status, header.migration_id, header.stage, header.lease_offset,
+                                              detail).pack())
+
+    async def _commit(self, frame: _ReceivedFrame, frame_status: AckStatus) -> tuple[AckStatus, str]:
+        if not self.receiver.sink_commits:
+            return AckStatus.COMMIT_REFUSED, "this receiver takes no commit in a frame"
+        try:
+            return await self.receiver.sink.commit_frame(frame.header, frame.commit, frame_status)
+        except Exception:
+            log.exception("commit in a KV frame of migration %s failed", frame.header.migration_id)
+            return AckStatus.FAILED, "commit failed on the destination"
 
     async def _apply(self, frame: _ReceivedFrame) -> AckStatus:
         """A staged frame whose checksum matched: admit it now (the frames before it are
@@ -501,9 +588,12 @@ class _FrameConnection(asyncio.BufferedProtocol):
 
 
 async def send_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, header: FrameHeader,
-                     views: Sequence[memoryview], checksum: Callable[[Sequence[memoryview]], Awaitable[int]]) -> None:
-    """Header, payload (the views one after another) and trailer. The payload goes out a piece
-    (~PIECE_BYTES) at a time, each checksummed right after the kernel took it."""
+                     views: Sequence[memoryview], checksum: Callable[[Sequence[memoryview]], Awaitable[int]],
+                     commit: bytes = b"") -> None:
+    """Header, payload (the views one after another), trailer and the commit section (when the
+    header announces one). The payload goes out a piece (~PIECE_BYTES) at a time, each
+    checksummed right after the kernel took it."""
+    assert header.commit_len == len(commit), (header.commit_len, len(commit))
     outbox = _Outbox(loop, sock)
     outbox.add(memoryview(header.pack()))
     crc = 0
@@ -514,6 +604,9 @@ async def send_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, heade
         # After the send: the kernel's copy read the piece from memory, the crc reads it from cache.
         crc = crc32_combine(crc, await checksum(piece), sum(view.nbytes for view in piece))
     outbox.add(memoryview(_TRAILER.pack(crc)))
+    if commit:
+        outbox.add(memoryview(commit))
+        outbox.add(memoryview(_TRAILER.pack(zlib.crc32(commit))))
     await outbox.flush()
 
 
@@ -586,6 +679,7 @@ class StageTransfer:
     num_bytes: int
     num_frames: int
     seconds: float
+    committed: bool = False  # its last frame carried a commit, and the destination committed
 
 
 class KVConnection:
@@ -623,43 +717,62 @@ class KVConnection:
             self._sock = None
 
     async def send_stage(self, migration_id: str, stage: int, lease_offset: int, block_ids: Sequence[int],
-                         copier: BlockCopier, checksum: Callable, between_frames: Callable[[], None]) -> StageTransfer:
+                         copier: BlockCopier, checksum: Callable, between_frames: Callable[[], None],
+                         commit: bytes = b"") -> StageTransfer:
         """Ship the blocks as frames and wait for every ack. `between_frames` raises to stop
         early (the request is gone). Any failure closes the connection (its framing state is
-        unknown) and raises a MigrationFailed subclass."""
+        unknown) and raises a MigrationFailed subclass.
+
+        With `commit` (an encoded `MigrationCommit`), the last frame (an empty one if there are
+        no blocks) carries it: returns with `committed` once the destination committed, raises
+        DestinationRefused when it surely did not (its ack said so), and CommitOutcomeUnknown
+        when the commit may have gone out but no ack came back."""
         loop = asyncio.get_running_loop()
         chunks = frame_chunks(block_ids, copier.block_bytes, self.limits.effective_frame_bytes())
         total = copier.frame_bytes(len(block_ids))
         started = loop.time()
+        commit_sent = _CommitSent()
         try:
             async with asyncio.timeout(self.limits.stage_timeout_s(total)):
                 if self._sock is None:
                     await self.connect()
-                await self._send_frames(migration_id, stage, lease_offset, chunks, copier, checksum, between_frames)
-                await self._read_acks(migration_id, len(chunks))
-        except MigrationFailed as exc:
-            if not isinstance(exc, DestinationRefused):
-                self.close()  # stopped between frames: the acks of the frames sent are unread
+                await self._send_frames(migration_id, stage, lease_offset, chunks, copier, checksum, between_frames,
+                                        commit, commit_sent)
+                last = await self._read_acks(migration_id, len(chunks))
+        except DestinationRefused:
+            raise  # (every ack was read: the connection goes on; a refused commit is definite)
+        except BaseException as exc:
+            self.close()  # its framing state is unknown (stopped or cut mid-frame, acks unread)
+            if commit_sent.commit and not isinstance(exc, asyncio.CancelledError):
+                raise CommitOutcomeUnknown(f"commit in stage {stage} to {self.address}: no ack ({exc!r})") from exc
+            if isinstance(exc, MigrationFailed) or not isinstance(exc, Exception):
+                raise
+            if isinstance(exc, TimeoutError):
+                raise DestinationSlow(f"stage {stage} to {self.address} timed out") from exc
+            if isinstance(exc, (OSError, FrameError, EOFError)):
+                raise DestinationGone(f"KV connection to {self.address} failed: {exc!r}") from exc
             raise
-        except TimeoutError as exc:
-            self.close()
-            raise DestinationSlow(f"stage {stage} to {self.address} timed out") from exc
-        except (OSError, FrameError, EOFError) as exc:
-            self.close()
-            raise DestinationGone(f"KV connection to {self.address} failed: {exc!r}") from exc
-        except BaseException:
-            self.close()  # cancelled mid-frame: the stream is unusable
-            raise
-        return StageTransfer(len(block_ids), total, len(chunks), loop.time() - started)
+        committed = bool(commit) and last is not None and last.status is AckStatus.COMMITTED
+        if commit and not committed:  # (an ack that is neither: a receiver that did not read the commit)
+            raise DestinationRefused(f"commit not acknowledged: {last.status.name if last else 'no ack'}")
+        return StageTransfer(len(block_ids), total, len(chunks), loop.time() - started, committed)
 
-    async def _send_frames(self, migration_id, stage, lease_offset, chunks, copier, checksum, between_frames) -> None:
+    async def _send_frames(self, migration_id, stage, lease_offset, chunks, copier, checksum, between_frames,
+                           commit: bytes, commit_sent: _CommitSent) -> None:
         loop, sock = asyncio.get_running_loop(), self._sock
 
-        async def prepare(chunk: list[int], slot: int) -> list[memoryview]:
-            views = copier.block_views(chunk)  # plain host memory: sent from the blocks themselves
-            return views if views is not None else [await copier.gather(chunk, slot)]
+        async def gather(chunk: list[int], slot: int) -> list[memoryview]:
+            return [await copier.gather(chunk, slot)]
 
-        pending = asyncio.ensure_future(prepare(chunks[0], 0))
+        def prepare(chunk: list[int], slot: int) -> asyncio.Future:
+            views = copier.block_views(chunk)  # plain host memory: sent from the blocks themselves
+            if views is None:
+                return asyncio.ensure_future(gather(chunk, slot))
+            ready = loop.create_future()  # (awaited without a trip around the event loop: a last
+            ready.set_result(views)  # frame goes out at once, in the downtime every hop counts)
+            return ready
+
+        pending = prepare(chunks[0], 0)
         offset, sent, started = lease_offset, 0, loop.time()
         rate = self.limits.bandwidth_bytes_per_s
         try:
@@ -669,9 +782,12 @@ class KVConnection:
                 if rate and (ahead := started + sent / rate - loop.time()) > 0:
                     await asyncio.sleep(ahead)  # bandwidth cap
                 if i + 1 < len(chunks):  # a gather of the next frame overlaps this one's send
-                    pending = asyncio.ensure_future(prepare(chunks[i + 1], (i + 1) % 2))
+                    pending = prepare(chunks[i + 1], (i + 1) % 2)
                 nbytes = sum(view.nbytes for view in views)
-                await send_frame(loop, sock, FrameHeader(migration_id, stage, offset, len(chunk), nbytes), views, checksum)
+                carried = commit if i + 1 == len(chunks) else b""
+                commit_sent.commit = bool(carried)  # from its first byte on, the destination may commit
+                header = FrameHeader(migration_id, stage, offset, len(chunk), nbytes, commit_len=len(carried))
+                await send_frame(loop, sock, header, views, checksum, carried)
                 offset += len(chunk)
                 sent += nbytes
         finally:
@@ -680,23 +796,42 @@ class KVConnection:
                 with contextlib.suppress(BaseException):
                     await pending
 
-    async def _read_acks(self, migration_id: str, count: int) -> None:
-        loop, sock, buf = asyncio.get_running_loop(), self._sock, memoryview(self._ack)
+    async def _read_acks(self, migration_id: str, count: int) -> FrameAck | None:
+        """Every ack of the stage; returns the last. Raises DestinationRefused (after reading
+        them all: the connection goes on) if one is an error."""
         refused: FrameAck | None = None
+        ack = None
         for _ in range(count):
-            got = 0
-            while got < ACK_SIZE:
-                n = await loop.sock_recv_into(sock, buf[got:])
-                if n == 0:
-                    raise EOFError("KV receiver closed the connection")
-                got += n
-            ack = FrameAck.unpack(buf)
+            ack, detail_len = FrameAck.unpack_fixed(await self._recv_exactly(ACK_SIZE))
+            if detail_len:
+                ack = dataclasses.replace(ack, detail=bytes(await self._recv_exactly(detail_len)).decode("utf-8", "replace"))
             if ack.migration_id != migration_id:
                 raise FrameError(f"ack for migration {ack.migration_id}, expected {migration_id}")
-            if ack.status is not AckStatus.OK and refused is None:
+            if ack.status.is_error and refused is None:
                 refused = ack
         if refused is not None:
-            raise DestinationRefused(f"KV frame refused: {refused.status.name} (stage {refused.stage})")
+            what = "commit refused" if refused.status is AckStatus.COMMIT_REFUSED else "KV frame refused"
+            detail = f": {refused.detail}" if refused.detail else ""
+            raise DestinationRefused(f"{what}: {refused.status.name} (stage {refused.stage}){detail}")
+        return ack
+
+    async def _recv_exactly(self, nbytes: int) -> memoryview:
+        loop, sock = asyncio.get_running_loop(), self._sock
+        if len(self._ack) < nbytes:
+            self._ack = bytearray(nbytes)
+        buf = memoryview(self._ack)[:nbytes]
+        got = 0
+        while got < nbytes:
+            n = await loop.sock_recv_into(sock, buf[got:])
+            if n == 0:
+                raise EOFError("KV receiver closed the connection")
+            got += n
+        return buf
+
+
+@dataclass
+class _CommitSent:
+    commit: bool = False  # a frame carrying the commit started going out
 
 
 class KVSenderPool:
@@ -719,11 +854,12 @@ class KVSenderPool:
 
     async def send_stage(self, address: str, migration_id: str, stage: int, lease_offset: int,
                          block_ids: Sequence[int], copier: BlockCopier,
-                         between_frames: Callable[[], None] = lambda: None) -> StageTransfer:
+                         between_frames: Callable[[], None] = lambda: None, commit: bytes = b"") -> StageTransfer:
+        """See `KVConnection.send_stage` (`commit`: the last frame carries the COMMIT)."""
         connection = self.connection(address)
         async with connection.lock:
             return await connection.send_stage(migration_id, stage, lease_offset, block_ids, copier, self.checksum,
-                                               between_frames)
+                                               between_frames, commit)
 
     def close(self) -> None:
         for connection in self._connections.values():
