@@ -3,7 +3,9 @@ INFaaS++, more than 10 % worse is a breach (preemption loss only above a floor).
 
 from __future__ import annotations
 
-from benchmarks.paper_repro import LOSS_FLOOR_S, breaches, pooled_ratio, seed_ratios
+from benchmarks.paper_repro import (
+    CONTROL, LOSS_FLOOR_S, annotate, bootstrap_ratio_ci, breaches, pooled_ratio, seed_ratios,
+)
 
 
 def overall(prefill=(1.0, 10.0), decode=(0.05, 0.2), e2e=(20.0, 100.0), loss=0.0) -> dict:
@@ -37,3 +39,43 @@ def test_ratios_are_paired_by_seed_and_pooled_like_the_table():
     assert [round(r, 6) for r in seed_ratios(rows, "P99 decode")] == [1.5, 0.5]
     pooled = pooled_ratio(list(rows["corral"]["seeds"].values()), list(rows["infaas++"]["seeds"].values()), "P99 decode")
     assert abs(pooled - 1.0) < 1e-9
+
+
+def seed_docs(values: list[float]) -> list[dict]:
+    return [{"overall": overall(prefill=(value, 10.0))} for value in values]
+
+
+def test_bootstrap_interval_brackets_the_pooled_ratio():
+    ours, base = seed_docs([1.0, 3.0, 0.5, 2.0]), seed_docs([1.0, 1.0, 1.0, 1.0])
+    low, high = bootstrap_ratio_ci(ours, base, "mean prefill")
+    assert low < pooled_ratio(ours, base, "mean prefill") < high
+    assert (low, high) == bootstrap_ratio_ci(ours, base, "mean prefill")  # reproducible
+
+
+def test_bootstrap_interval_is_tight_when_every_seed_agrees():
+    low, high = bootstrap_ratio_ci(seed_docs([1.2] * 8), seed_docs([1.0] * 8), "mean prefill")
+    assert abs(low - 1.2) < 1e-9 and abs(high - 1.2) < 1e-9
+
+
+def row(section: str, policy: str, values: list[float], first_seed: int) -> dict:
+    seeds = {str(first_seed + i): doc for i, doc in enumerate(seed_docs(values))}
+    return {"section": section, "policy": policy, "trace": "S-L", "rate": 7.0, "seeds": seeds}
+
+
+def test_a_breach_is_judged_on_all_the_seeds_of_its_point():
+    rows = [
+        row("serving", "corral", [1.5, 1.5], 0), row("serving", "infaas++", [1.0, 1.0], 0),
+        row("confirm", CONTROL, [1.0, 1.0], 0),
+        # the confirmation seeds, then the escalation's: the breach fades with more data
+        row("confirm", "corral", [1.0] * 6, 2), row("confirm", "infaas++", [1.0] * 6, 2),
+        row("confirm", CONTROL, [1.0] * 6, 2),
+        row("serving", "corral", [9.0], 0) | {"trace": "L-L"},  # another point: ignored
+    ]
+    breach = {"trace": "S-L", "rate": 7.0, "metric": "mean prefill"}
+    annotate([breach], rows)
+    assert breach["num_seeds_all"] == 8 and abs(breach["ratio_all"] - 9.0 / 8.0) < 1e-9
+    assert breach["confirmed"] and breach["beyond_control_noise"]
+    rows += [row("confirm", "corral", [1.0] * 24, 8), row("confirm", "infaas++", [1.0] * 24, 8),
+             row("confirm", CONTROL, [1.0] * 24, 8)]
+    annotate([breach], rows)
+    assert breach["num_seeds_all"] == 32 and not breach["confirmed"]
