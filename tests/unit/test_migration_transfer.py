@@ -330,7 +330,8 @@ def test_pieces_cut_views_without_losing_bytes() -> None:
 async def test_frames_go_out_in_many_pieces_and_partial_sends(link, monkeypatch) -> None:
     """Pieces not aligned to blocks and few vectors per sendmsg: the bytes and crc still match."""
     src_pool, copier, senders, dst_pool, sink, address, receiver = link
-    monkeypatch.setattr(transfer_module, "PIECE_BYTES", 300)  # sender and receiver
+    monkeypatch.setattr(transfer_module, "PIECE_BYTES", 300)  # receiver
+    monkeypatch.setattr(transfer_module, "SEND_PIECE_BYTES", 300)  # sender
     monkeypatch.setattr(transfer_module, "_IOV_MAX", 3)
     sink.migration_id = mid = new_migration_id()
     blocks = [9, 2, 3, 4, 17, 30, 1]
@@ -385,6 +386,28 @@ async def test_lent_blocks_receive_the_payload_without_staging(lending_link) -> 
     np.testing.assert_array_equal(dst_pool[sink.lease[:10]], src_pool[blocks])
     (connection,) = receiver._connections
     assert connection._buffers == []  # no staging buffer, no scatter
+
+
+async def test_receiver_wakes_for_large_reads_but_never_past_what_the_frame_owes(lending_link, monkeypatch) -> None:
+    """SO_RCVLOWAT goes up while a payload streams in and comes down as the frame's end nears
+    (a mark the sender never reaches would stall it), back to 1 between frames."""
+    monkeypatch.setattr(transfer_module, "RCVLOWAT_BYTES", 3 * BLOCK_BYTES + 100)  # above a frame's tail
+    marks: list[int] = []
+    real_wake_after = transfer_module._FrameConnection._wake_after
+
+    def wake_after(self, payload_left: int) -> None:
+        real_wake_after(self, payload_left)
+        marks.append(self._lowat)
+
+    monkeypatch.setattr(transfer_module._FrameConnection, "_wake_after", wake_after)
+    src_pool, copier, senders, dst_pool, sink, address, receiver = lending_link
+    sink.migration_id = mid = new_migration_id()
+    blocks = [7, 3, 19, 2, 30, 31, 11, 5, 8, 1]  # frames of 4, 4 and 2 blocks
+    await asyncio.wait_for(senders.send_stage(address, mid, 0, 0, blocks, copier), 5)
+    np.testing.assert_array_equal(dst_pool[sink.lease[:10]], src_pool[blocks])
+    assert 3 * BLOCK_BYTES + 100 in marks and 2 * BLOCK_BYTES in marks  # raised; the short last frame
+    (connection,) = receiver._connections
+    assert connection._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1 == marks[-1]
 
 
 async def test_corrupt_payload_in_lent_blocks_is_never_counted(lending_link) -> None:
