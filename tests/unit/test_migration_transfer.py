@@ -105,6 +105,11 @@ class PoolSink:
         self.failed.append(status)
 
 
+async def wrong_crc(piece: list[memoryview]) -> int:
+    """A sender checksum that never matches: the frame must be refused as corrupt."""
+    return zlib.crc32(b"".join(piece)) ^ 1
+
+
 def make_pool(num_blocks: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (num_blocks, BLOCK_BYTES), dtype=np.uint8)
 
@@ -150,9 +155,6 @@ async def test_stages_land_in_the_lease_blocks_over_one_connection(link) -> None
 async def test_corrupt_payload_is_refused_and_reported(link, monkeypatch) -> None:
     src_pool, copier, senders, dst_pool, sink, address, receiver = link
     sink.migration_id = mid = new_migration_id()
-
-    async def wrong_crc(piece: list[memoryview]) -> int:
-        return zlib.crc32(b"".join(piece)) ^ 1
 
     monkeypatch.setattr(senders, "checksum", wrong_crc)
     with pytest.raises(DestinationRefused, match="BAD_CHECKSUM"):
@@ -522,9 +524,6 @@ async def test_a_refused_commit_is_a_refusal_with_its_reason(commit_link) -> Non
 async def test_a_commit_in_a_corrupt_frame_is_refused(commit_link, monkeypatch) -> None:
     src_pool, copier, senders, dst_pool, sink, address, receiver = commit_link
     sink.migration_id = mid = new_migration_id()
-
-    async def wrong_crc(piece: list[memoryview]) -> int:
-        return zlib.crc32(b"".join(piece)) ^ 1
 
     monkeypatch.setattr(senders, "checksum", wrong_crc)
     with pytest.raises(DestinationRefused, match="BAD_CHECKSUM"):
