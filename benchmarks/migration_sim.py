@@ -607,15 +607,20 @@ def parse_args(argv: list[str] | None) -> Settings:
                     args.max_model_len, args.gpu, args.out)
 
 
+def run_and_report(benchmark, out: Path, summarize) -> int:
+    """Run a benchmark coroutine on uvloop (as the llumlet service runs), write its JSON, print it."""
+    started = time.monotonic()
+    result = uvloop.run(benchmark)
+    result["wall_s"] = time.monotonic() - started
+    out.write_text(json.dumps(result, indent=2, default=str))
+    summarize(result)
+    print(f"wrote {out} ({result['wall_s']:.0f} s)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     settings = parse_args(argv)
-    started = time.monotonic()
-    result = uvloop.run(run(settings))  # as the llumlet service runs
-    result["wall_s"] = time.monotonic() - started
-    settings.out.write_text(json.dumps(result, indent=2, default=str))
-    print_summary(result)
-    print(f"wrote {settings.out} ({result['wall_s']:.0f} s)")
-    return 0
+    return run_and_report(run(settings), settings.out, print_summary)
 
 
 if __name__ == "__main__":

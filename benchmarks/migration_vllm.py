@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import multiprocessing
 import os
 import platform
@@ -47,7 +46,7 @@ from pathlib import Path
 import nats
 
 from benchmarks.migration_sim import Chunks as SimBenchChunks
-from benchmarks.migration_sim import raw_loopback_gbps, submit, wait_until
+from benchmarks.migration_sim import raw_loopback_gbps, run_and_report, submit, wait_until
 from services.llumlet.config import LlumletConfig, VllmSettings
 from services.llumlet.engines import model_vocabulary
 from services.llumlet.migration.protocol import MigrationLimits, MigrationStatus
@@ -523,15 +522,7 @@ def parse_args(argv: list[str] | None) -> Settings:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     settings = parse_args(argv)
-    started = time.monotonic()
-    import uvloop
-
-    result = uvloop.run(run(settings))  # as the llumlet service runs
-    result["wall_s"] = time.monotonic() - started
-    settings.out.write_text(json.dumps(result, indent=2, default=str))
-    print_summary(result)
-    print(f"wrote {settings.out} ({result['wall_s']:.0f} s)")
-    return 0
+    return run_and_report(run(settings), settings.out, print_summary)
 
 
 if __name__ == "__main__":

@@ -190,14 +190,19 @@ async def wait_until(predicate, timeout_s: float = 2.0) -> None:
             await asyncio.sleep(0.005)
 
 
+async def write_and_hang_up(address: str, data: bytes) -> None:
+    """A sender that dies after writing `data` (a frame cut short somewhere)."""
+    _, writer = await raw_connection(address)
+    writer.write(data)
+    await writer.drain()
+    writer.close()
+
+
 async def test_truncated_frame_fails_its_migration(link) -> None:
     src_pool, copier, senders, dst_pool, sink, address, receiver = link
     sink.migration_id = mid = new_migration_id()
     payload = src_pool[[1, 2]].tobytes()
-    reader, writer = await raw_connection(address)
-    writer.write(FrameHeader(mid, 0, 0, 2, len(payload)).pack() + payload[:300])
-    await writer.drain()
-    writer.close()
+    await write_and_hang_up(address, FrameHeader(mid, 0, 0, 2, len(payload)).pack() + payload[:300])
     await wait_until(lambda: sink.failed == [AckStatus.TRUNCATED])
     assert sink.filled == 0 and not dst_pool.any()
 
@@ -206,11 +211,8 @@ async def test_frame_cut_in_its_trailer_fails_its_migration(link) -> None:
     src_pool, copier, senders, dst_pool, sink, address, receiver = link
     sink.migration_id = mid = new_migration_id()
     payload = src_pool[[1, 2]].tobytes()
-    reader, writer = await raw_connection(address)
     trailer = zlib.crc32(payload).to_bytes(4, "big")
-    writer.write(FrameHeader(mid, 0, 0, 2, len(payload)).pack() + payload + trailer[:2])
-    await writer.drain()
-    writer.close()
+    await write_and_hang_up(address, FrameHeader(mid, 0, 0, 2, len(payload)).pack() + payload + trailer[:2])
     await wait_until(lambda: sink.failed == [AckStatus.TRUNCATED])
     assert sink.filled == 0 and not dst_pool.any()
 
@@ -428,10 +430,7 @@ async def test_truncated_payload_in_lent_blocks_gives_them_back(lending_link) ->
     src_pool, copier, senders, dst_pool, sink, address, receiver = lending_link
     sink.migration_id = mid = new_migration_id()
     payload = src_pool[[1, 2]].tobytes()
-    reader, writer = await raw_connection(address)
-    writer.write(FrameHeader(mid, 0, 0, 2, len(payload)).pack() + payload[:300])
-    await writer.drain()
-    writer.close()
+    await write_and_hang_up(address, FrameHeader(mid, 0, 0, 2, len(payload)).pack() + payload[:300])
     await wait_until(lambda: sink.failed == [AckStatus.TRUNCATED])
     assert sink.closed == [False] and sink.open == 0 and sink.filled == 0
 
