@@ -473,8 +473,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through `finally`: the servers started are stopped
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    # The servers run in their own sessions (a Ctrl-C in the terminal does not reach them), so a
+    # plain SIGTERM to this process would leave them running.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     from services.tools.make_model import ensure_tiny_model
 
     model_dir = (args.model or ensure_tiny_model()).resolve()

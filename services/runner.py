@@ -24,7 +24,10 @@ async def serve_until_signalled(service: Service, wait: Callable[[], Awaitable[N
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await service.start()
+    if not await _start_unless_signalled(service, stop):
+        log.info("signalled while starting: stopping")
+        await service.stop()
+        return
     waiters = [asyncio.create_task(stop.wait())]
     if wait is not None:
         waiters.append(asyncio.create_task(wait()))
@@ -37,6 +40,25 @@ async def serve_until_signalled(service: Service, wait: Callable[[], Awaitable[N
     for task in done:
         if not task.cancelled() and task.exception() is not None:
             raise task.exception()
+
+
+async def _start_unless_signalled(service: Service, stop: asyncio.Event) -> bool:
+    """Start the service; give up (False) if a signal comes first. A start can wait a long time
+    (an engine loading a model, a NATS server that is not there yet), and an operator's Ctrl-C or
+    SIGTERM must not wait for it."""
+    starting = asyncio.create_task(service.start())
+    signalled = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait((starting, signalled), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        signalled.cancel()
+    if starting.done():
+        starting.result()  # a failed start raises here
+        return True
+    starting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await starting
+    return False
 
 
 def run(main: Awaitable[None]) -> None:
