@@ -32,10 +32,12 @@ import multiprocessing
 import platform
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Awaitable
 from pathlib import Path
 
 import nats
@@ -47,7 +49,15 @@ from services.llumlet.migration.protocol import MigrationLimits, MigrationStatus
 from services.llumlet.service import Llumlet
 from shared import subjects
 from shared.embedded_nats import start_nats
-from shared.messages import AbortRequest, GenerateRequest, LoadReport, SamplingParams, TokenChunk, decode, encode
+from shared.messages import (
+    AbortRequest,
+    GenerateRequest,
+    LoadReport,
+    SamplingParams,
+    TokenChunk,
+    decode,
+    encode,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SRC, DST = "bench-src", "bench-dst"
@@ -129,59 +139,44 @@ async def wait_until(predicate, timeout_s: float, what: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _raw_receiver(conn, nbytes: int) -> None:
-    """Reads `nbytes` into a touched buffer and answers one byte, for as long as the sender goes on."""
+_SIZE = struct.Struct("!Q")  # each raw copy is announced by its length (the same receivers serve any size)
+
+
+def _raw_receiver(conn) -> None:
+    """Reads copies (length, then the bytes) into a touched buffer and answers each with one
+    byte, for as long as the sender goes on."""
     server = socket.create_server(("127.0.0.1", 0))
     conn.send(server.getsockname()[1])
     peer, _ = server.accept()
-    buf = memoryview(bytearray(b"\x01" * nbytes))  # touched: the destination's KV pool is warm too
+    buf = memoryview(bytearray())
     while True:
-        got = 0
-        while got < nbytes:
-            n = peer.recv_into(buf[got:])
-            if n == 0:
-                return
-            got += n
+        size = bytearray(_SIZE.size)
+        if not _recv_into_exactly(peer, memoryview(size)):
+            return
+        (nbytes,) = _SIZE.unpack(size)
+        if len(buf) < nbytes:
+            buf = memoryview(bytearray(b"\x01" * nbytes))  # touched: the destination's KV pool is warm too
+        if not _recv_into_exactly(peer, buf[:nbytes]):
+            return
         peer.sendall(b"k")
 
 
-async def raw_loopback_gbps(nbytes: int, rounds: int = 3, pick=max) -> dict:
-    """`pick` (the best by default) of `rounds` copies to a fresh receiver process, per sender mode
-    (event loop, blocking thread). Kept for benchmarks/migration_vllm.py; a best-of-N figure
-    against a single transfer favours the raw side (see `RawLoopback` for the like-for-like one)."""
-    ctx = multiprocessing.get_context("spawn")
-    results = {}
-    for mode in ("event_loop", "thread"):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_raw_receiver, args=(child, nbytes), daemon=True)
-        proc.start()
-        port = parent.recv()
-        payload = memoryview(bytearray(b"\x5a" * nbytes))
-        sock = socket.create_connection(("127.0.0.1", port))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        samples = []
-        for _ in range(rounds):
-            started = time.monotonic()
-            if mode == "event_loop":
-                sock.setblocking(False)
-                loop = asyncio.get_running_loop()
-                await loop.sock_sendall(sock, payload)
-                await loop.sock_recv(sock, 1)
-            else:
-                sock.setblocking(True)
-                await asyncio.to_thread(lambda: (sock.sendall(payload), sock.recv(1)))
-            samples.append(nbytes / (time.monotonic() - started) / 1e9)
-        sock.close()
-        proc.join(5)
-        results[mode] = pick(samples)
-    return results
+def _recv_into_exactly(sock: socket.socket, view: memoryview) -> bool:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            return False
+        got += n
+    return True
 
 
 class RawLoopback:
     """A raw loopback TCP copy of `nbytes`, measured the way a stage is: one copy at a time, sent
     from this process's event loop (the source llumlet's, its engine stepping beside it) to a
-    receiver process that lives for the whole run (as the destination llumlet does), both
-    buffers warm. No framing, no checksum, no acks but the one at the end."""
+    receiver that lives for the whole run (as the destination llumlet's KV receiver does), both
+    buffers warm. No framing, no checksum, no acks but the one at the end (and an 8-byte length
+    before the bytes)."""
 
     def __init__(self, nbytes: int, port: int | None = None) -> None:
         self.nbytes, self.port = nbytes, port  # a port: a receiver that runs already (else one is started)
@@ -194,18 +189,19 @@ class RawLoopback:
         if port is None:
             ctx = multiprocessing.get_context("spawn")
             parent, child = ctx.Pipe()
-            self._proc = ctx.Process(target=_raw_receiver, args=(child, self.nbytes), daemon=True)
+            self._proc = ctx.Process(target=_raw_receiver, args=(child,), daemon=True)
             self._proc.start()
             port = await asyncio.to_thread(parent.recv)
         self._sock = socket.create_connection(("127.0.0.1", port))
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock.setblocking(False)
-        await self.copy()  # the receiver's first copy is not measured (its socket ramps up)
+        await self.copy()  # the receiver's first copy is not measured (its buffer and socket ramp up)
 
     async def copy(self) -> float:
         """GB/s of one copy (until the receiver's answer)."""
         loop = asyncio.get_running_loop()
         started = time.monotonic()
+        await loop.sock_sendall(self._sock, _SIZE.pack(self.nbytes))
         await loop.sock_sendall(self._sock, self._payload)
         if await loop.sock_recv(self._sock, 1) != b"k":
             raise RuntimeError("raw loopback receiver went away")
@@ -218,13 +214,59 @@ class RawLoopback:
             self._proc.join(5)
 
 
-class _RawSink(asyncio.BufferedProtocol):
-    """The raw receiver inside the destination llumlet: reads `nbytes` copies into a warm buffer
-    on the llumlet's own event loop (beside its engine, as the KV receiver is) and answers each
-    with one byte. No framing, no checksum."""
+async def raw_links(nbytes: int, destination_port: int) -> dict[str, RawLoopback]:
+    """Raw copies into the destination llumlet (its event loop, beside its engine: the KV
+    receiver's conditions; the like-for-like baseline) and into a receiver process of its own
+    (an idle one), started and warmed up."""
+    links = {"in_destination": RawLoopback(nbytes, destination_port), "own_process": RawLoopback(nbytes)}
+    for link in links.values():
+        await link.start()
+    return links
 
-    def __init__(self, nbytes: int) -> None:
-        self.buffer = memoryview(bytearray(b"\x01" * nbytes))
+
+async def beside_raw_copies(links: dict[str, RawLoopback], migrate: Awaitable[dict]) -> dict:
+    """Run one migration with a raw copy over each link right before and right after it (the
+    same machine load, the same sender loop); its row gets `raw_loopback_gbps`: {link: [before,
+    after]}."""
+    before = {name: await link.copy() for name, link in links.items()}
+    row = await migrate
+    after = {name: await links[name].copy() for name in reversed(links)}
+    row["raw_loopback_gbps"] = {name: [before[name], after[name]] for name in links}
+    return row
+
+
+def transfer_vs_raw(rows: list[dict]) -> dict:
+    """Per link, each transfer (`first_stage_gbps`) against the raw copies right before and
+    after it (their mean; the better of the two is the stricter reading): median, min, max."""
+    def against(name: str) -> dict:
+        ratios = [(r["first_stage_gbps"] or 0) / statistics.fmean(r["raw_loopback_gbps"][name]) for r in rows]
+        strict = [(r["first_stage_gbps"] or 0) / max(r["raw_loopback_gbps"][name]) for r in rows]
+        copies = [gbps for r in rows for gbps in r["raw_loopback_gbps"][name]]
+        return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "runs": ratios,
+                "strict_median": statistics.median(strict),
+                "raw_gbps": {"median": statistics.median(copies), "min": min(copies), "max": max(copies)}}
+
+    return {name: against(name) for name in rows[0]["raw_loopback_gbps"]}
+
+
+def print_transfer_vs_raw(ratios: dict) -> None:
+    for name, ratio in ratios.items():
+        raw = ratio["raw_gbps"]
+        print(f"raw loopback into {name.replace('_', ' ')}: single copies median {raw['median']:.2f} "
+              f"[{raw['min']:.2f}-{raw['max']:.2f}] GB/s; transfer over it, per migration: median "
+              f"{ratio['median']:.2f} [{ratio['min']:.2f}-{ratio['max']:.2f}] (against the better of its two raw "
+              f"copies: {ratio['strict_median']:.2f})")
+
+
+class _RawSink(asyncio.BufferedProtocol):
+    """The raw receiver inside the destination llumlet: reads copies (length, then the bytes)
+    into a warm buffer on the llumlet's own event loop (beside its engine, as the KV receiver
+    is) and answers each with one byte. No framing, no checksum."""
+
+    def __init__(self) -> None:
+        self.size = bytearray(_SIZE.size)
+        self.buffer = memoryview(bytearray())
+        self.target = memoryview(self.size)
         self.got = 0
         self.transport = None
 
@@ -232,12 +274,20 @@ class _RawSink(asyncio.BufferedProtocol):
         self.transport = transport
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self.buffer[self.got :]
+        return self.target[self.got :]
 
     def buffer_updated(self, nbytes: int) -> None:
         self.got += nbytes
-        if self.got == len(self.buffer):
-            self.got = 0
+        if self.got < len(self.target):
+            return
+        self.got = 0
+        if self.target.obj is self.size:
+            (nbytes,) = _SIZE.unpack(self.size)
+            if len(self.buffer) < nbytes:
+                self.buffer = memoryview(bytearray(b"\x01" * nbytes))  # touched, as the KV pool is
+            self.target = self.buffer[:nbytes]
+        else:
+            self.target = memoryview(self.size)
             self.transport.write(b"k")
 
 
@@ -250,17 +300,19 @@ class _DestinationWithRawSink:
     """The destination llumlet, plus a raw loopback receiver on its event loop (its port is
     written to `port_file`)."""
 
-    def __init__(self, llumlet, nbytes: int, port_file: Path) -> None:
-        self.llumlet, self.nbytes, self.port_file = llumlet, nbytes, port_file
+    def __init__(self, llumlet, port_file: Path) -> None:
+        self.llumlet, self.port_file = llumlet, port_file
         self.server = None
 
     async def start(self) -> None:
         await self.llumlet.start()
-        resident = _rss_bytes()
-        self.llumlet.engine.kv_pool.data.fill(0)  # as the source's (see `warm_up`); no request yet
-        print(f"destination KV pool touched: RSS {resident / 2**20:.0f} -> {_rss_bytes() / 2**20:.0f} MiB", flush=True)
+        pool = getattr(self.llumlet.engine, "kv_pool", None)
+        if pool is not None:  # the simulated engine's lazily mapped pool: touch it, as the source's (`warm_up`)
+            resident = _rss_bytes()
+            pool.data.fill(0)
+            print(f"destination KV pool touched: RSS {resident / 2**20:.0f} -> {_rss_bytes() / 2**20:.0f} MiB", flush=True)
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: _RawSink(self.nbytes), "127.0.0.1", 0)
+        self.server = await loop.create_server(_RawSink, "127.0.0.1", 0)
         self.port_file.write_text(str(self.server.sockets[0].getsockname()[1]))
 
     async def stop(self) -> None:
@@ -269,17 +321,33 @@ class _DestinationWithRawSink:
 
 
 def serve_destination(argv: list[str]) -> None:
-    """`corral llumlet ARGV` (the same config, engine and runner) with a raw receiver beside it:
-    argv[0] is the raw copy's size, argv[1] the file that gets the raw receiver's port."""
+    """`corral llumlet ARGV[1:]` (the same config, engine and runner) with a raw receiver beside
+    it: argv[0] is the file that gets the raw receiver's port."""
     from services.cli import build_parser
     from services.llumlet.config import config_from_args
     from services.llumlet.engines import create_engine
     from services.runner import run, serve_until_signalled
+    from shared.logs import setup_logging
 
-    nbytes, port_file = int(argv[0]), Path(argv[1])
-    config = config_from_args(build_parser().parse_args(["llumlet", *argv[2:]]))
+    setup_logging("llumlet")  # as `corral llumlet` (migration_vllm reads the destination's timing lines)
+    port_file = Path(argv[0])
+    config = config_from_args(build_parser().parse_args(["llumlet", *argv[1:]]))
     llumlet = Llumlet(config, create_engine(config))
-    run(serve_until_signalled(_DestinationWithRawSink(llumlet, nbytes, port_file), wait=llumlet.wait_failed))
+    run(serve_until_signalled(_DestinationWithRawSink(llumlet, port_file), wait=llumlet.wait_failed))
+
+
+def launch_destination(llumlet_args: list[str], port_file: Path, log_path: Path,
+                       env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A `corral llumlet LLUMLET_ARGS` process with a raw loopback receiver on its event loop
+    (`serve_destination`); `raw_port` reads that receiver's port once it is up."""
+    port_file.unlink(missing_ok=True)
+    launcher = "import sys; from benchmarks.migration_sim import serve_destination; serve_destination(sys.argv[1:])"
+    return subprocess.Popen([sys.executable, "-c", launcher, str(port_file), *llumlet_args], cwd=REPO,
+                            stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env=env)
+
+
+def raw_port(port_file: Path) -> int:
+    return int(port_file.read_text())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,15 +360,13 @@ def engine_config(s: Settings, kv_bytes_per_token: int) -> SimEngineConfig:
                            gpu=s.gpu, time_scale=1.0, kv_bytes_per_token=kv_bytes_per_token)
 
 
-def start_destination(s: Settings, nats_url: str, log_path: Path, raw_bytes: int, port_file: Path) -> subprocess.Popen:
-    """`corral llumlet` with a raw loopback receiver on its event loop (`serve_destination`)."""
-    launcher = "import sys; from benchmarks.migration_sim import serve_destination; serve_destination(sys.argv[1:])"
-    args = [sys.executable, "-c", launcher, str(raw_bytes), str(port_file),
-            "--nats-url", nats_url, "--instance-id", DST,
-            "--engine", "sim", "--sim-num-blocks", str(s.num_blocks), "--sim-block-size", str(s.block_size),
-            "--max-model-len", str(s.max_model_len), "--sim-gpu", s.gpu, "--sim-time-scale", "1",
-            "--sim-kv-bytes-per-token", str(s.kv_bytes_per_token)]
-    return subprocess.Popen(args, cwd=REPO, stdout=log_path.open("wb"), stderr=subprocess.STDOUT)
+def start_destination(s: Settings, nats_url: str, log_path: Path, port_file: Path) -> subprocess.Popen:
+    """`corral llumlet` (sim engine) with a raw loopback receiver on its event loop."""
+    return launch_destination(["--nats-url", nats_url, "--instance-id", DST,
+                               "--engine", "sim", "--sim-num-blocks", str(s.num_blocks),
+                               "--sim-block-size", str(s.block_size), "--max-model-len", str(s.max_model_len),
+                               "--sim-gpu", s.gpu, "--sim-time-scale", "1",
+                               "--sim-kv-bytes-per-token", str(s.kv_bytes_per_token)], port_file, log_path)
 
 
 async def wait_for_destination(nc, timeout_s: float = 60.0) -> LoadReport:
@@ -376,19 +442,33 @@ async def migrate_once(src: Llumlet, nc, chunks: Chunks, length: int, stage_limi
     }
 
 
+WARM_UP_TOKENS = 8192  # warm-up requests are at least this long (few of them, whatever the lengths measured)
+WARM_UP_GROWTH = 256  # tokens a warm-up request may still decode on the destination while the others move
+
+
+def warm_up_plan(s: Settings) -> tuple[int, int]:
+    """(prompt length, number) of the warm-up requests: long ones (`WARM_UP_TOKENS`, or the
+    longest length measured; under --max-model-len), as many as fit on the destination beside
+    its background batch without crossing its free-block guard (`may_migrate_into`), at least one."""
+    length = min(max(WARM_UP_TOKENS, max(s.lengths)), s.max_model_len - 1000)  # (parse_args leaves this room)
+    per_request = -(-(length + WARM_UP_GROWTH) // s.block_size)
+    spare = s.num_blocks - 2 * BACKGROUND_REQUESTS * BACKGROUND_PROMPT // s.block_size  # (and their growth)
+    spare -= int(s.num_blocks * s.limits.dest_min_free_fraction) + 1  # the destination's guard keeps these free
+    return length, max(1, spare // per_request)
+
+
 async def warm_up(src: Llumlet, nc, chunks: Chunks, s: Settings) -> None:
-    """Touch the KV memory once (not reported): the sim's pools are lazily mapped, and a first
-    copy into never-touched pages pays page faults a real engine's preallocated cache never does.
-    The source pool is written in place; the destination's is filled by migrating long requests
-    into it (blocking copies) that are then dropped."""
+    """Warm the KV path once (not reported): the source's pool is written in place (the sim's
+    pools are lazily mapped, and a first copy into never-touched pages pays page faults a real
+    engine's preallocated cache never does; the destination touches its own at start), then a
+    few long requests are migrated (blocking copies) into the destination, where they stay until
+    all have moved, and are dropped."""
     src.engine.kv_pool.data.fill(0)
-    length = min(max(s.lengths), s.max_model_len - 2000)
-    spare_blocks = s.num_blocks - 2 * BACKGROUND_REQUESTS * BACKGROUND_PROMPT // s.block_size  # (and growth)
-    spare_blocks -= int(s.num_blocks * s.limits.dest_min_free_fraction)  # the destination's guard keeps these free
-    rids = [f"warmup-{i}-{time.monotonic_ns()}" for i in range(max(1, spare_blocks * s.block_size // length))]
+    length, count = warm_up_plan(s)
+    rids = [f"warmup-{i}-{time.monotonic_ns()}" for i in range(count)]
     for rid in rids:  # one at a time on the source; all of them stay on the destination
         await submit(nc, SRC, request(rid, length, 4000))
-        await wait_until(lambda: chunks.count_from(rid, SRC) > 0, 300, f"{rid} decoding")
+        await wait_until(lambda rid=rid: chunks.count_from(rid, SRC) > 0, 300, f"{rid} decoding")
         m = await src.migration.coordinator.migrate(rid, DST)
         if m is None or m.status is not MigrationStatus.FINISHED:
             raise RuntimeError(f"warm-up migration failed: {m and m.reason}")
@@ -425,8 +505,7 @@ async def run(s: Settings) -> dict:
     s.out.parent.mkdir(parents=True, exist_ok=True)
     largest = (max(s.lengths) // s.block_size) * s.block_size * s.kv_bytes_per_token
     port_file = s.out.with_suffix(".raw_port")
-    port_file.unlink(missing_ok=True)
-    dst_proc = start_destination(s, server.url, s.out.with_suffix(".dst.log"), largest, port_file)
+    dst_proc = start_destination(s, server.url, s.out.with_suffix(".dst.log"), port_file)
     nc = await nats.connect(server.url)
     src = Llumlet(LlumletConfig(SRC, server.url, max_model_len=s.max_model_len, migration=s.limits),
                   TimedSimEngine(engine_config(s, s.kv_bytes_per_token)))
@@ -441,21 +520,14 @@ async def run(s: Settings) -> dict:
         await wait_until(lambda: all(chunks.count_from(f"bg-{SRC}-{i}", SRC) for i in range(BACKGROUND_REQUESTS)),
                          60, "the background batch")
         await warm_up(src, nc, chunks, s)
-        # Raw copies into the destination llumlet (its event loop, beside its engine: the KV
-        # receiver's conditions) and into a receiver process of its own (an idle one).
-        raw = {"in_destination": RawLoopback(largest, int(port_file.read_text())), "own_process": RawLoopback(largest)}
-        for link in raw.values():
-            await link.start()
+        raw = await raw_links(largest, raw_port(port_file))
         live, blocking, recompute = [], [], []
         for length in s.lengths:
             for _ in range(s.repeats):
+                migration = migrate_once(src, nc, chunks, length, None, "live")
                 # The longest: raw copies of the same bytes right before and right after, each
                 # measured as the stage is (one copy, same sender loop, warm buffers).
-                before = {name: await link.copy() for name, link in raw.items()} if length == max(s.lengths) else None
-                live.append(await migrate_once(src, nc, chunks, length, None, "live"))
-                if before is not None:
-                    after = {name: await raw[name].copy() for name in reversed(raw)}
-                    live[-1]["raw_loopback_gbps"] = {name: [before[name], after[name]] for name in raw}
+                live.append(await (beside_raw_copies(raw, migration) if length == max(s.lengths) else migration))
                 report_line("live", live[-1])
             blocking.append(await migrate_once(src, nc, chunks, length, 1, "blocking"))
             report_line("blocking", blocking[-1])
@@ -496,18 +568,9 @@ def summarize(s: Settings, live: list, blocking: list, recompute: list, dst_repo
     shortest, longest = min(s.lengths), max(s.lengths)
     longest_live = [r for r in live if r["length"] == longest]
     transfer = statistics.median(r["first_stage_gbps"] or 0 for r in longest_live)
-    def against(name: str) -> dict:
-        """Each transfer against the raw copies right before and after it (their mean; the
-        better of the two is the stricter reading)."""
-        ratios = [(r["first_stage_gbps"] or 0) / statistics.fmean(r["raw_loopback_gbps"][name]) for r in longest_live]
-        strict = [(r["first_stage_gbps"] or 0) / max(r["raw_loopback_gbps"][name]) for r in longest_live]
-        copies = [gbps for r in longest_live for gbps in r["raw_loopback_gbps"][name]]
-        return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "runs": ratios,
-                "strict_median": statistics.median(strict),
-                "raw_gbps": {"median": statistics.median(copies), "min": min(copies), "max": max(copies)}}
+    transfer_vs_raw_by_link = transfer_vs_raw(longest_live)
+    transfer_ratio = transfer_vs_raw_by_link["in_destination"]["median"]
 
-    transfer_vs_raw = {name: against(name) for name in longest_live[0]["raw_loopback_gbps"]}
-    transfer_ratio = transfer_vs_raw["in_destination"]["median"]
     def pooled(key: str) -> dict:
         windows = [r[key] for r in live if r[key].get("steps")]
         total = sum(w["steps"] for w in windows)
@@ -540,7 +603,7 @@ def summarize(s: Settings, live: list, blocking: list, recompute: list, dst_repo
                      "background_prompt": BACKGROUND_PROMPT,
                      "destination_kv_address": dst_report.kv_address},
         # in_destination: the like-for-like baseline (goals); own_process: an idle receiver.
-        "transfer_over_raw_loopback": transfer_vs_raw,
+        "transfer_over_raw_loopback": transfer_vs_raw_by_link,
         "live_downtime_ms_by_length": live_down,
         "blocking_downtime_ms_by_length": by_length(blocking, "downtime_ms"),
         "recompute_ttft_ms_by_length": recompute_ms,
@@ -567,12 +630,7 @@ def print_summary(result: dict) -> None:
               f"({before['mean_modelled_ms']:.2f}, {before['steps']} steps), during {during['mean_wall_ms']:.2f} "
               f"({during['mean_modelled_ms']:.2f}, {during['steps']} steps)")
     print(f"transfer (longest, stage 0, median): {result['transfer_gbps_longest_first_stage']:.2f} GB/s")
-    for name, ratio in result["transfer_over_raw_loopback"].items():
-        raw = ratio["raw_gbps"]
-        print(f"raw loopback into {name.replace('_', ' ')}: single copies median {raw['median']:.2f} "
-              f"[{raw['min']:.2f}-{raw['max']:.2f}] GB/s; transfer over it, per migration: median "
-              f"{ratio['median']:.2f} [{ratio['min']:.2f}-{ratio['max']:.2f}] (against the better of its two raw "
-              f"copies: {ratio['strict_median']:.2f})")
+    print_transfer_vs_raw(result["transfer_over_raw_loopback"])
     for name, value in result["goals"].items():
         print(f"  {name}: {value:.2f}" if value is not None else f"  {name}: -")
 

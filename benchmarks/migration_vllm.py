@@ -46,7 +46,17 @@ from pathlib import Path
 import nats
 
 from benchmarks.migration_sim import Chunks as SimBenchChunks
-from benchmarks.migration_sim import raw_loopback_gbps, run_and_report, submit, wait_until
+from benchmarks.migration_sim import (
+    beside_raw_copies,
+    launch_destination,
+    print_transfer_vs_raw,
+    raw_links,
+    raw_port,
+    run_and_report,
+    submit,
+    transfer_vs_raw,
+    wait_until,
+)
 from services.llumlet.config import LlumletConfig, VllmSettings
 from services.llumlet.engines import model_vocabulary
 from services.llumlet.migration.protocol import MigrationLimits, MigrationStatus
@@ -153,13 +163,14 @@ async def abort(nc, request_id: str) -> None:
     await nc.publish(subjects.ABORT_ALL, encode(AbortRequest(request_id, "benchmark done")))
 
 
-def start_destination(s: Settings, nats_url: str, log_path: Path) -> subprocess.Popen:
-    args = [sys.executable, "-m", "services.cli", "llumlet", "--nats-url", nats_url, "--instance-id", DST,
-            "--engine", "vllm", "--model", str(s.model_dir), "--max-model-len", str(s.max_model_len),
-            "--vllm-kv-cache-gib", str(s.kv_cache_gib)]
+def start_destination(s: Settings, nats_url: str, log_path: Path, port_file: Path) -> subprocess.Popen:
+    """`corral llumlet --engine vllm` with a raw loopback receiver on its event loop (as in
+    benchmarks/migration_sim.py: the like-for-like baseline of the transfer)."""
+    args = ["--nats-url", nats_url, "--instance-id", DST, "--engine", "vllm", "--model", str(s.model_dir),
+            "--max-model-len", str(s.max_model_len), "--vllm-kv-cache-gib", str(s.kv_cache_gib)]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     env["CORRAL_LOG_LEVEL"] = "INFO"  # the destination's timing lines
-    return subprocess.Popen(args, cwd=REPO, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env=env)
+    return launch_destination(args, port_file, log_path, env)
 
 
 class Background:
@@ -284,8 +295,8 @@ async def run(s: Settings) -> dict:
 
     server = start_nats()
     s.out.parent.mkdir(parents=True, exist_ok=True)
-    dst_log = s.out.with_suffix(".dst.log")
-    dst_proc = start_destination(s, server.url, dst_log)
+    dst_log, port_file = s.out.with_suffix(".dst.log"), s.out.with_suffix(".raw_port")
+    dst_proc = start_destination(s, server.url, dst_log, port_file)
     nc = await nats.connect(server.url)
     engine_config = VllmEngineConfig(model_dir=str(s.model_dir), max_model_len=s.max_model_len,
                                      kv_cache_space_gib=s.kv_cache_gib, seed=s.seed)
@@ -309,15 +320,16 @@ async def run(s: Settings) -> dict:
         for tag, limit in (("warmup", None), ("warmup", 1)):  # (page faults, first-use allocations)
             await bench.migrate_once(longest, limit, tag)
         await bench.recompute_once(longest)
-        live, blocking, recompute, raw_runs = [], [], [], []
+        # Stage 0 of the longest holds its full blocks (the partial last one goes in the last stage).
+        stage0_bytes = (longest + MIN_OUTPUT_BEFORE) // src.engine.block_size * src.migration.copier.block_bytes
+        raw = await raw_links(stage0_bytes, raw_port(port_file))
+        live, blocking, recompute = [], [], []
         for length in s.lengths:
             for _ in range(s.repeats):
-                if length == longest:  # the raw copy right before: the same machine load
-                    nbytes = -(-(length + MIN_OUTPUT_BEFORE) // src.engine.block_size) * src.migration.copier.block_bytes
-                    raw_runs.append(await raw_loopback_gbps(nbytes))
-                live.append(await bench.migrate_once(length, None, "live"))
-                if length == longest:
-                    live[-1]["raw_loopback_gbps_before"] = raw_runs[-1]
+                migration = bench.migrate_once(length, None, "live")
+                # The longest: raw copies of the same bytes right before and right after (the
+                # same machine load, the same sender loop, warm buffers).
+                live.append(await (beside_raw_copies(raw, migration) if length == longest else migration))
                 report_line("live", live[-1])
                 blocking.append(await bench.migrate_once(length, 1, "blocking"))
                 report_line("blocking", blocking[-1])
@@ -325,7 +337,9 @@ async def run(s: Settings) -> dict:
                 recompute.append(await bench.recompute_once(length))
             print(f"recompute {length:>5}: TTFT "
                   f"{statistics.median(r['ttft_ms'] for r in recompute if r['length'] == length):7.1f} ms", flush=True)
-        return summarize(s, raw_runs, live, blocking, recompute, dst_report, src, dst_log)
+        for link in raw.values():
+            link.close()
+        return summarize(s, live, blocking, recompute, dst_report, src, dst_log)
     finally:
         try:
             await asyncio.wait_for(src.stop(), 60)
@@ -379,8 +393,8 @@ def destination_timings(log_text: str) -> dict[str, dict]:
     return timings
 
 
-def summarize(s: Settings, raw_runs: list[dict], live: list, blocking: list, recompute: list,
-              dst_report: LoadReport, src, dst_log: Path) -> dict:
+def summarize(s: Settings, live: list, blocking: list, recompute: list, dst_report: LoadReport, src,
+              dst_log: Path) -> dict:
     dst_timings = destination_timings(dst_log.read_text(errors="replace"))
     for row in live + blocking:
         row["destination"] = dst_timings.get(row["request_id"], {})
@@ -402,8 +416,7 @@ def summarize(s: Settings, raw_runs: list[dict], live: list, blocking: list, rec
     recompute_ms = by_length(recompute, "ttft_ms")
     longest_live = [r for r in live if r["length"] == longest]
     transfer = median(longest_live, "first_stage_gbps")
-    transfer_ratio = median(longest_live, lambda r: (r["first_stage_gbps"] or 0) / max(r["raw_loopback_gbps_before"].values()))
-    raw = {mode: statistics.median(run[mode] for run in raw_runs) for mode in ("event_loop", "thread")}
+    transfer_vs_raw_by_link = transfer_vs_raw(longest_live)
     step_ratios = [r["src_steps_during"]["median_ms"] / r["src_steps_before"]["median_ms"]
                    for r in live if r["src_steps_during"].get("steps") and r["src_steps_before"].get("steps")]
     breakdown_keys = ("downtime_ms", "final_prealloc_ms", "before_commit_ms", "final_copy_ms", "commit_ms",
@@ -420,7 +433,7 @@ def summarize(s: Settings, raw_runs: list[dict], live: list, blocking: list, rec
         "downtime_max_median_ms": max(live_down.values()),
         "downtime_flat_longest_over_shortest": live_down[longest] / live_down[shortest],
         "recompute_over_live_at_longest": recompute_ms[longest] / live_down[longest],
-        "transfer_over_raw_loopback": transfer_ratio,
+        "transfer_over_raw_loopback": transfer_vs_raw_by_link["in_destination"]["median"],
         "src_decode_step_slowdown_during_migration": statistics.median(step_ratios) if step_ratios else None,
     }
     return {
@@ -431,7 +444,8 @@ def summarize(s: Settings, raw_runs: list[dict], live: list, blocking: list, rec
                      "min_output_before": MIN_OUTPUT_BEFORE, "block_size": src.engine.block_size,
                      "num_blocks": src.engine.num_blocks_total, "block_bytes": src.migration.copier.block_bytes,
                      "destination_kv_address": dst_report.kv_address},
-        "raw_loopback_gbps": raw,
+        # in_destination: the like-for-like baseline (goals); own_process: an idle receiver.
+        "transfer_over_raw_loopback": transfer_vs_raw_by_link,
         "live_downtime_ms_by_length": live_down,
         "blocking_downtime_ms_by_length": by_length(blocking, "downtime_ms"),
         "recompute_ttft_ms_by_length": recompute_ms,
@@ -479,9 +493,8 @@ def print_summary(result: dict) -> None:
     if steps["before_migration"] and steps["during_migration"]:
         print(f"source decode step (median): {steps['before_migration']:.2f} ms without migration, "
               f"{steps['during_migration']:.2f} ms during")
-    raw = result["raw_loopback_gbps"]
-    print(f"transfer (longest, stage 0, median): {result['transfer_gbps_longest_first_stage']:.2f} GB/s; raw loopback "
-          f"(median): event loop {raw['event_loop']:.2f}, thread {raw['thread']:.2f} GB/s")
+    print(f"transfer (longest, stage 0, median): {result['transfer_gbps_longest_first_stage']:.2f} GB/s")
+    print_transfer_vs_raw(result["transfer_over_raw_loopback"])
     for name, value in result["goals"].items():
         print(f"  {name}: {value:.2f}" if value is not None else f"  {name}: -")
 
