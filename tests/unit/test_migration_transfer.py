@@ -35,6 +35,7 @@ from services.llumlet.migration.transfer import (
     KVSenderPool,
     frame_chunks,
     parse_address,
+    send_frame,
 )
 
 BLOCK_BYTES = 256
@@ -624,3 +625,40 @@ async def test_a_receiver_that_hangs_up_on_our_version_is_destination_gone() -> 
     copier.close()
     server.close()
     await server.wait_closed()
+
+
+class _BottomlessSocket:
+    """A socket whose buffer never fills: sendmsg takes everything, so a send never waits."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def sendmsg(self, views) -> int:
+        sent = sum(view.nbytes for view in views)
+        self.sent += sent
+        return sent
+
+
+async def test_a_long_send_lets_the_event_loop_run_other_work() -> None:
+    """Even when the socket never blocks, the sender yields every SEND_YIELD_BYTES: the source's
+    other work (its engine's outputs, a simulated engine's steps) is not held up for a stage."""
+    payload = np.zeros(32 << 20, dtype=np.uint8)
+    ticks = 0
+
+    async def other_work() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    async def crc(piece: list[memoryview]) -> int:
+        return 0
+
+    ticker = asyncio.create_task(other_work())
+    await asyncio.sleep(0)
+    before, sock = ticks, _BottomlessSocket()
+    header = FrameHeader(str(uuid.uuid4()), 0, 0, 1, payload.nbytes)
+    await send_frame(asyncio.get_running_loop(), sock, header, [memoryview(payload)], crc)
+    ticker.cancel()
+    assert sock.sent > payload.nbytes
+    assert ticks - before >= payload.nbytes // transfer_module.SEND_YIELD_BYTES - 1
