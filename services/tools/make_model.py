@@ -221,6 +221,10 @@ def make_tiny_model(
     """
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
+    if hidden_size < 16 or hidden_size % 16:
+        raise ValueError(f"hidden size must be a positive multiple of 16 (4 heads), got {hidden_size}")
+    if num_layers < 1:
+        raise ValueError(f"the model needs at least one layer, got {num_layers}")
     out_dir = Path(out_dir).expanduser().resolve()
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise FileExistsError(f"{out_dir} exists and is not empty (use --force to overwrite)")
@@ -263,11 +267,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", type=Path, help="directory to write the model into")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
+    # Larger variants make the KV cache (and so a migration's transfer) bigger: KV bytes per token
+    # = layers x 2 x 2 KV heads x hidden/4 x 4 bytes (1 KiB by default; 16 KiB at 512 and 8).
+    parser.add_argument("--hidden-size", type=int, default=128, help="hidden size (default 128)")
+    parser.add_argument("--num-layers", type=int, default=2, help="decoder layers (default 2)")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        path = make_tiny_model(args.dir, seed=args.seed, force=args.force)
+        path = make_tiny_model(args.dir, seed=args.seed, force=args.force, hidden_size=args.hidden_size,
+                               num_layers=args.num_layers)
     except (OSError, ValueError) as error:
         print(f"corral make-model: {error}", file=sys.stderr)
         return 1

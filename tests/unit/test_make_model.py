@@ -158,3 +158,17 @@ def test_cli_writes_the_model_and_refuses_to_overwrite(tmp_path, capsys):
 def test_cli_rejects_a_negative_seed(tmp_path, capsys):
     assert make_model.main([str(tmp_path / "m"), "--seed", "-1"]) == 1
     assert "seed" in capsys.readouterr().err
+
+
+def test_the_cli_writes_a_larger_model_for_bigger_kv(tmp_path):
+    assert make_model.main([str(tmp_path / "wide"), "--hidden-size", "64", "--num-layers", "3"]) == 0
+    config = json.loads((tmp_path / "wide" / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"]) == (64, 3)
+
+
+@pytest.mark.parametrize("flags, reason", [(["--hidden-size", "100"], "multiple of 16"),
+                                           (["--num-layers", "0"], "at least one layer")])
+def test_the_cli_refuses_a_model_shape_it_cannot_build(tmp_path, capsys, flags, reason):
+    assert make_model.main([str(tmp_path / "bad"), *flags]) == 1
+    assert reason in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
