@@ -269,16 +269,20 @@ async def test_oversized_frame_closes_the_connection(link) -> None:
     writer.close()
 
 
-async def test_receiver_gone_is_destination_gone() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        address = "127.0.0.1:%d" % sock.getsockname()[1]  # bound, never listening: refused
+async def assert_send_finds_destination_gone(address: str) -> None:
     copier = BlockCopier([KVRegion(make_pool(4, 0))])
     senders = KVSenderPool(MigrationLimits())
     with pytest.raises(DestinationGone):
         await senders.send_stage(address, new_migration_id(), 0, 0, [1], copier)
     senders.close()
     copier.close()
+
+
+async def test_receiver_gone_is_destination_gone() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = "127.0.0.1:%d" % sock.getsockname()[1]  # bound, never listening: refused
+    await assert_send_finds_destination_gone(address)
 
 
 async def test_bandwidth_cap_paces_frames(link) -> None:
@@ -617,12 +621,7 @@ async def test_a_receiver_that_hangs_up_on_our_version_is_destination_gone() -> 
 
     server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
     address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    copier = BlockCopier([KVRegion(make_pool(4, 0))])
-    senders = KVSenderPool(MigrationLimits())
-    with pytest.raises(DestinationGone):
-        await senders.send_stage(address, new_migration_id(), 0, 0, [1], copier)
-    senders.close()
-    copier.close()
+    await assert_send_finds_destination_gone(address)
     server.close()
     await server.wait_closed()
 
