@@ -4,21 +4,13 @@ that is not there), instead of retrying forever."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.support.cluster import REPO, free_port
 
 
 def _wait_for_line(proc: subprocess.Popen, needle: str, timeout_s: float) -> str:
@@ -26,10 +18,12 @@ def _wait_for_line(proc: subprocess.Popen, needle: str, timeout_s: float) -> str
     seen = ""
     while time.monotonic() < deadline:
         line = proc.stderr.readline()
+        if not line:  # the process ended (its stderr closed) before saying it
+            break
         seen += line
         if needle in line:
             return seen
-    raise AssertionError(f"no {needle!r} within {timeout_s} s:\n{seen}")
+    raise AssertionError(f"no {needle!r} within {timeout_s} s (exit code {proc.poll()}):\n{seen}")
 
 
 @pytest.mark.parametrize("command", [
@@ -37,8 +31,8 @@ def _wait_for_line(proc: subprocess.Popen, needle: str, timeout_s: float) -> str
     ["scheduler"],
 ])
 def test_sigterm_while_waiting_for_nats_stops_the_service(command):
-    url = f"nats://127.0.0.1:{_closed_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", *command, "--nats-url", url], cwd=REPO_ROOT,
+    url = f"nats://127.0.0.1:{free_port()}"  # free, so nothing listens: connects are refused
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", *command, "--nats-url", url], cwd=REPO,
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
         _wait_for_line(proc, "Connection refused", timeout_s=60)  # it is retrying the connect
