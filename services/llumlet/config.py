@@ -30,6 +30,7 @@ class SimSettings:
 class VllmSettings:
     kv_cache_space_gib: float = 1.0
     max_num_seqs: int = 64
+    cpu_threads: int = 1  # torch threads on a CPU host (corral up: the cores it gave this llumlet)
 
 
 @dataclass
@@ -127,6 +128,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     vl = parser.add_argument_group("vLLM engine")
     vl.add_argument("--vllm-kv-cache-gib", type=float, default=env("VLLM_KV_CACHE_GIB", 1.0))
     vl.add_argument("--vllm-max-num-seqs", type=int, default=env("VLLM_MAX_NUM_SEQS", 64))
+    vl.add_argument("--vllm-cpu-threads", type=int, default=env("VLLM_CPU_THREADS", 1),
+                    help="torch threads on a CPU host; give the llumlet that many cores of its own "
+                         "(taskset; corral up does it), or the threads contend with the rest (default 1)")
 
 
 def config_from_args(args: argparse.Namespace) -> LlumletConfig:
@@ -156,7 +160,8 @@ def config_from_args(args: argparse.Namespace) -> LlumletConfig:
             reserve_full_sequence=args.sim_reserve_full_sequence,
             preempt_for_priority=args.sim_preempt_for_priority,
         ),
-        vllm=VllmSettings(kv_cache_space_gib=args.vllm_kv_cache_gib, max_num_seqs=args.vllm_max_num_seqs),
+        vllm=VllmSettings(kv_cache_space_gib=args.vllm_kv_cache_gib, max_num_seqs=args.vllm_max_num_seqs,
+                          cpu_threads=args.vllm_cpu_threads),
     )
 
 

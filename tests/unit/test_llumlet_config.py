@@ -38,3 +38,22 @@ def test_sim_flags_read_the_environment(monkeypatch):
 def test_a_bad_sim_flag_is_a_usage_error():
     with pytest.raises(SystemExit):
         parse("--sim-reserve-full-sequence=maybe")
+
+
+def test_out_of_range_engine_settings_end_the_llumlet_with_the_reason():
+    with pytest.raises(SystemExit, match="bad sim engine settings: num_blocks must be positive"):
+        create_engine(config_from_args(parse("--sim-num-blocks", "0")))
+
+
+def test_vllm_cpu_threads_reach_the_engine_settings(monkeypatch, tmp_path):
+    assert config_from_args(parse()).vllm.cpu_threads == 1
+    assert config_from_args(parse("--vllm-cpu-threads", "4")).vllm.cpu_threads == 4
+    monkeypatch.setenv("CORRAL_VLLM_CPU_THREADS", "3")
+    assert config_from_args(parse()).vllm.cpu_threads == 3
+
+
+def test_vllm_cpu_threads_below_one_is_refused():
+    from services.llumlet.engines.vllm_engine import VllmEngineConfig  # (does not import vLLM)
+
+    with pytest.raises(ValueError, match="cpu_threads must be at least 1"):
+        VllmEngineConfig(model_dir="unused", cpu_threads=0)

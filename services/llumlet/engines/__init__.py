@@ -26,6 +26,14 @@ def model_vocabulary(model_dir: str | None) -> tuple[int, int | None, str]:
 
 
 def create_engine(config: LlumletConfig) -> Engine:
+    """The engine, or SystemExit with the reason when a setting is out of range."""
+    try:
+        return _create_engine(config)
+    except ValueError as exc:
+        raise SystemExit(f"bad {config.engine} engine settings: {exc}") from exc
+
+
+def _create_engine(config: LlumletConfig) -> Engine:
     if config.engine == "sim":
         from services.llumlet.engines.sim.engine import SimEngine, SimEngineConfig
 
@@ -62,6 +70,7 @@ def create_engine(config: LlumletConfig) -> Engine:
                 max_model_len=config.max_model_len,
                 kv_cache_space_gib=config.vllm.kv_cache_space_gib,
                 max_num_seqs=config.vllm.max_num_seqs,
+                cpu_threads=config.vllm.cpu_threads,
                 seed=config.seed,
             )
         )

@@ -59,6 +59,8 @@ class VllmEngineConfig:
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.kv_cache_space_gib is not None and self.kv_cache_space_gib <= 0:
             raise ValueError(f"kv_cache_space_gib must be positive, got {self.kv_cache_space_gib}")
         if self.scheduling_policy not in ("fcfs", "priority"):
