@@ -4,13 +4,16 @@ same request set, one machine, one run.
     .venv/bin/python -m benchmarks.vllm_overhead [--rounds 2] [--light-rate 2] [--light-requests 40]
         [--rate 20] [--rate-requests 200] [--saturate-requests 256] [--saturate-concurrency 64]
         [--input-len 256] [--output-len 128] [--kv-cache-gib 1] [--max-num-seqs 128]
-        [--max-model-len 2048] [--seed 0] [--systems corral,vllm] [--llumlet-env KEY=VALUE]
+        [--max-model-len 2048] [--seed 0] [--systems corral,vllm[,corral-unplaced]] [--llumlet-env KEY=VALUE]
         [--out results/vllm_overhead.json] [--log-dir DIR]
 
 Corral is gateway + global scheduler + one vLLM llumlet on an embedded NATS server; the reference
-is `python -m vllm.entrypoints.openai.api_server`. Both get the same KV cache size (in bytes, so
-VLLM_CPU_KVCACHE_SPACE is removed from both environments), max_num_seqs, max_num_batched_tokens and
-max_model_len. Each round starts each system fresh, in the order the systems are given (A, B, A,
+is `python -m vllm.entrypoints.openai.api_server`. Each is laid out on the cores its own way: vLLM's
+server binds its worker to a core and reserves the rest for its front end; Corral's processes get
+the layout `corral up` gives them (the llumlet on cores of its own, NATS, scheduler and gateway on
+the rest); `--systems corral-unplaced` is Corral with no layout (`--cpu-layout off`). All get the
+same KV cache size (in bytes, so VLLM_CPU_KVCACHE_SPACE is removed from every environment),
+max_num_seqs, max_num_batched_tokens and max_model_len. Each round starts each system fresh, in the order the systems are given (A, B, A,
 B, ...), warms it up, then runs three scenarios with the same seed: Poisson arrivals at a light
 rate (small batches, so per-token overhead is visible), Poisson at --rate, and a saturating run
 (--saturate-requests with at most --saturate-concurrency in flight). Requests go to
@@ -51,9 +54,9 @@ from loadgen.records import RequestRecord
 from loadgen.report import metrics_fields
 from loadgen.runner import BenchmarkConfig, run_benchmark
 from loadgen.schedule import SchedulePlan
+from services.cpu_layout import available_cpus, cpu_layout_decision
 
 REPO = Path(__file__).resolve().parents[1]
-SYSTEMS = ("corral", "vllm")
 GIB = 1 << 30
 PERCENTILES = (50.0, 90.0, 99.0)
 
@@ -100,11 +103,14 @@ class Proc:
             self.popen.wait()
 
 
-def spawn(name: str, argv: Sequence[str], log_dir: Path, extra_env: dict[str, str] | None = None) -> Proc:
+def spawn(name: str, argv: Sequence[str], log_dir: Path, extra_env: dict[str, str] | None = None,
+          cpus: frozenset[int] | None = None) -> Proc:
+    """`cpus`: the cores the process may run on (None: any)."""
     log_path = log_dir / f"{name}.log"
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(list(argv), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                 env={**engine_env(), **(extra_env or {})}, start_new_session=True)
+                                 env={**engine_env(), **(extra_env or {})}, start_new_session=True,
+                                 preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)))
     return Proc(name, popen, log_path)
 
 
@@ -175,31 +181,48 @@ class System:
 
 
 class CorralSystem(System):
+    """Laid out on the cores as `corral up` would (`services/cpu_layout.py`): the llumlet on cores
+    of its own, NATS, scheduler and gateway on the rest; vLLM's server binds its worker likewise."""
+
     name = "corral"
+    cpu_layout_mode = "auto"
 
     def start(self) -> None:
         from shared.embedded_nats import nats_server_binary
 
         s = self.settings
+        decision = cpu_layout_decision(self.cpu_layout_mode, "vllm", 1, False, available_cpus())
+        (self.log_dir / "cpu_layout.txt").write_text(decision.reason + "\n")
+        layout = decision.layout
+        control, engine_cpus = (layout.control, layout.engines[0]) if layout is not None else (None, None)
+        threads = [] if engine_cpus is None else ["--vllm-cpu-threads", str(len(engine_cpus))]
         nats_port = free_port()
-        self.procs.append(spawn("nats", [nats_server_binary(), "-a", "127.0.0.1", "-p", str(nats_port)], self.log_dir))
+        self.procs.append(spawn("nats", [nats_server_binary(), "-a", "127.0.0.1", "-p", str(nats_port)], self.log_dir,
+                                cpus=control))
         nats_url = f"nats://127.0.0.1:{nats_port}"
         self.port = free_port()
         cli = [sys.executable, "-m", "services.cli"]
-        self.procs.append(spawn("scheduler", [*cli, "scheduler", "--nats-url", nats_url], self.log_dir))
+        self.procs.append(spawn("scheduler", [*cli, "scheduler", "--nats-url", nats_url], self.log_dir, cpus=control))
         self.procs.append(spawn("llumlet", [
             *cli, "llumlet", "--nats-url", nats_url, "--instance-id", "bench-0", "--engine", "vllm",
             "--model", str(s.model_dir), "--max-model-len", str(s.max_model_len),
-            "--vllm-kv-cache-gib", repr(s.kv_cache_bytes / GIB), "--vllm-max-num-seqs", str(s.max_num_seqs),
-        ], self.log_dir, s.llumlet_env))
+            "--vllm-kv-cache-gib", repr(s.kv_cache_bytes / GIB), "--vllm-max-num-seqs", str(s.max_num_seqs), *threads,
+        ], self.log_dir, s.llumlet_env, cpus=engine_cpus))
         self.procs.append(spawn("gateway", [
             *cli, "gateway", "--nats-url", nats_url, "--model", str(s.model_dir), "--port", str(self.port),
             "--max-model-len", str(s.max_model_len), "--log-level", "warning",
-        ], self.log_dir))
+        ], self.log_dir, cpus=control))
 
     def ready(self) -> bool:
         reply = httpx.get(f"{self.base_url}/healthz", timeout=1.0)
         return reply.status_code == 200 and reply.json().get("instances", 0) >= 1
+
+
+class UnplacedCorralSystem(CorralSystem):
+    """Every process free to run on any core (`corral up --cpu-layout off`)."""
+
+    name = "corral-unplaced"
+    cpu_layout_mode = "off"
 
 
 class VllmSystem(System):
@@ -222,7 +245,10 @@ class VllmSystem(System):
 
 
 def make_system(name: str, settings: Settings, log_dir: Path) -> System:
-    return {"corral": CorralSystem, "vllm": VllmSystem}[name](settings, log_dir)
+    return SYSTEMS[name](settings, log_dir)
+
+
+SYSTEMS = {system.name: system for system in (CorralSystem, UnplacedCorralSystem, VllmSystem)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -384,16 +410,16 @@ def format_table(summaries: dict[str, dict[str, dict[str, float]]], comparisons:
                ("ITL p50", "itl_p50_ms", "{:.2f}"), ("ITL p99", "itl_p99_ms", "{:.2f}"),
                ("TPOT p50", "tpot_p50_ms", "{:.2f}"), ("TPOT p99", "tpot_p99_ms", "{:.2f}"),
                ("ITL<0.5ms", "itl_back_to_back_fraction", "{:.2f}"), ("done", "completed", "{:.0f}")]
-    head = f"{'scenario':<10} {'system':<8} " + " ".join(f"{c[0]:>10}" for c in columns)
+    head = f"{'scenario':<10} {'system':<15} " + " ".join(f"{c[0]:>10}" for c in columns)
     lines = [head, "-" * len(head)]
     for scenario, by_system in summaries.items():
         for system, row in by_system.items():
             cells = " ".join(f"{fmt.format(row[key]):>10}" for _, key, fmt in columns)
-            lines.append(f"{scenario:<10} {system:<8} {cells}")
+            lines.append(f"{scenario:<10} {system:<15} {cells}")
         cmp = comparisons.get(scenario)
         if cmp:
             lines.append(
-                f"{'':<10} {'Δ':<8} {'':>10} {cmp['throughput_ratio']:>10.3f} "
+                f"{'':<10} {'Δ':<15} {'':>10} {cmp['throughput_ratio']:>10.3f} "
                 f"{cmp['added_ttft_p50_ms']:>+10.1f} {cmp['added_ttft_p99_ms']:>+10.1f} "
                 f"{cmp['added_itl_p50_ms']:>+10.2f} {cmp['added_itl_p99_ms']:>+10.2f} "
                 f"{cmp['added_tpot_p50_ms']:>+10.2f} {cmp['added_tpot_p99_ms']:>+10.2f}"
@@ -495,6 +521,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         Scenario("saturate", args.saturate_requests, float("inf"), args.saturate_concurrency),
     ]
     bench = Bench(settings, args.input_len, args.output_len, args.seed)
+    layout_reason = cpu_layout_decision("auto", "vllm", 1, False, available_cpus()).reason
+    print(f"corral: {layout_reason}", flush=True)
     started = time.time()
     startup_s: dict[str, list[float]] = {s: [] for s in args.systems}
     for round_index in range(args.rounds):
@@ -509,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for scenario in scenarios:
                     run = bench.measure(system, scenario, round_index)
                     m = run.metrics
-                    print(f"[round {round_index}] {name:<6} {scenario.name:<8} {m.output_throughput:7.0f} tok/s  "
+                    print(f"[round {round_index}] {name:<15} {scenario.name:<8} {m.output_throughput:7.0f} tok/s  "
                           f"TTFT p50 {m.ttft.median_ms:7.1f} ms  ITL p50 {m.itl.median_ms:5.2f} ms  "
                           f"TPOT p50 {m.tpot.median_ms:5.2f} ms  done {m.completed}/{scenario.num_requests}  "
                           f"load {run.loadavg_before[0]:.2f}", flush=True)
@@ -539,7 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine(),
         "settings": {**{k: v if isinstance(v, (int, dict)) else str(v) for k, v in settings.__dict__.items()},
                      "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
-                     "rounds": args.rounds, "order": list(args.systems)},
+                     "rounds": args.rounds, "order": list(args.systems), "corral_cpu_layout": layout_reason},
         "scenarios": [{**sc.__dict__, "rate": sc.rate if sc.rate != float("inf") else "inf"} for sc in scenarios],
         "startup_s": startup_s,
         "summary": summaries,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 import sys
 
@@ -11,9 +12,12 @@ from shared.logs import setup_logging
 
 
 def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
+    from services.cpu_layout import available_cpus, cpu_layout_decision, resolve_engine
     from services.supervisor import run_cluster
     from services.tools.make_model import ensure_tiny_model
 
+    if args.instances < 1:
+        raise SystemExit(f"corral up: --instances must be at least 1, got {args.instances}")
     model_dir = args.model or str(ensure_tiny_model())
     llumlet_args = ["--model", model_dir, *extra]
     if args.engine:
@@ -23,7 +27,14 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
     if args.autoscale:  # the autoscaler starts (and stops) the llumlets itself
         autoscaler_args = ["--initial-instances", str(args.instances), "--min-instances", str(args.min_instances),
                            "--max-instances", str(args.max_instances), "--llumlet-args", shlex.join(llumlet_args)]
+    try:
+        decision = cpu_layout_decision(args.cpu_layout, resolve_engine(args.engine), args.instances, args.autoscale,
+                                       available_cpus())
+    except ValueError as exc:
+        raise SystemExit(f"corral up: {exc}") from exc
+    logging.getLogger("corral.up").info("%s", decision.reason)
     return run_cluster(
+        cpu_layout=decision.layout,
         nats_url=args.nats_url,
         instances=args.instances,
         gateway_args=gateway_args,
@@ -111,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="let the autoscaler start and stop llumlets (--instances is the initial count)")
     up.add_argument("--min-instances", type=int, default=1)
     up.add_argument("--max-instances", type=int, default=8)
+    up.add_argument("--cpu-layout", choices=["auto", "off"], default=env("CPU_LAYOUT", "auto"),
+                    help="auto: with vLLM on a CPU host, each llumlet gets cores of its own and the gateway, "
+                         "scheduler and NATS share the rest (at least one core each; else nothing is bound)")
 
     scheduler_arguments(sub.add_parser("scheduler", help="run the global scheduler"))
     llumlet_arguments(sub.add_parser("llumlet", help="run one llumlet (one engine instance)"))

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
 
+from services.cpu_layout import CpuLayout, format_cpus
 from shared.embedded_nats import EmbeddedNats, start_nats
 
 log = logging.getLogger("corral.up")
@@ -26,17 +29,31 @@ def die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+def child_setup(cpus: frozenset[int] | None) -> Callable[[], None]:
+    """Between fork and exec: die with the parent, and keep to `cpus` (None: wherever)."""
+
+    def setup() -> None:
+        die_with_parent()
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
+
+
 @dataclass
 class Child:
     name: str
     argv: list[str]
+    cpus: frozenset[int] | None = None  # the cores it may run on (None: any)
     process: subprocess.Popen | None = None
 
     def start(self) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *self.argv], preexec_fn=die_with_parent, start_new_session=True
+            [sys.executable, "-m", "services.cli", *self.argv], preexec_fn=child_setup(self.cpus),
+            start_new_session=True,
         )
-        log.info("started %s (pid %d)", self.name, self.process.pid)
+        where = "" if self.cpus is None else f" on cores {format_cpus(self.cpus)}"
+        log.info("started %s (pid %d)%s", self.name, self.process.pid, where)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -92,8 +109,11 @@ def run_cluster(
     autoscaler_args: list[str] | None,
     port: int,
     ready_timeout_s: float,
+    cpu_layout: CpuLayout | None = None,
 ) -> int:
+    """`cpu_layout`: each llumlet on its own cores, everything else on the control plane's."""
     cluster = Cluster()
+    control = cpu_layout.control if cpu_layout is not None else None
     stop_requested = False
 
     def on_signal(signum, frame) -> None:
@@ -104,19 +124,21 @@ def run_cluster(
     signal.signal(signal.SIGTERM, on_signal)
     try:
         if nats_url is None:
-            cluster.nats = start_nats()
+            cluster.nats = start_nats(cpus=control)
             nats_url = cluster.nats.url
             log.info("embedded NATS at %s", nats_url)
         common = ["--nats-url", nats_url]
-        cluster.children.append(Child("gateway", ["gateway", *common, *gateway_args]))
+        cluster.children.append(Child("gateway", ["gateway", *common, *gateway_args], control))
         if autoscaler_args is None:
-            cluster.children.extend(
-                Child(f"llumlet-{i}", ["llumlet", *common, "--instance-id", f"llumlet-{i}", *llumlet_args])
-                for i in range(instances)
-            )
+            for i in range(instances):
+                cpus = cpu_layout.engines[i] if cpu_layout is not None else None
+                # As many torch threads as cores of its own (before llumlet_args: a user's flag wins).
+                threads = [] if cpus is None else ["--vllm-cpu-threads", str(len(cpus))]
+                argv = ["llumlet", *common, "--instance-id", f"llumlet-{i}", *threads, *llumlet_args]
+                cluster.children.append(Child(f"llumlet-{i}", argv, cpus))
         else:
-            cluster.children.append(Child("autoscaler", ["autoscaler", *common, *autoscaler_args]))
-        cluster.children.append(Child("scheduler", ["scheduler", *common, *scheduler_args]))
+            cluster.children.append(Child("autoscaler", ["autoscaler", *common, *autoscaler_args], control))
+        cluster.children.append(Child("scheduler", ["scheduler", *common, *scheduler_args], control))
         for child in reversed(cluster.children):  # scheduler first, gateway last
             child.start()
         if not wait_ready(port, instances, ready_timeout_s, cluster):
