@@ -4,8 +4,8 @@ vLLM's CPU backend binds its worker to cores of its own and reserves a core for 
 (`VLLM_CPU_OMP_THREADS_BIND=auto`, `reserved_cpus`): a busy engine that shares its core with the
 front end loses a slice of every step to wake-ups. Corral's llumlet runs vLLM in process, so the
 same rule applies per llumlet: each gets a contiguous slice of cores to itself, and the control
-plane (gateway, scheduler, NATS) runs on the reserved rest. Measured on a 2-core host (issue 3's
-note): light-load time per output token 4.9–5.5 ms unplaced, 3.5–3.9 ms placed.
+plane (gateway, scheduler, NATS) runs on the reserved rest. On a 2-core host it took the light-load
+time per output token from 4.08 to 3.37 ms (`benchmarks/vllm_overhead.py`, same run; issue 3).
 
 `plan_cpu_layout` is pure; `cpu_layout_decision` says whether `corral up` applies it and why not.
 """
@@ -18,6 +18,8 @@ import shutil
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from shared.config import env
 
 LAYOUT_MODES = ("auto", "off")
 
@@ -54,7 +56,7 @@ def has_nvidia_gpu() -> bool:
 def resolve_engine(engine: str | None) -> str:
     """The engine a llumlet started without `--engine` picks (`CORRAL_ENGINE`, else vLLM when
     installed), without importing vLLM."""
-    chosen = engine or os.environ.get("CORRAL_ENGINE")
+    chosen = engine or env("ENGINE", None)
     if chosen:
         return chosen
     return "vllm" if importlib.util.find_spec("vllm") is not None else "sim"
