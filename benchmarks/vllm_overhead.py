@@ -13,11 +13,12 @@ server binds its worker to a core and reserves the rest for its front end; Corra
 the layout `corral up` gives them (the llumlet on cores of its own, NATS, scheduler and gateway on
 the rest); `--systems corral-unplaced` is Corral with no layout (`--cpu-layout off`). All get the
 same KV cache size (in bytes, so VLLM_CPU_KVCACHE_SPACE is removed from every environment),
-max_num_seqs, max_num_batched_tokens and max_model_len. Each round starts each system fresh, in the order the systems are given (A, B, A,
-B, ...), warms it up, then runs three scenarios with the same seed: Poisson arrivals at a light
-rate (small batches, so per-token overhead is visible), Poisson at --rate, and a saturating run
-(--saturate-requests with at most --saturate-concurrency in flight). Requests go to
-/v1/completions as text, streamed, with ignore_eos, so every request yields --output-len tokens.
+max_num_seqs, max_num_batched_tokens and max_model_len. Each round starts each system fresh, in
+the order the systems are given (A, B, A, B, ...), warms it up, then runs three scenarios with the
+same seed: Poisson arrivals at a light rate (small batches, so per-token overhead is visible),
+Poisson at --rate, and a saturating run (--saturate-requests with at most --saturate-concurrency
+in flight). Requests go to /v1/completions as text, streamed, with ignore_eos, so every request
+yields --output-len tokens.
 
 Per system and scenario the records of all rounds are pooled (throughput = completions / summed
 durations; latency percentiles over all requests). Besides latency, the CPU seconds each process
