@@ -55,7 +55,7 @@ from loadgen.records import RequestRecord
 from loadgen.report import metrics_fields
 from loadgen.runner import BenchmarkConfig, run_benchmark
 from loadgen.schedule import SchedulePlan
-from services.cpu_layout import available_cpus, cpu_layout_decision
+from services.cpu_layout import available_cpus, cpu_layout_decision, keep_to
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
@@ -111,7 +111,7 @@ def spawn(name: str, argv: Sequence[str], log_dir: Path, extra_env: dict[str, st
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(list(argv), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                  env={**engine_env(), **(extra_env or {})}, start_new_session=True,
-                                 preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)))
+                                 preexec_fn=keep_to(cpus))
     return Proc(name, popen, log_path)
 
 

@@ -104,3 +104,11 @@ def format_cpus(cpus: frozenset[int]) -> str:
 
 def available_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0))
+
+
+def keep_to(cpus: frozenset[int] | None) -> Callable[[], None] | None:
+    """A `preexec_fn` that keeps a child to `cpus` (set before exec, so every thread it starts
+    inherits them); None for None (the child runs anywhere)."""
+    if cpus is None:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)

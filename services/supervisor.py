@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from services.cpu_layout import CpuLayout, format_cpus
+from services.cpu_layout import CpuLayout, format_cpus, keep_to
 from shared.embedded_nats import EmbeddedNats, start_nats
 
 log = logging.getLogger("corral.up")
@@ -32,10 +31,12 @@ def die_with_parent() -> None:  # runs in the child between fork and exec
 def child_setup(cpus: frozenset[int] | None) -> Callable[[], None]:
     """Between fork and exec: die with the parent, and keep to `cpus` (None: wherever)."""
 
+    keep = keep_to(cpus)
+
     def setup() -> None:
         die_with_parent()
-        if cpus is not None:
-            os.sched_setaffinity(0, cpus)
+        if keep is not None:
+            keep()
 
     return setup
 
@@ -124,7 +125,7 @@ def run_cluster(
     signal.signal(signal.SIGTERM, on_signal)
     try:
         if nats_url is None:
-            cluster.nats = start_nats(cpus=control)
+            cluster.nats = start_nats(preexec_fn=keep_to(control))
             nats_url = cluster.nats.url
             log.info("embedded NATS at %s", nats_url)
         common = ["--nats-url", nats_url]

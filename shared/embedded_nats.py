@@ -5,13 +5,13 @@ Used by `corral up` when no --nats-url is given, and by the test suite (one serv
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,15 +52,15 @@ class EmbeddedNats:
 
 
 def start_nats(
-    port: int = -1, host: str = "127.0.0.1", timeout_s: float = 10.0, cpus: frozenset[int] | None = None
+    port: int = -1, host: str = "127.0.0.1", timeout_s: float = 10.0, preexec_fn: Callable[[], None] | None = None
 ) -> EmbeddedNats:
     """Start nats-server; port -1 lets the server pick a free one, which we read from its log.
-    `cpus`: the cores it may run on (set before exec, so every thread it starts inherits them)."""
+    `preexec_fn` runs in the child before exec (`corral up`: the cores it may use)."""
     proc = subprocess.Popen(
         [nats_server_binary(), "-a", host, "-p", str(port), "-m", "0"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)),
+        preexec_fn=preexec_fn,
     )
     found: list[int] = []
     ready = threading.Event()

@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-from services.cpu_layout import CpuLayout, cpu_layout_decision, format_cpus, plan_cpu_layout, resolve_engine
+from services.cpu_layout import (
+    CpuLayout, cpu_layout_decision, format_cpus, keep_to, plan_cpu_layout, resolve_engine,
+)
 from services.supervisor import child_setup
 from shared.embedded_nats import start_nats
 
@@ -105,7 +107,7 @@ def test_a_child_without_cores_runs_anywhere():
 
 def test_the_embedded_nats_server_keeps_to_its_cores():
     core = max(os.sched_getaffinity(0))
-    server = start_nats(cpus=frozenset({core}))
+    server = start_nats(preexec_fn=keep_to(frozenset({core})))
     try:
         assert affinity_of(server.process.pid) == {core}
     finally:
