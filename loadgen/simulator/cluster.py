@@ -19,9 +19,9 @@ from loadgen.simulator.instance import InstanceState, SimInstance
 from loadgen.simulator.migration import MigrationStats, Migrator
 from loadgen.simulator.timeline import Timeline
 from loadgen.simulator.workload import SimArrival, Workload
-from services.llumlet.engines.sim.latency import LatencyModel
-from services.llumlet.engines.sim.request import SimRequest
-from services.llumlet.engines.sim.scheduler import SimScheduler
+from shared.engine_model.latency import LatencyModel
+from shared.engine_model.request import SimRequest
+from shared.engine_model.scheduler import SimScheduler
 from shared.messages import DispatchRequest, LoadReport
 from shared.policy.baselines import DispatchRule, SchedulingPolicy, dispatch
 from shared.policy.dispatch import account_dispatch

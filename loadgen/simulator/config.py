@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from services.llumlet.engines.sim.latency import SIMPLE_MODELS
-from services.llumlet.engines.sim.scheduler import STEP_MODES, SchedulerConfig
+from shared.engine_model.latency import SIMPLE_MODELS
+from shared.engine_model.scheduler import STEP_MODES, SchedulerConfig
 from shared.policy.baselines import MigrationGuard
 from shared.policy.config import PolicyConfig, ScalingConfig
 

@@ -7,8 +7,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from services.llumlet.engines.sim.latency import LatencyModel
-from services.llumlet.engines.sim.scheduler import SchedulerOutput, SimScheduler
+from shared.engine_model.latency import LatencyModel
+from shared.engine_model.scheduler import SchedulerOutput, SimScheduler
 from shared.messages import LoadReport
 
 

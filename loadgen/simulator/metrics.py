@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from loadgen.simulator.cluster import SimResult
-from services.llumlet.engines.sim.request import SimRequest
+from shared.engine_model.request import SimRequest
 from shared.policy.config import HIGH_PRIORITY
 
 CLASS_NAMES = {HIGH_PRIORITY: "high"}

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from loadgen.simulator.instance import InstanceState, SimInstance
-from services.llumlet.engines.sim.request import RequestStatus, SimRequest
-from services.llumlet.engines.sim.scheduler import SimScheduler
+from shared.engine_model.request import RequestStatus, SimRequest
+from shared.engine_model.scheduler import SimScheduler
 from shared.policy.baselines import guarded_pairs, may_migrate_into
 from shared.policy.freeness import QueueDemand, freeness
 from shared.policy.migration import MigrationCandidate, pair_migrations, select_request_to_migrate

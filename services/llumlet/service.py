@@ -11,8 +11,9 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
 from services.llumlet.config import LlumletConfig
-from services.llumlet.engine import Engine, EngineError, StepOutput
-from services.llumlet.load import build_load_report
+from services.llumlet.engine import Engine
+from shared.engine_model.views import EngineError, StepOutput
+from shared.engine_model.load_report import build_load_report
 from services.llumlet.metrics import LlumletMetrics
 from services.llumlet.tracing import RequestSpans, trace_context_of
 from shared.metrics_server import serve_metrics

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from services.llumlet.engine import StepOutput
+from shared.engine_model.views import StepOutput
 from shared import tracing
 from shared.messages import FinishReason, GenerateRequest
 

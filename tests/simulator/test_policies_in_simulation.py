@@ -11,7 +11,7 @@ from loadgen.simulator.cluster import ClusterSimulator
 from loadgen.simulator.config import AutoscaleModel, SimConfig
 from loadgen.simulator.instance import SimInstance
 from loadgen.simulator.metrics import summarize
-from services.llumlet.load import build_load_report
+from shared.engine_model.load_report import build_load_report
 from shared.policy.baselines import DispatchRule, choose_least_loaded, get_policy
 from shared.policy.config import HIGH_PRIORITY, ScalingConfig
 from shared.policy.dispatch import choose_instance

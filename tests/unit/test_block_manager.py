@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from services.llumlet.engines.sim.block_manager import BlockManager, blocks_for_tokens
+from shared.engine_model.block_manager import BlockManager, blocks_for_tokens
 
 
 def test_allocate_and_free_return_blocks_to_the_pool() -> None:

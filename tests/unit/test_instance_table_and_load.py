@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.llumlet.engine import RequestPhase, RequestView
-from services.llumlet.load import build_load_report
+from shared.engine_model.views import RequestPhase, RequestView
+from shared.engine_model.load_report import build_load_report
 from shared.instance_table import InstanceTable
 from tests.unit.policy_helpers import make_load
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.llumlet.engines.sim.latency import LatencyModel
+from shared.engine_model.latency import LatencyModel
 
 
 def prefill_ms(model: LatencyModel, tokens: int) -> float:

@@ -10,9 +10,9 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from services.llumlet.engine import EngineError
+from shared.engine_model.views import EngineError
 from services.llumlet.engines.sim.engine import SimEngine
-from services.llumlet.engines.sim.request import RequestStatus
+from shared.engine_model.request import RequestStatus
 from services.llumlet.migration import transfer as transfer_module
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.destination import IncomingMigrations

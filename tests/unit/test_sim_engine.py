@@ -4,9 +4,10 @@ import random
 
 import pytest
 
-from services.llumlet.engine import Engine, EngineError, StepOutput
+from services.llumlet.engine import Engine
+from shared.engine_model.views import EngineError, StepOutput
 from services.llumlet.engines.sim.engine import SimEngine, SimEngineConfig
-from services.llumlet.engines.sim.request import RequestStatus
+from shared.engine_model.request import RequestStatus
 from shared.messages import FinishReason, GenerateRequest, SamplingParams
 
 FAST = dict(time_scale=1e-5, num_blocks=64, block_size=4, max_model_len=512)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.llumlet.engines.sim.kv_pool import KVPool, request_key
+from shared.engine_model.kv_pool import KVPool, request_key
 
 
 def filled_pool(blocks: list[int], num_tokens: int, rid: str = "req") -> tuple[KVPool, int]:

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.llumlet.engines.sim.queues import create_request_queue, select_victim
-from services.llumlet.engines.sim.request import SimRequest
+from shared.engine_model.queues import create_request_queue, select_victim
+from shared.engine_model.request import SimRequest
 
 
 def req(rid: str, arrival: float, priority: int = 0, prompt: int = 10, output: int = 10) -> SimRequest:

@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from services.llumlet.engine import EngineError, RequestPhase
-from services.llumlet.engines.sim.request import RequestStatus, SimRequest
-from services.llumlet.engines.sim.scheduler import SchedulerConfig, SchedulerOutput, SimScheduler
+from shared.engine_model.views import EngineError, RequestPhase
+from shared.engine_model.request import RequestStatus, SimRequest
+from shared.engine_model.scheduler import SchedulerConfig, SchedulerOutput, SimScheduler
 from shared.messages import FinishReason
 
 

@@ -11,7 +11,8 @@ import random
 
 import pytest
 
-from services.llumlet.engine import Engine, EngineError, RequestPhase, StepOutput
+from services.llumlet.engine import Engine
+from shared.engine_model.views import EngineError, RequestPhase, StepOutput
 from shared.messages import FinishReason, GenerateRequest, SamplingParams
 from tests.vllm.helpers import BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS, start_reference_run
 

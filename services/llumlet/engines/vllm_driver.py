@@ -13,7 +13,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from services.llumlet.engine import RequestPhase, RequestView, StepOutput
+from shared.engine_model.views import RequestPhase, RequestView, StepOutput
 from services.llumlet.engines.vllm_params import finish_reason_of
 from services.llumlet.engines.vllm_probe import SchedulerProbe
 from services.llumlet.engines.vllm_state import (

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.llumlet.engine import EngineError, RequestPhase, RequestView, StepOutput
+from shared.engine_model.views import EngineError, RequestPhase, RequestView, StepOutput
 from services.llumlet.engines.vllm_driver import VllmDriver, blocks_for
 from services.llumlet.engines.vllm_params import check_request, to_vllm_sampling_params
 from services.llumlet.engines.vllm_state import AbortCommand, AddCommand, SharedState, Tracked

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.llumlet.engine import EngineError
+from shared.engine_model.views import EngineError
 from shared.messages import FinishReason, GenerateRequest
 
 if TYPE_CHECKING:

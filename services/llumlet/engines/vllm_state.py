@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.llumlet.engine import RequestView, StepOutput
+from shared.engine_model.views import RequestView, StepOutput
 
 
 @dataclass(eq=False)

@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from services.llumlet.engine import EngineError
+from shared.engine_model.views import EngineError
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.ops import IntakeLoad, MigratableEngine
 from services.llumlet.migration.protocol import (

@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from services.llumlet.engines.sim.request import RequestStatus
+from shared.engine_model.request import RequestStatus
 from services.llumlet.migration.ops import IntakeLoad
 from services.llumlet.migration.ops import KVRegion, LivePhase, MigrationSnapshot
 from shared.messages import MigrationCommit

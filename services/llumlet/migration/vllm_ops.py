@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from services.llumlet.engine import EngineError
+from shared.engine_model.views import EngineError
 from services.llumlet.engines.vllm_driver import VllmDriver, continuation
 from services.llumlet.engines.vllm_params import check_request
 from services.llumlet.engines.vllm_state import AddCommand, MigratedLoad, Tracked

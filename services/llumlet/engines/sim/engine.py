@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.llumlet.engine import EngineError, RequestView, StepOutput
-from services.llumlet.engines.sim.kv_pool import KVPool, request_key
-from services.llumlet.engines.sim.latency import LatencyModel
-from services.llumlet.engines.sim.request import RequestStatus, SimRequest
-from services.llumlet.engines.sim.scheduler import SchedulerConfig, SchedulerLoad, SimScheduler
+from shared.engine_model.views import EngineError, RequestView, StepOutput
+from shared.engine_model.kv_pool import KVPool, request_key
+from shared.engine_model.latency import LatencyModel
+from shared.engine_model.request import RequestStatus, SimRequest
+from shared.engine_model.scheduler import SchedulerConfig, SchedulerLoad, SimScheduler
 from shared.messages import GenerateRequest, MigrationCommit
 
 _MASK64 = (1 << 64) - 1

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.llumlet.engine import EngineError, RequestPhase, RequestView
-from services.llumlet.engines.sim.block_manager import BlockManager, blocks_for_tokens
-from services.llumlet.engines.sim.queues import QUEUE_POLICIES, create_request_queue, priority_key, select_victim
-from services.llumlet.engines.sim.request import RequestStatus, SimRequest
+from shared.engine_model.views import EngineError, RequestPhase, RequestView
+from shared.engine_model.block_manager import BlockManager, blocks_for_tokens
+from shared.engine_model.queues import QUEUE_POLICIES, create_request_queue, priority_key, select_victim
+from shared.engine_model.request import RequestStatus, SimRequest
 from shared.messages import PriorityLoad
 
 STEP_MODES = ("v1", "v0")

@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
-from services.llumlet.engines.sim.request import SimRequest
+from shared.engine_model.request import SimRequest
 
 QUEUE_POLICIES = ("fcfs", "priority", "sjf")
 

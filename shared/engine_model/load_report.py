@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from services.llumlet.engine import RequestPhase, RequestView
+from shared.engine_model.views import RequestPhase, RequestView
 from shared.messages import LoadReport, PriorityLoad
 from shared.policy.freeness import QueueDemand, freeness
 
