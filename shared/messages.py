@@ -27,6 +27,19 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
+class Refusal(str, enum.Enum):
+    """Why a request was not taken. The gateway maps each to an HTTP status and a metric label, so
+    no one reads meaning out of the accompanying message text."""
+
+    TOO_LONG = "too_long"  # the prompt (with its output budget) does not fit the context: 400
+    INVALID = "invalid"  # a malformed or out-of-range request (bad token id, bad sampling): 400
+    DUPLICATE = "duplicate"  # the request id is already running there: 409
+    DRAINING = "draining"  # the instance is leaving; another may take the request: 503
+    OVERLOADED = "overloaded"  # early rejection, every instance too loaded: 429, retry later
+    NO_INSTANCE = "no_instance"  # no live instance at all: 503
+    ENGINE_FAILED = "engine_failed"  # the instance's engine is not running: 503
+
+
 class Struct(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
     """Base for wire structs; unknown fields are ignored so old and new services interoperate."""
 
@@ -93,7 +106,8 @@ class AbortRequest(Struct):
 
 class Ack(Struct):
     ok: bool
-    error: str | None = None
+    error: str | None = None  # for people: what went wrong, in words
+    reason: Refusal | None = None  # for code: set on a refused generate request
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,8 +166,9 @@ class DispatchRequest(Struct):
 
 class DispatchReply(Struct):
     instance_id: str | None = None
-    rejected: str | None = None
+    rejected: str | None = None  # the refusal in words
     retry_after_s: float | None = None
+    reason: Refusal | None = None  # set whenever `instance_id` is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,10 +189,16 @@ class DrainOrder(Struct):
     drain: bool = True
 
 
+class ScalingAction(str, enum.Enum):
+    SCALE_OUT = "scale_out"
+    DRAIN = "drain"
+    STOPPED = "stopped"
+
+
 class ScalingEvent(Struct):
     """Autoscaler → observers: an instance was started, asked to drain, or stopped."""
 
-    action: str  # "scale_out" | "drain" | "stopped"
+    action: ScalingAction
     instance_id: str
     instances: int
     at: float

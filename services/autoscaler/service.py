@@ -19,6 +19,7 @@ from shared.messages import (
     Ack,
     DrainOrder,
     LoadReport,
+    ScalingAction,
     ScalingEvent,
     decode,
     decode_or_drop,
@@ -82,12 +83,12 @@ class Autoscaler:
         )
         if decision.action is ScaleAction.OUT:
             instance_id = self._start_one()
-            await self._event("scale_out", instance_id, decision.average_freeness)
+            await self._event(ScalingAction.SCALE_OUT, instance_id, decision.average_freeness)
         elif decision.action is ScaleAction.IN:
             victim = self._managed_victim(loads, decision.victim)
             if victim is not None:
                 await self._drain(victim)
-                await self._event("drain", victim, decision.average_freeness)
+                await self._event(ScalingAction.DRAIN, victim, decision.average_freeness)
 
     def _managed_victim(self, loads: list[LoadReport], preferred: str | None) -> str | None:
         """The policy's victim if this provider can stop it, else the emptiest one it can."""
@@ -116,7 +117,7 @@ class Autoscaler:
                 self._draining.discard(instance_id)
                 self.table.remove(instance_id)
                 await asyncio.to_thread(self.provider.stop_instance, instance_id)
-                await self._event("stopped", instance_id, None)
+                await self._event(ScalingAction.STOPPED, instance_id, None)
 
     async def _forget_failed_starts(self) -> None:
         now = time.monotonic()
@@ -126,7 +127,7 @@ class Autoscaler:
                 del self._starting[instance_id]
                 await asyncio.to_thread(self.provider.stop_instance, instance_id)
 
-    async def _event(self, action: str, instance_id: str, average: float | None) -> None:
-        log.info("%s %s (average freeness %s)", action, instance_id, average)
+    async def _event(self, action: ScalingAction, instance_id: str, average: float | None) -> None:
+        log.info("%s %s (average freeness %s)", action.value, instance_id, average)
         event = ScalingEvent(action, instance_id, len(self.provider.managed()), time.time(), average)
         await self.nc.publish(subjects.SCALING_EVENTS, encode(event))

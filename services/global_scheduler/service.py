@@ -18,6 +18,7 @@ from shared.messages import (
     DispatchReply,
     DispatchRequest,
     LoadReport,
+    Refusal,
     WireError,
     decode,
     decode_or_drop,
@@ -78,7 +79,7 @@ class GlobalScheduler:
             decision = choose_instance(self.table.live(), request, self.config.policy)
         self.metrics.dispatched(decision.rejected if decision.instance_id is None else None)
         if decision.instance_id is None:
-            return DispatchReply(rejected=decision.rejected)
+            return DispatchReply(rejected=decision.rejected, reason=decision.reason)
         chosen = self.table.get(decision.instance_id)
         self.table.replace_load(account_dispatch(chosen, request))
         self.dispatched[decision.instance_id] = self.dispatched.get(decision.instance_id, 0) + 1
@@ -91,7 +92,7 @@ class GlobalScheduler:
                 request = decode(msg.data, DispatchRequest)
             except WireError as exc:
                 span.set_status(Status(StatusCode.ERROR, str(exc)))
-                await msg.respond(encode(DispatchReply(rejected=str(exc))))
+                await msg.respond(encode(DispatchReply(rejected=str(exc), reason=Refusal.INVALID)))
                 return
             reply = self.decide(request)
             if span.is_recording():

@@ -25,7 +25,7 @@ from shared.engine_model.views import EngineError, RequestPhase, RequestView
 from shared.engine_model.block_manager import BlockManager, blocks_for_tokens
 from shared.engine_model.queues import QUEUE_POLICIES, create_request_queue, priority_key, select_victim
 from shared.engine_model.request import RequestStatus, SimRequest
-from shared.messages import PriorityLoad
+from shared.messages import PriorityLoad, Refusal
 
 STEP_MODES = ("v1", "v0")
 _RUNNING = RequestStatus.RUNNING
@@ -135,7 +135,7 @@ class SimScheduler:
             capacity = self.config.num_blocks * self.block_size
             raise EngineError(
                 f"request {request.request_id}: prompt of {request.prompt_len} tokens (+1 generated) does not fit "
-                f"(max_model_len {self.config.max_model_len}, KV capacity {capacity} tokens)"
+                f"(max_model_len {self.config.max_model_len}, KV capacity {capacity} tokens)", Refusal.TOO_LONG
             )
         assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 0
         request.set_stop(self.max_seq_len)
@@ -497,7 +497,7 @@ class SimScheduler:
 
     def _validate(self, request: SimRequest) -> None:
         if request.request_id in self.requests:
-            raise EngineError(f"duplicate request id {request.request_id}")
+            raise EngineError(f"duplicate request id {request.request_id}", Refusal.DUPLICATE)
         if request.prompt_len < 1:
             raise EngineError(f"request {request.request_id}: empty prompt")
         if request.max_tokens < 1:

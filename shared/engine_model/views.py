@@ -6,11 +6,18 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from shared.messages import FinishReason
+from shared.messages import FinishReason, Refusal
 
 
 class EngineError(Exception):
-    """A request the engine cannot take (too long, bad sampling parameters, duplicate id)."""
+    """A request the engine cannot take (too long, bad sampling parameters, duplicate id).
+
+    `reason` says which, for code (the llumlet's Ack carries it to the gateway); the message says
+    it for people."""
+
+    def __init__(self, message: str, reason: Refusal = Refusal.INVALID) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class RequestPhase(enum.Enum):

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import msgspec
 
-from shared.messages import DispatchRequest, LoadReport, PriorityLoad
+from shared.messages import DispatchRequest, LoadReport, PriorityLoad, Refusal
 from shared.policy.config import PolicyConfig
 from shared.policy.freeness import QueueDemand, freeness, total_virtual_usage
 
-# Rejection reasons (the gateway maps them to HTTP statuses).
+# Rejection messages; the typed `Refusal` beside each is what the gateway maps to HTTP statuses.
 REJECT_TOO_LONG = "prompt is longer than any instance's max_model_len"
 REJECT_NO_INSTANCE = "no instance is available"
 REJECT_OVERLOADED = "all instances are overloaded"
@@ -27,6 +27,7 @@ REJECT_OVERLOADED = "all instances are overloaded"
 class DispatchDecision:
     instance_id: str | None
     rejected: str | None = None
+    reason: Refusal | None = None
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -42,8 +43,8 @@ def dispatchable(loads: Sequence[LoadReport], request: DispatchRequest) -> list[
     candidates = [l for l in loads if l.instance_id not in request.exclude and fits_model(l, request)]
     if not candidates:
         if loads and not any(fits_model(l, request) for l in loads):
-            return DispatchDecision(None, rejected=REJECT_TOO_LONG)
-        return DispatchDecision(None, rejected=REJECT_NO_INSTANCE)
+            return DispatchDecision(None, REJECT_TOO_LONG, Refusal.TOO_LONG)
+        return DispatchDecision(None, REJECT_NO_INSTANCE, Refusal.NO_INSTANCE)
     return [l for l in candidates if not l.draining] or candidates
 
 
@@ -85,7 +86,7 @@ def choose_instance(
     best_score, best = max(scored, key=lambda item: item[0])
     if config.reject_below_freeness is not None:
         if freeness(best, config.headroom_blocks, QueueDemand.ALL) < config.reject_below_freeness:
-            return DispatchDecision(None, rejected=REJECT_OVERLOADED)
+            return DispatchDecision(None, REJECT_OVERLOADED, Refusal.OVERLOADED)
     return DispatchDecision(pick_tied([l.instance_id for s, l in scored if s >= best_score - config.tie_epsilon], request))
 
 
