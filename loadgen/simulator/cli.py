@@ -18,6 +18,7 @@ from loadgen.simulator.sweep import run_sweep
 from loadgen.simulator.workload import WorkloadSpec
 from shared.policy.baselines import POLICIES, POLICY_NAMES, SchedulingPolicy, get_policy
 from shared.policy.config import HIGH_PRIORITY, PolicyConfig, ScalingConfig
+from shared.policy.migration import DEFAULT_GUARD
 
 _DESCRIPTION = "Simulate a cluster of LLM instances in virtual time and compare scheduling policies."
 _EPILOG = "policies:\n" + "".join(f"  {p.name:<13} {p.description}\n" for p in POLICIES.values()) + f"""
@@ -179,7 +180,7 @@ def build_config(args: argparse.Namespace) -> SimConfig:
             report_interval_s=args.report_interval_s,
             migration_interval_s=args.migration_interval_s,
             policy=policy,
-            guard=None if args.no_migration_guard else SimConfig().guard,
+            guard=None if args.no_migration_guard else DEFAULT_GUARD,
             migration=MigrationModel(bandwidth_gbps=args.migration_bandwidth_gbps),
             autoscale=autoscale,
         )

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from shared.engine_model.latency import SIMPLE_MODELS
 from shared.engine_model.scheduler import STEP_MODES, SchedulerConfig
-from shared.policy.baselines import MigrationGuard
 from shared.policy.config import PolicyConfig, ScalingConfig
+from shared.policy.migration import DEFAULT_GUARD, DEFAULT_STAGES, MigrationGuard, StageRule
 
 KV_BYTES_PER_TOKEN_LLAMA_7B = 2 * 32 * 4096 * 2  # K and V × layers × hidden × fp16 = 0.5 MiB
 
@@ -16,13 +16,13 @@ KV_BYTES_PER_TOKEN_LLAMA_7B = 2 * 32 * 4096 * 2  # K and V × layers × hidden �
 @dataclass(frozen=True)
 class MigrationModel:
     """Multi-stage live migration (Llumnix §4.2): copy stages while the request keeps decoding,
-    then a short stop for the last delta. Stage time = overhead + bytes / bandwidth."""
+    then a short stop for the last delta, by the llumlets' own stage rule (`StageRule`, the same
+    defaults). Stage time = overhead + bytes / bandwidth."""
 
     bandwidth_gbps: float = 15.0  # GB/s (gigabytes), as the Llumnix artifact assumed for A10 nodes
     stage_overhead_s: float = 0.005  # pre-allocation handshake of one copy stage
     commit_overhead_s: float = 0.02  # last stage: suspend, commit handshake, resume on the destination
-    last_stage_max_blocks: int = 1  # a delta this small is copied during the downtime
-    max_stages: int = 4  # the downtime stage comes after at most this many copy stages
+    stages: StageRule = DEFAULT_STAGES
     max_per_instance: int = 1  # migrations in flight per instance, in and out counted apart
 
     def __post_init__(self) -> None:
@@ -30,8 +30,8 @@ class MigrationModel:
             raise ValueError("migration bandwidth must be a positive number of GB/s")
         if self.stage_overhead_s < 0 or self.commit_overhead_s < 0:
             raise ValueError("migration overheads must be >= 0")
-        if self.last_stage_max_blocks < 0 or self.max_stages < 1 or self.max_per_instance < 1:
-            raise ValueError("migration stage limits must be positive")
+        if self.max_per_instance < 1:
+            raise ValueError("migrations per instance must be positive")
 
     def copy_s(self, num_blocks: int, block_bytes: int) -> float:
         return num_blocks * block_bytes / (self.bandwidth_gbps * 1e9)
@@ -68,8 +68,9 @@ class SimConfig:
     report_interval_s: float = 0.05  # a policy sees reports at most this old (+ its own dispatches)
     migration_interval_s: float = 0.1
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    # None: plain pair_migrations with the threshold bands only.
-    guard: MigrationGuard | None = field(default_factory=MigrationGuard)
+    # The policy's anti-thrash guard, as the scheduler and the llumlets apply it (None: pair on
+    # the threshold bands only, no destination check, no residence time).
+    guard: MigrationGuard | None = DEFAULT_GUARD
     migration: MigrationModel = field(default_factory=MigrationModel)
     autoscale: AutoscaleModel | None = None
     timeline_interval_s: float = 1.0

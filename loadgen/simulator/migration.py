@@ -1,11 +1,12 @@
 """Migration in the simulator: pairing rounds with the shared policy, and a model of Llumnix's
 multi-stage live migration on top of the simulated engine's own migration hooks.
 
-Stages copy the request's KV blocks (reserved on the destination stage by stage with
-`reserve`) while it keeps decoding on the source; once the blocks added during a stage are few
-(or after `max_stages`), the source suspends the request, the last delta is copied during the
-downtime, and the move commits: `suspend` → `add_migrated` → `release_migrated`. A request that
-finishes or is preempted on the source meanwhile aborts the migration and frees the lease.
+Stages follow the live source's rule (`next_stage`, the same `StageRule`): while the request
+keeps decoding on the source, a stage reserves its blocks on the destination (`reserve`) and
+copies the full blocks added since the previous stage; once few are new (or at the stage
+limit), the source suspends the request, the rest is copied during the downtime, and the move
+commits: `suspend` → `add_migrated` → `release_migrated`. A request that finishes or is
+preempted on the source meanwhile aborts the migration and frees the lease.
 """
 
 from __future__ import annotations
@@ -18,9 +19,14 @@ from typing import TYPE_CHECKING
 from loadgen.simulator.instance import InstanceState, SimInstance
 from shared.engine_model.request import RequestStatus, SimRequest
 from shared.engine_model.scheduler import SimScheduler
-from shared.policy.baselines import guarded_pairs, may_migrate_into
 from shared.policy.freeness import QueueDemand, freeness
-from shared.policy.migration import MigrationCandidate, pair_migrations, select_request_to_migrate
+from shared.policy.migration import (
+    MigrationCandidate,
+    may_migrate_into,
+    next_stage,
+    pair_migrations,
+    select_request_to_migrate,
+)
 
 if TYPE_CHECKING:
     from loadgen.simulator.cluster import ClusterSimulator
@@ -41,9 +47,11 @@ class Migration:
     dst: SimInstance
     started_at: float
     status: MigrationStatus = MigrationStatus.COPYING
-    stage: int = 0
-    copied_blocks: int = 0  # blocks whose copy has completed
+    stage: int = 0  # stages started
+    blocks_sent: int = 0  # request blocks [0, blocks_sent) are on the destination
+    lease_blocks: int = 0  # blocks reserved on the destination
     stage_blocks: int = 0  # blocks the stage in flight copies
+    stages: list[tuple[int, bool]] = field(default_factory=list)  # (blocks, last) per stage
     suspended_at: float | None = None
 
     @property
@@ -143,7 +151,7 @@ class Migrator:
         sim.events.push(sim.now + sim.config.migration_interval_s, self.on_round)
         loads = sim.loads()
         config = sim.policy_config
-        pairs = guarded_pairs(loads, config, self.guard) if self.guard else pair_migrations(loads, config)
+        pairs = pair_migrations(loads, config, self.guard)
         self.pairs = {pair.src: pair.dst for pair in pairs}
         self.stats.rounds += 1
         self.stats.pairs += len(pairs)
@@ -173,9 +181,13 @@ class Migrator:
         chosen = select_request_to_migrate(candidates)
         if chosen is None:
             return False
-        blocks = src.scheduler.block_manager.num_blocks_of(chosen.request_id)
-        if self.guard and not may_migrate_into(sim.report_of(dst), blocks, self.guard):
-            return False
+        if self.guard is not None:
+            blocks = src.scheduler.block_manager.num_blocks_of(chosen.request_id)
+            report = sim.report_of(dst)
+            if not may_migrate_into(num_blocks=blocks, num_blocks_free=report.num_blocks_free,
+                                    num_blocks_total=report.num_blocks_total, num_waiting=report.num_waiting,
+                                    guard=self.guard, draining=report.draining):
+                return False
         self._ids += 1
         migration = Migration(f"m{self._ids}", chosen.request_id, src, dst, started_at=sim.now)
         self.active[migration.migration_id] = migration
@@ -188,46 +200,57 @@ class Migrator:
     # -- stages ----------------------------------------------------------------------------------
 
     def _next_stage(self, migration: Migration) -> None:
-        """Copy the blocks the request has gained since the last stage, still decoding."""
-        blocks = migration.src.scheduler.block_manager.num_blocks_of(migration.request_id)
-        delta = blocks - migration.copied_blocks
-        model = self.model
-        if migration.stage > 0 and (delta <= model.last_stage_max_blocks or migration.stage >= model.max_stages):
-            self._last_stage(migration, delta)
+        """The live source's decision (`next_stage`): copy the full blocks the request gained
+        since the last stage while it keeps decoding, or suspend it and copy the rest."""
+        scheduler = migration.src.scheduler
+        request = scheduler.get(migration.request_id)
+        full = request.num_computed_tokens // scheduler.block_size  # blocks whose content is final
+        num_blocks = next_stage(self.model.stages, migration.stage, full, migration.blocks_sent)
+        if num_blocks is None:
+            self._last_stage(migration)
             return
-        if migration.dst.scheduler.reserve(migration.lease_id, delta) is None:
-            self._abort(migration, "destination out of blocks")
+        if not self._reserve_held_blocks(migration):
             return
-        migration.stage += 1
-        migration.stage_blocks = delta
-        duration = self.model.stage_overhead_s + self.model.copy_s(delta, self.block_bytes)
-        self.sim.events.push(self.sim.now + duration, self._on_stage_end, migration)
+        self._start_stage(migration, num_blocks, self.model.stage_overhead_s)
 
-    def _last_stage(self, migration: Migration, delta: int) -> None:
-        src, dst = migration.src, migration.dst
-        if dst.scheduler.reserve(migration.lease_id, max(delta, 0)) is None:
-            self._abort(migration, "destination out of blocks")
+    def _last_stage(self, migration: Migration) -> None:
+        if not self._reserve_held_blocks(migration):
             return
-        suspended = src.scheduler.suspend(migration.request_id)
+        suspended = migration.src.scheduler.suspend(migration.request_id)
         assert suspended, migration  # checked decoding just before
         migration.status = MigrationStatus.STOPPED
         migration.suspended_at = self.sim.now
-        migration.stage_blocks = delta
-        duration = self.model.commit_overhead_s + self.model.copy_s(delta, self.block_bytes)
+        self._start_stage(migration, migration.lease_blocks - migration.blocks_sent, self.model.commit_overhead_s)
+
+    def _reserve_held_blocks(self, migration: Migration) -> bool:
+        """Top the lease up to every block the request holds, the partial one included (as a
+        live PRE-ALLOC does); False (aborted) when the destination is out of blocks."""
+        held = migration.src.scheduler.block_manager.num_blocks_of(migration.request_id)
+        more = held - migration.lease_blocks
+        if more > 0 and migration.dst.scheduler.reserve(migration.lease_id, more) is None:
+            self._abort(migration, "destination out of blocks")
+            return False
+        migration.lease_blocks = max(held, migration.lease_blocks)
+        return True
+
+    def _start_stage(self, migration: Migration, num_blocks: int, overhead_s: float) -> None:
+        migration.stage += 1
+        migration.stage_blocks = num_blocks
+        migration.stages.append((num_blocks, migration.status is MigrationStatus.STOPPED))
+        duration = overhead_s + self.model.copy_s(num_blocks, self.block_bytes)
         self.sim.events.push(self.sim.now + duration, self._on_stage_end, migration)
 
     def _on_stage_end(self, migration: Migration) -> None:
         request = migration.src.scheduler.get(migration.request_id)
-        if migration.status is MigrationStatus.STOPPED:
-            self.stats.copied_blocks += migration.stage_blocks
-            self._commit(migration, request)
-            return
-        if request is None or not is_decoding(request):
+        if migration.status is not MigrationStatus.STOPPED and (request is None or not is_decoding(request)):
             self._abort(migration, "finished on the source" if request is None else "preempted on the source")
             return
-        migration.copied_blocks += migration.stage_blocks
+        migration.blocks_sent += migration.stage_blocks
         self.stats.copied_blocks += migration.stage_blocks
-        self._next_stage(migration)
+        if migration.status is MigrationStatus.STOPPED:
+            self._commit(migration, request)
+        else:
+            self._next_stage(migration)
 
     # -- endings ---------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from shared.config import add_nats_argument, env
 from shared.policy.config import PolicyConfig
+from shared.policy.migration import DEFAULT_GUARD, MigrationGuard
 
 
 @dataclass
@@ -17,6 +18,8 @@ class SchedulerConfig:
     migration_interval_s: float = 0.1
     enable_migration: bool = True
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # The pairing's anti-thrash rules (the llumlets apply the destination's part themselves).
+    guard: MigrationGuard = DEFAULT_GUARD
     metrics_port: int = 0  # Prometheus /metrics (0: off)
 
 
@@ -34,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instances below this freeness migrate requests out")
     parser.add_argument("--migrate-in-freeness", type=float, default=env("MIGRATE_IN_FREENESS", defaults.migrate_in_freeness),
                         help="instances above this freeness take migrated requests")
+    parser.add_argument("--migration-dest-max-waiting", type=int,
+                        default=env("MIGRATION_DEST_MAX_WAITING", DEFAULT_GUARD.dest_max_waiting),
+                        help="pair no destination with more requests than this waiting (as the llumlets' flag)")
+    parser.add_argument("--migration-min-freeness-gap", type=float,
+                        default=env("MIGRATION_MIN_FREENESS_GAP", DEFAULT_GUARD.min_freeness_gap),
+                        help="pair only when the destination is this much freer than the source")
 
 
 def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
@@ -43,8 +52,17 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         migration_interval_s=args.migration_interval_s,
         enable_migration=args.enable_migration,
         policy=policy_from_args(args),
+        guard=guard_from_args(args),
         metrics_port=args.metrics_port,
     )
+
+
+def guard_from_args(args: argparse.Namespace) -> MigrationGuard:
+    try:
+        return dataclasses.replace(DEFAULT_GUARD, dest_max_waiting=args.migration_dest_max_waiting,
+                                   min_freeness_gap=args.migration_min_freeness_gap)
+    except ValueError as exc:
+        raise SystemExit(f"bad migration guard: {exc}") from exc
 
 
 def policy_from_args(args: argparse.Namespace) -> PolicyConfig:

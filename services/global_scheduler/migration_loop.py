@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from shared import subjects
 from shared.messages import LoadReport, MigrateOrder, encode
 from shared.policy.config import PolicyConfig
-from shared.policy.baselines import MigrationGuard, guarded_pairs
+from shared.policy.migration import MigrationGuard, pair_migrations
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +34,9 @@ class Order:
 class MigrationPairer:
     """Pure bookkeeping of standing pairs; `plan` turns one round's loads into orders."""
 
-    def __init__(self, policy: PolicyConfig, guard: MigrationGuard | None = None) -> None:
+    def __init__(self, policy: PolicyConfig, guard: MigrationGuard) -> None:
         self.policy = policy
-        self.guard = guard or MigrationGuard()
+        self.guard = guard
         self.pairs: dict[str, MigrateOrder] = {}  # source → its standing order
         self._rounds = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:8]  # pair ids stay unique across scheduler restarts
@@ -45,9 +45,9 @@ class MigrationPairer:
     def plan(self, loads: Sequence[LoadReport]) -> list[Order]:
         round_no = next(self._rounds)
         migratable = [load for load in loads if load.kv_address]  # (no KV receiver: migration is off there)
-        # The simulator's anti-thrash guard (no destination with a queue, a freeness gap), so the
-        # services pair exactly as `loadgen simulate` measured.
-        wanted = {pair.src: pair.dst for pair in guarded_pairs(migratable, self.policy, self.guard)}
+        # The policy's anti-thrash guard (no destination with a queue, a freeness gap), as the
+        # simulator pairs, so the services pair exactly as `loadgen simulate` measured.
+        wanted = {pair.src: pair.dst for pair in pair_migrations(migratable, self.policy, self.guard)}
         orders = []
         for src, standing in list(self.pairs.items()):
             if wanted.get(src) != standing.dst_instance_id:

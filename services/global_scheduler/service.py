@@ -53,7 +53,8 @@ class GlobalScheduler:
         await self.nc.subscribe(subjects.DISPATCH, queue=subjects.SCHEDULER_QUEUE, cb=self._on_dispatch)
         self._tasks = [asyncio.create_task(self._expiry_loop(), name="expiry")]
         if self.config.enable_migration:
-            self.migration_loop = MigrationLoop(MigrationPairer(self.config.policy), self.table.live, self.nc.publish,
+            pairer = MigrationPairer(self.config.policy, self.config.guard)
+            self.migration_loop = MigrationLoop(pairer, self.table.live, self.nc.publish,
                                                 self.config.migration_interval_s,
                                                 on_order=lambda order: self.metrics.order_sent(order.cancel))
             self._tasks.append(asyncio.create_task(self.migration_loop.run(), name="migration-pairing"))

@@ -20,8 +20,6 @@ from dataclasses import dataclass, replace
 from shared.messages import DispatchRequest, LoadReport
 from shared.policy.config import PolicyConfig
 from shared.policy.dispatch import DispatchDecision, choose_instance, dispatchable, pick_tied
-from shared.policy.freeness import QueueDemand, freeness
-from shared.policy.migration import MigrationPair
 
 
 class DispatchRule(enum.Enum):
@@ -115,56 +113,3 @@ def dispatch(
     if policy.dispatch is DispatchRule.LEAST_MEMORY:
         return choose_least_loaded(loads, request)
     return choose_instance(loads, request, config)
-
-
-# -- migration with an anti-thrash guard -------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MigrationGuard:
-    """Rules on top of the threshold bands that stop migration from thrashing near saturation.
-
-    Near saturation every instance is short of memory: a request moved off a fragmented
-    instance lands on one that soon needs the room itself, preempts, and the cycle repeats.
-    """
-
-    # A destination with queued requests needs its free blocks for them.
-    dest_max_waiting: int = 0
-    # The destination must be this much freer than the source (blocks per running request).
-    min_freeness_gap: float = 10.0
-    # A request stays this long on an instance (since it arrived or migrated in) before it may
-    # move again: no ping-pong.
-    min_residence_s: float = 1.0
-    # After taking the request, the destination must keep at least this fraction of its blocks
-    # free: it must not become the next source.
-    dest_min_free_fraction_after: float = 0.1
-
-
-def guarded_pairs(loads: Sequence[LoadReport], config: PolicyConfig, guard: MigrationGuard) -> list[MigrationPair]:
-    """pair_migrations' rule (lowest head-of-line freeness below the low band with the highest
-    above the high band), restricted to destinations without a queue and to pairs with a
-    freeness gap."""
-    scored = [(freeness(l, config.headroom_blocks, QueueDemand.HEAD), l) for l in loads]
-    sources = sorted((f, l.instance_id) for f, l in scored if l.num_running > 0 and f < config.migrate_out_freeness)
-    dests = sorted(
-        (
-            (f, l.instance_id)
-            for f, l in scored
-            if not l.draining and f > config.migrate_in_freeness and l.num_waiting <= guard.dest_max_waiting
-        ),
-        key=lambda item: (-item[0], item[1]),
-    )
-    pairs = []
-    for (src_f, src), (dst_f, dst) in zip(sources, dests):
-        if len(pairs) >= config.max_pairs_per_round or dst_f - src_f < guard.min_freeness_gap:
-            break
-        pairs.append(MigrationPair(src, dst))
-    return pairs
-
-
-def may_migrate_into(dest: LoadReport, num_blocks: int, guard: MigrationGuard) -> bool:
-    """Whether `dest` can take a request of `num_blocks` and keep its guard margin free."""
-    if dest.draining or dest.num_waiting > guard.dest_max_waiting:
-        return False
-    free_after = dest.num_blocks_free - num_blocks
-    return free_after >= guard.dest_min_free_fraction_after * dest.num_blocks_total

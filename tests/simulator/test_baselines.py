@@ -7,18 +7,15 @@ import pytest
 from shared.messages import DispatchRequest
 from shared.policy.baselines import (
     POLICY_NAMES,
-    MigrationGuard,
     choose_least_loaded,
     choose_round_robin,
     get_policy,
-    guarded_pairs,
-    may_migrate_into,
     memory_load,
 )
 from shared.policy.config import HIGH_PRIORITY, PolicyConfig
 from shared.policy.dispatch import choose_instance, dispatch_score
 from shared.policy.freeness import QueueDemand, freeness
-from shared.policy.migration import MigrationPair
+from shared.policy.migration import MigrationGuard, MigrationPair, may_migrate_into, pair_migrations
 from tests.unit.policy_helpers import make_load
 
 CONFIG = PolicyConfig(headroom_blocks={}, migrate_out_freeness=1.0, migrate_in_freeness=10.0)
@@ -98,16 +95,17 @@ def test_guard_skips_destinations_with_a_queue_and_small_gaps():
     idle_with_queue = make_load("queued", total=100, running={0: (1, 10)}, waiting=[5])  # F = 85, queue
     light = make_load("light", total=100, running={0: (2, 40)})  # F = 30
     guard = MigrationGuard()
-    assert guarded_pairs([fragmented, idle_with_queue, light], CONFIG, guard) == [MigrationPair("frag", "light")]
+    assert pair_migrations([fragmented, idle_with_queue, light], CONFIG, guard) == [MigrationPair("frag", "light")]
     nearly = make_load("nearly", total=100, running={0: (10, 92)})  # F = 0.8, a source
     barely = make_load("barely", total=100, running={0: (5, 45)})  # F = 11, a destination, gap 10.2
-    assert guarded_pairs([nearly, barely], CONFIG, guard) == [MigrationPair("nearly", "barely")]
-    assert guarded_pairs([nearly, barely], CONFIG, MigrationGuard(min_freeness_gap=20)) == []
+    assert pair_migrations([nearly, barely], CONFIG, guard) == [MigrationPair("nearly", "barely")]
+    assert pair_migrations([nearly, barely], CONFIG, MigrationGuard(min_freeness_gap=20)) == []
 
 
 def test_destination_keeps_a_margin_after_taking_a_request():
-    dest = make_load("d", total=100, running={0: (2, 50)})  # 50 free
     guard = MigrationGuard(dest_min_free_fraction_after=0.1)
-    assert may_migrate_into(dest, 40, guard)
-    assert not may_migrate_into(dest, 41, guard)
-    assert not may_migrate_into(make_load("q", total=100, waiting=[5]), 1, guard)
+    dest = dict(num_blocks_free=50, num_blocks_total=100, num_waiting=0, guard=guard)
+    assert may_migrate_into(num_blocks=40, **dest)
+    assert not may_migrate_into(num_blocks=41, **dest)
+    assert not may_migrate_into(num_blocks=1, num_blocks_free=95, num_blocks_total=100, num_waiting=1, guard=guard)
+    assert not may_migrate_into(num_blocks=1, **dest, draining=True)

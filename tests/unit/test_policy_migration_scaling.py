@@ -17,17 +17,17 @@ def test_pairs_lowest_source_with_highest_destination():
         make_load("idle", total=100),  # F = 100
         make_load("light", total=100, running={0: (2, 40)}),  # F = 30
     ]
-    assert pair_migrations(loads, CONFIG) == [MigrationPair("fragmented", "idle"), MigrationPair("busy", "light")]
+    assert pair_migrations(loads, CONFIG, None) == [MigrationPair("fragmented", "idle"), MigrationPair("busy", "light")]
 
 
 def test_no_pairs_inside_the_band():
     loads = [make_load("a", running={0: (10, 50)}), make_load("b", running={0: (10, 60)})]  # F = 5, 4
-    assert pair_migrations(loads, CONFIG) == []
+    assert pair_migrations(loads, CONFIG, None) == []
 
 
 def test_draining_instance_is_a_source_never_a_destination():
     loads = [make_load("drain", running={0: (1, 1)}, draining=True), make_load("idle")]
-    assert pair_migrations(loads, CONFIG) == [MigrationPair("drain", "idle")]
+    assert pair_migrations(loads, CONFIG, None) == [MigrationPair("drain", "idle")]
 
 
 def test_selection_prefers_low_priority_then_short_sequences():

@@ -37,27 +37,23 @@ from services.llumlet.migration.protocol import (
 from services.llumlet.migration.transfer import AckStatus, FrameHeader
 from shared.messages import (
     Ack,
-    LoadReport,
     MigrationAbort,
     MigrationCommit,
     PreAlloc,
     WireError,
     decode,
 )
-from shared.policy.baselines import may_migrate_into
+from shared.policy.migration import may_migrate_into
 
 log = logging.getLogger(__name__)
 
 
 def guard_refusal(load: IntakeLoad, num_blocks: int, limits: MigrationLimits) -> str | None:
-    """Why a request of `num_blocks` may not migrate in, by the simulator's own rule
-    (`may_migrate_into`: no queue here, and enough blocks left free afterwards); None: it may."""
-    report = LoadReport(instance_id="", seq=0, sent_at=0.0, num_blocks_total=load.num_blocks_total,
-                        num_blocks_free=load.num_blocks_free, block_size=0, num_running=0,
-                        num_waiting=load.num_waiting, head_demand_blocks=0, waiting_demand_blocks=0,
-                        num_preemptions_total=0)
+    """Why a request of `num_blocks` may not migrate in, by the policy's guard (the one the
+    simulator runs: no queue here, and enough blocks left free afterwards); None: it may."""
     guard = limits.guard()
-    if may_migrate_into(report, num_blocks, guard):
+    if may_migrate_into(num_blocks=num_blocks, num_blocks_free=load.num_blocks_free,
+                        num_blocks_total=load.num_blocks_total, num_waiting=load.num_waiting, guard=guard):
         return None
     if load.num_waiting > guard.dest_max_waiting:
         return f"busy: {load.num_waiting} requests waiting here"

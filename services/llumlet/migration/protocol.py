@@ -31,9 +31,7 @@ import uuid
 from dataclasses import dataclass
 
 from shared.messages import PreAllocReply
-from shared.policy.baselines import MigrationGuard
-
-_GUARD = MigrationGuard()  # the simulator's anti-thrash defaults, applied by the llumlets too
+from shared.policy.migration import DEFAULT_GUARD, DEFAULT_STAGES, MigrationGuard, StageRule
 
 
 class MigrationStatus(enum.Enum):
@@ -89,15 +87,9 @@ PreAllocGrant = PreAllocReply  # the destination's answer, with its KV receiver'
 class MigrationLimits:
     """Every interval, timeout and size of the protocol (one place, units in the names)."""
 
-    # Stages: a stage copies the full blocks added since the previous one. When at most
-    # `last_stage_blocks` remain, or at the `stage_limit`-th stage, the request leaves the batch
-    # and the rest (with the partial last block) is copied while it is suspended. With 0, the
-    # last stage holds only what the previous (short) stage let the request add, so the downtime
-    # does not grow with the sequence; an extra stage of a block or two costs ~2 ms, off-line.
-    # (Measured on the 2-core VM: threshold 2 → final stages of 1 or 2 blocks, downtime 2.6-4.4
-    # ms growing with length; threshold 0 → 2.0-3.1 ms, flat.)
-    stage_limit: int = 6
-    last_stage_blocks: int = 0
+    # Stages: the policy's `StageRule` (shared with the simulator; its defaults, its reasons).
+    stage_limit: int = DEFAULT_STAGES.stage_limit
+    last_stage_blocks: int = DEFAULT_STAGES.last_stage_blocks
     # Destination: a lease is renewed by every PRE-ALLOC and every received frame; a source
     # that vanishes lets it run out. The watchdog frees expired leases.
     lease_s: float = 5.0
@@ -128,13 +120,14 @@ class MigrationLimits:
     throttle_frame_s: float = 0.05
     stage_timeout_base_s: float = 2.0
     stage_timeout_min_bytes_per_s: float = 50e6  # a stage may take base + bytes / this
-    # Anti-thrash guards (as the simulator's `MigrationGuard`). Source: a request is picked only
-    # after it has stayed this long here since it arrived or migrated in (no ping-pong).
-    # Destination: the first PRE-ALLOC is refused while requests wait here, or when taking the
-    # request would leave less than this fraction of the blocks free (it would become a source).
-    min_residence_s: float = _GUARD.min_residence_s
-    dest_max_waiting: int = _GUARD.dest_max_waiting
-    dest_min_free_fraction: float = _GUARD.dest_min_free_fraction_after
+    # The policy's anti-thrash `MigrationGuard` (shared with the scheduler and the simulator).
+    # Source: a request is picked only after it has stayed this long here since it arrived or
+    # migrated in (no ping-pong). Destination: the first PRE-ALLOC is refused while requests wait
+    # here, or when taking the request would leave less than this fraction of the blocks free
+    # (it would become a source).
+    min_residence_s: float = DEFAULT_GUARD.min_residence_s
+    dest_max_waiting: int = DEFAULT_GUARD.dest_max_waiting
+    dest_min_free_fraction: float = DEFAULT_GUARD.dest_min_free_fraction_after
     # Source loop.
     max_out: int = 1
     max_in: int = 2
@@ -143,20 +136,13 @@ class MigrationLimits:
     idle_poll_s: float = 0.02  # with a pair but nothing to migrate, look again after this
 
     def __post_init__(self) -> None:
-        if self.stage_limit < 1:
-            raise ValueError("stage_limit must be at least 1 (1 = blocking copy)")
-        if self.last_stage_blocks < 0:
-            raise ValueError("last_stage_blocks must be >= 0")
+        self.stage_rule(), self.guard()  # (they check their own fields)
         if self.max_out < 0 or self.max_in < 0:
             raise ValueError("max_out and max_in must be >= 0")
         if self.bandwidth_bytes_per_s < 0:
             raise ValueError("bandwidth_bytes_per_s must be >= 0 (0: no cap)")
         if not 0 <= self.commit_kv_wait_s < self.commit_timeout_s:
             raise ValueError("commit_kv_wait_s must be in [0, commit_timeout_s)")
-        if self.min_residence_s < 0 or self.dest_max_waiting < 0:
-            raise ValueError("min_residence_s and dest_max_waiting must be >= 0")
-        if not 0 <= self.dest_min_free_fraction < 1:
-            raise ValueError("dest_min_free_fraction must be in [0, 1)")
         if self.frame_bytes <= 0 or self.frame_bytes > self.max_frame_bytes:
             raise ValueError("frame_bytes must be in (0, max_frame_bytes]")
         for name in ("lease_s", "watchdog_interval_s", "prealloc_timeout_s", "abort_timeout_s",
@@ -171,9 +157,13 @@ class MigrationLimits:
         return self.stage_timeout_base_s + num_bytes / rate
 
     def guard(self) -> MigrationGuard:
-        """The guard's rules with these limits (for `may_migrate_into`)."""
+        """The guard's rules with these limits (for `may_migrate_into`; the freeness gap is the
+        scheduler's, which pairs)."""
         return MigrationGuard(dest_max_waiting=self.dest_max_waiting, min_residence_s=self.min_residence_s,
                               dest_min_free_fraction_after=self.dest_min_free_fraction)
+
+    def stage_rule(self) -> StageRule:
+        return StageRule(stage_limit=self.stage_limit, last_stage_blocks=self.last_stage_blocks)
 
     def effective_frame_bytes(self) -> int:
         if not self.bandwidth_bytes_per_s:

@@ -36,7 +36,7 @@ from services.llumlet.migration.protocol import (
 )
 from services.llumlet.migration.transfer import KVSenderPool, StageTransfer
 from shared.messages import MigrateOrder, MigrationAbort, MigrationCommit, PreAlloc, encode
-from shared.policy.migration import select_request_to_migrate
+from shared.policy.migration import next_stage, select_request_to_migrate
 
 log = logging.getLogger(__name__)
 
@@ -272,16 +272,16 @@ class MigrationCoordinator:
         that PRE-ALLOC reserves what the request outgrew the copies by, also before the suspend:
         a reservation on vLLM waits for the destination's engine step in flight (2-5 ms), which
         would otherwise sit in the downtime."""
-        block_size = self.ops.block_size
+        block_size, rule = self.ops.block_size, self.limits.stage_rule()
         while True:
             snapshot = self._check(m, LivePhase.RUNNING)
             full = snapshot.num_computed_tokens // block_size  # blocks whose content is final
-            forced = m.stage >= self.limits.stage_limit - 1
-            if forced or full - m.blocks_sent <= self.limits.last_stage_blocks:
+            num_blocks = next_stage(rule, m.stage, full, m.blocks_sent)  # (the simulator's rule too)
+            if num_blocks is None:
                 break
             prealloc_s = await self._prealloc(m, snapshot.num_blocks)
             self._check(m, LivePhase.RUNNING)
-            await self._copy(m, full, LivePhase.RUNNING, prealloc_s, final=False)
+            await self._copy(m, m.blocks_sent + num_blocks, LivePhase.RUNNING, prealloc_s, final=False)
         await self._prealloc(m, snapshot.num_blocks)  # (off the downtime)
         self._check(m, LivePhase.RUNNING)
         self._suspend(m)
