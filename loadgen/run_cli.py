@@ -14,7 +14,8 @@ from loadgen.client import EndpointConfig, normalize_base_url
 from loadgen.datasets import SPEC_HELP, parse_dataset_spec
 from loadgen.errors import LoadgenError
 from loadgen.metrics import DEFAULT_PERCENTILES, parse_goodput
-from loadgen.runner import BenchmarkConfig, BenchmarkResult, run_benchmark
+from loadgen.progress import DEFAULT_INTERVAL_S, choose_mode
+from loadgen.runner import BenchmarkConfig, BenchmarkResult, run_benchmark, run_title
 from loadgen.schedule import SchedulePlan
 
 _EPILOG = f"""dataset SPEC:
@@ -99,7 +100,10 @@ def _add_output_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--save-detailed", action="store_true", help="add per-request lists to the JSON")
     group.add_argument("--plot", metavar="DIR", help="write latency CDFs and a timeline as PNG")
     group.add_argument("--label", help="label stored in the result")
-    group.add_argument("--no-progress", action="store_true", help="no progress bar")
+    group.add_argument("--no-progress", action="store_true", help="no progress output")
+    group.add_argument("--progress-interval", type=float, default=DEFAULT_INTERVAL_S, metavar="S",
+                       help="when stderr is not a terminal, a progress line every S seconds "
+                       f"(default {DEFAULT_INTERVAL_S:g}); on a terminal, a progress bar")
 
 
 def build_config(args: argparse.Namespace) -> BenchmarkConfig:
@@ -124,7 +128,8 @@ def build_config(args: argparse.Namespace) -> BenchmarkConfig:
         percentiles=_percentiles(args.percentiles),
         goodput_ms=_goodput(args.goodput),
         label=args.label,
-        progress=not args.no_progress and sys.stderr.isatty(),
+        progress=choose_mode(args.no_progress, sys.stderr),
+        progress_interval_s=_positive(args.progress_interval, "--progress-interval"),
     )
 
 
@@ -244,5 +249,5 @@ def _report(result: BenchmarkResult, args: argparse.Namespace) -> None:
     if args.plot:
         from loadgen.plots import write_plots
 
-        for path in write_plots(result.records, args.plot):
+        for path in write_plots(result.records, args.plot, run_title(result.config)):
             print(f"plot written to {path}", file=sys.stderr)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -12,13 +11,13 @@ from datetime import datetime
 from typing import Any
 
 import httpx
-from tqdm import tqdm
 
 from loadgen.client import EndpointConfig, check_endpoint, make_client, send_request
 from loadgen.datasets import DatasetSpec, check_dataset_readable, load_dataset, parse_dataset_spec
 from loadgen.errors import LoadgenError
 from loadgen.metrics import DEFAULT_PERCENTILES, BenchmarkMetrics, compute_metrics
-from loadgen.records import RequestRecord
+from loadgen.progress import DEFAULT_INTERVAL_S, Progress, ProgressMode, note
+from loadgen.records import RequestRecord, RequestStatus
 from loadgen.schedule import SchedulePlan, ScheduledRequest, build_schedule
 from loadgen.synth import PromptSynthesizer, load_tokenizer
 
@@ -37,7 +36,8 @@ class BenchmarkConfig:
     percentiles: Sequence[float] = DEFAULT_PERCENTILES
     goodput_ms: dict[str, float] = field(default_factory=dict)
     label: str | None = None
-    progress: bool = False
+    progress: ProgressMode = "off"  # "bar" on a terminal, "lines" in logs (loadgen.progress)
+    progress_interval_s: float = DEFAULT_INTERVAL_S
 
 
 @dataclass
@@ -65,13 +65,27 @@ async def run_benchmark(config: BenchmarkConfig) -> BenchmarkResult:
 
 
 def prepare_requests(config: BenchmarkConfig) -> list[ScheduledRequest]:
+    """The requests to send, with their prompts: tens of seconds for thousands of long prompts,
+    so each step says what it does and prompt synthesis reports its progress."""
     spec = parse_dataset_spec(config.dataset)
-    tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
+    tokenizer = None
+    if config.tokenizer:
+        note(config.progress, f"loading tokenizer {config.tokenizer}")
+        tokenizer = load_tokenizer(config.tokenizer)
+    note(config.progress, f"reading dataset {config.dataset}")
     specs = load_dataset(
         spec, num_requests=_request_count(config, spec), seed=config.plan.seed, tokenizer=tokenizer
     )
-    synthesizer = PromptSynthesizer(tokenizer, config.plan.seed) if tokenizer is not None else None
-    return build_schedule(specs, config.plan, synthesizer)
+    synthesizer = None
+    if tokenizer is not None:
+        note(config.progress, "choosing prompt words from the tokenizer's vocabulary")
+        synthesizer = PromptSynthesizer(tokenizer, config.plan.seed)
+    progress = Progress("preparing prompts", len(specs), config.progress, unit="prompt",
+                        interval_s=config.progress_interval_s)
+    try:
+        return build_schedule(specs, config.plan, synthesizer, on_prompt=progress.advance)
+    finally:
+        progress.close()
 
 
 def _request_count(config: BenchmarkConfig, spec: DatasetSpec) -> int | None:
@@ -88,17 +102,22 @@ async def _replay(
     client: httpx.AsyncClient, config: BenchmarkConfig, requests: Sequence[ScheduledRequest]
 ) -> tuple[list[RequestRecord], float]:
     limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
-    bar = tqdm(total=len(requests), disable=not config.progress, unit="req", file=sys.stderr)
+    progress = Progress("sending", len(requests), config.progress, interval_s=config.progress_interval_s)
+    ticker = asyncio.create_task(_tick(progress, config.progress_interval_s))
     tasks: list[asyncio.Task[RequestRecord]] = []
     clock_zero = time.perf_counter()
 
     async def send(request: ScheduledRequest) -> RequestRecord:
+        record = None
         try:
-            return await send_request(client, config.endpoint, request, clock_zero)
+            record = await send_request(client, config.endpoint, request, clock_zero)
+            return record
         finally:
             if limit is not None:
                 limit.release()
-            bar.update(1)
+            status = record.status if record is not None else None
+            progress.advance(failed=int(status is RequestStatus.FAILED),
+                             rejected=int(status is RequestStatus.REJECTED))
 
     try:
         for request in requests:
@@ -114,10 +133,18 @@ async def _replay(
             tasks.append(asyncio.create_task(send(request)))
         records = list(await asyncio.gather(*tasks))
     finally:
+        ticker.cancel()
         for task in tasks:
             task.cancel()
-        bar.close()
+        progress.close()
     return records, time.perf_counter() - clock_zero
+
+
+async def _tick(progress: Progress, interval_s: float) -> None:
+    """Periodic lines while no request finishes (long generations)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        progress.tick()
 
 
 async def _sleep_until(deadline: float) -> None:
@@ -142,3 +169,12 @@ def describe_plan(config: BenchmarkConfig) -> dict[str, Any]:
         "ignore_eos": config.endpoint.ignore_eos,
         "duration_limit_s": config.duration_s,
     }
+
+
+def run_title(config: BenchmarkConfig) -> str:
+    """The run's name on plots: --label, else what was sent where at which rate."""
+    if config.label:
+        return config.label
+    plan = config.plan
+    pace = f"{plan.rate:g} req/s" if math.isfinite(plan.rate) else "all at once"
+    return f"{config.endpoint.model}, {config.dataset}, {pace}"

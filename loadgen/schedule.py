@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from loadgen.arrivals import arrival_times, priority_flags
@@ -47,9 +47,12 @@ def max_tokens_for(spec: RequestSpec, plan: SchedulePlan) -> int:
 
 
 def build_schedule(
-    specs: Sequence[RequestSpec], plan: SchedulePlan, synthesizer: PromptSynthesizer | None
+    specs: Sequence[RequestSpec],
+    plan: SchedulePlan,
+    synthesizer: PromptSynthesizer | None,
+    on_prompt: Callable[[], None] | None = None,
 ) -> list[ScheduledRequest]:
-    """One ScheduledRequest per dataset request, in send order."""
+    """One ScheduledRequest per dataset request, in send order; `on_prompt` after each prompt."""
     n = len(specs)
     try:
         times = arrival_times(
@@ -74,6 +77,8 @@ def build_schedule(
         scheduled.append(
             ScheduledRequest(index, arrival_s, prompt, input_len, max_tokens_for(spec, plan), priority)
         )
+        if on_prompt is not None:
+            on_prompt()
     return scheduled
 
 
