@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.errors import LoadgenError
+from loadgen.failures import failure_lines, group_failures
 from loadgen.metrics import BenchmarkMetrics, Summary, compute_metrics
 from loadgen.records import RequestRecord
 from loadgen.runner import BenchmarkResult, describe_plan
@@ -60,6 +61,10 @@ def metrics_fields(metrics: BenchmarkMetrics) -> dict[str, Any]:
     for name, summary in {**metrics.summaries(), **metrics.split_summaries()}.items():
         fields.update(summary_fields(name, summary))
     fields["errors_summary"] = metrics.errors
+    fields["error_groups"] = [
+        {"shape": g.shape, "count": g.count, "distinct_messages": g.distinct, "example": g.example}
+        for g in group_failures(metrics.errors)
+    ]
     return fields
 
 
@@ -150,7 +155,7 @@ def format_summary(result: BenchmarkResult) -> str:
             lines += _mean_p99_lines(_HEADERS[metric][0], group.summaries()[metric])
     if metrics.errors:
         lines.append(" Errors ".center(_WIDTH, "-"))
-        lines += [f"{count:>6} x {message}" for message, count in list(metrics.errors.items())[:10]]
+        lines += failure_lines(metrics.errors)
     lines.append("=" * _WIDTH)
     return "\n".join(lines)
 
