@@ -18,9 +18,9 @@ generates on its way.
 
 Downtime = suspend on the source → COMMIT acknowledged (the request is queued into the
 destination's batch). Its breakdown (source clock): the last stage's PRE-ALLOC round trip (a top-up,
-usually none), and the COMMIT round trip: by default the COMMIT rides in the last KV frame and its
-ack answers it (TCP both ways, the frame's write, the destination's checks and its add into vLLM);
-with the NATS COMMIT (`--commit-over-nats`) NATS both ways plus the wait for the last frame. Off the downtime but on the request's token gap: on the source, the suspend
+usually none), and the COMMIT round trip: the COMMIT rides in the last KV frame and its ack answers
+it (TCP both ways, the frame's write, the destination's checks and its add into vLLM; the NATS
+COMMIT only when that ack is lost). Off the downtime but on the request's token gap: on the source, the suspend
 waits for the engine step in flight; on the destination, the request joins vLLM at its next step
 boundary and gets its next token from the step after (from the destination's log). "Token gap" =
 the client-side gap between the last token from the source and the first from the destination.
@@ -251,7 +251,6 @@ class Bench:
             "final_copy_ms": 1e3 * final.seconds,
             "final_blocks": final.num_blocks,
             "commit_ms": 1e3 * m.commit_s,
-            "commit_pipelined": m.commit_pipelined,
             "commit_via": m.commit_via,
             # Suspend → COMMIT sent: checks, the commit message, (a sequential copy).
             "before_commit_ms": 1e3 * (m.downtime_s - m.commit_s),
@@ -360,12 +359,8 @@ def report_line(kind: str, r: dict) -> None:
     if during.get("steps") and before.get("steps"):
         step_note = f", src step {before['median_ms']:.2f}→{during['median_ms']:.2f} ms"
     gbps = f"{r['first_stage_gbps']:.2f} GB/s" if r["first_stage_gbps"] else "-"
-    if r["commit_via"].startswith("frame"):
-        commit = f"copy+commit in frame {r['commit_ms']:.2f} [{r['final_blocks']} blocks]"
-        commit += " + NATS fallback" if r["commit_via"] != "frame" else ""
-    else:
-        overlap = "∥" if r["commit_pipelined"] else "then"
-        commit = f"copy {r['final_copy_ms']:.2f} [{r['final_blocks']} blocks] {overlap} commit {r['commit_ms']:.2f}"
+    commit = f"copy+commit in frame {r['commit_ms']:.2f} [{r['final_blocks']} blocks]"
+    commit += " + NATS fallback" if r["commit_via"] != "frame" else ""
     print(f"{kind:>8} {r['length']:>5}: downtime {r['downtime_ms']:6.2f} ms (top-up {r['final_prealloc_ms']:.2f}, "
           f"{commit}), "
           f"token gap {r['token_gap_ms']:6.1f} ms (ITL {r['itl_before_ms']:.1f}), {r['num_stages']} stages, "
@@ -374,8 +369,7 @@ def report_line(kind: str, r: dict) -> None:
 
 # -- the destination's share, from its log ----------------------------------------------------
 
-_COMMITTED = re.compile(r"incoming migration (\w+) of (\S+) committed: \d+ blocks "
-                        r"\(waited ([\d.]+) ms for the last frame, add_migrated ([\d.]+) ms\)")
+_COMMITTED = re.compile(r"incoming migration (\w+) of (\S+) committed: \d+ blocks \(add_migrated ([\d.]+) ms\)")
 _LOADED = re.compile(r"migrated-in (\S+): added to vLLM ([\d.]+) ms after its commit, first step ([\d.]+)-([\d.]+) ms")
 
 
@@ -383,8 +377,8 @@ def destination_timings(log_text: str) -> dict[str, dict]:
     """By request id: add_migrated, when the engine thread added it to vLLM, and the step that
     loaded its KV and computed its next token (ms after the commit, destination clock)."""
     timings: dict[str, dict] = {}
-    for mid, rid, wait_ms, add_ms in _COMMITTED.findall(log_text):
-        timings[rid] = {"kv_wait_ms": float(wait_ms), "add_migrated_ms": float(add_ms)}
+    for mid, rid, add_ms in _COMMITTED.findall(log_text):
+        timings[rid] = {"add_migrated_ms": float(add_ms)}
     for internal_id, added, step_start, step_end in _LOADED.findall(log_text):
         rid = next((r for r in timings if internal_id.startswith(r)), None)  # vLLM appends a suffix
         if rid is not None:
@@ -422,13 +416,13 @@ def summarize(s: Settings, live: list, blocking: list, recompute: list, dst_repo
     breakdown_keys = ("downtime_ms", "final_prealloc_ms", "before_commit_ms", "final_copy_ms", "commit_ms",
                       "suspend_ms", "release_ms", "downtime_to_release_ms", "token_gap_ms", "itl_before_ms")
     breakdown = {key: median(live, key) for key in breakdown_keys}
-    for key in ("kv_wait_ms", "add_migrated_ms", "added_to_vllm_ms", "first_step_start_ms", "first_step_end_ms"):
+    for key in ("add_migrated_ms", "added_to_vllm_ms", "first_step_start_ms", "first_step_end_ms"):
         breakdown[f"dst_{key}"] = median(live, lambda r, k=key: r["destination"].get(k))
-    # The COMMIT's round trip less what the destination spent on it: NATS both ways (with the
-    # nats-server hop) or TCP both ways with the frame, and the two event loops' wake-ups.
+    # The COMMIT's round trip less what the destination spent on it: TCP both ways with the last
+    # frame and its write, and the two event loops' wake-ups.
     breakdown["commit_transport_ms"] = median(
-        live, lambda r: r["commit_ms"] - r["destination"]["kv_wait_ms"] - r["destination"]["add_migrated_ms"]
-        if "kv_wait_ms" in r["destination"] else None)
+        live, lambda r: r["commit_ms"] - r["destination"]["add_migrated_ms"]
+        if "add_migrated_ms" in r["destination"] else None)
     goals = {
         "downtime_max_median_ms": max(live_down.values()),
         "downtime_flat_longest_over_shortest": live_down[longest] / live_down[shortest],
@@ -472,18 +466,14 @@ def print_summary(result: dict) -> None:
               f"{result['blocking_downtime_ms_by_length'][length]:12.2f}  {rec:13.1f}  {rec / live:14.1f}  "
               f"{result['live_token_gap_ms_by_length'][length]:13.1f}")
     b = result["downtime_breakdown_ms"]
-    dst = {k: b[f"dst_{k}"] for k in ("kv_wait_ms", "add_migrated_ms", "added_to_vllm_ms", "first_step_start_ms",
+    dst = {k: b[f"dst_{k}"] for k in ("add_migrated_ms", "added_to_vllm_ms", "first_step_start_ms",
                                       "first_step_end_ms")}
-    in_frame = result["commit_via"].get("frame", 0) + result["commit_via"].get("frame+nats", 0) > 0
-    where = "in the last frame" if in_frame else "over NATS"
     print(f"downtime breakdown (live, all lengths, medians, ms): total {b['downtime_ms']:.2f} = suspend→COMMIT sent "
           f"{b['before_commit_ms']:.2f} (top-up PRE-ALLOC {b['final_prealloc_ms']:.2f}) + COMMIT round trip "
-          f"{b['commit_ms']:.2f} ({where}; commit paths {result['commit_via']})" +
-          ("" if in_frame else f"; the last copy ({b['final_copy_ms']:.2f}) runs beside the COMMIT"))
+          f"{b['commit_ms']:.2f} (in the last frame; commit paths {result['commit_via']})")
     if all(v is not None for v in dst.values()):
-        transport = "TCP both ways with the frame and its write" if in_frame else "NATS both ways"
-        print(f"  COMMIT round trip = {transport} {b['commit_transport_ms']:.2f} + destination waiting for the last "
-              f"frame {dst['kv_wait_ms']:.2f} + add_migrated {dst['add_migrated_ms']:.2f}")
+        print(f"  COMMIT round trip = TCP both ways with the frame and its write {b['commit_transport_ms']:.2f} + "
+              f"add_migrated {dst['add_migrated_ms']:.2f}")
         print(f"  destination after its commit: in vLLM at {dst['added_to_vllm_ms']:.2f} (next step boundary), the "
               f"step with its next token {dst['first_step_start_ms']:.2f}-{dst['first_step_end_ms']:.2f}")
     print(f"  off the downtime: suspend (waits for the source's step in flight) {b['suspend_ms']:.2f}, release after "
@@ -512,8 +502,6 @@ def parse_args(argv: list[str] | None) -> Settings:
     defaults = MigrationLimits()
     parser.add_argument("--stage-limit", type=int, default=defaults.stage_limit)
     parser.add_argument("--last-stage-blocks", type=int, default=defaults.last_stage_blocks)
-    parser.add_argument("--commit-over-nats", action="store_true",
-                        help="the NATS COMMIT only (the previous protocol), not the COMMIT in the last KV frame")
     args = parser.parse_args(argv)
     lengths = sorted(int(x) for x in args.lengths.split(","))
     if not lengths or lengths[0] < 1 or lengths[-1] + MIN_OUTPUT_BEFORE + 16 > args.max_model_len:
@@ -521,8 +509,7 @@ def parse_args(argv: list[str] | None) -> Settings:
     if args.kv_cache_gib <= 0:
         parser.error("--kv-cache-gib must be positive")
     try:
-        limits = MigrationLimits(stage_limit=args.stage_limit, last_stage_blocks=args.last_stage_blocks,
-                                 commit_in_frame=not args.commit_over_nats)
+        limits = MigrationLimits(stage_limit=args.stage_limit, last_stage_blocks=args.last_stage_blocks)
     except ValueError as exc:
         parser.error(str(exc))
     from services.tools.make_model import ensure_tiny_model

@@ -11,10 +11,12 @@ import pytest
 from services.llumlet.engines.sim.engine import SimEngine
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.destination import IncomingMigrations
+from services.llumlet.migration.kv_receiver import KVReceiver
+from services.llumlet.migration.kv_sender import KVSenderPool
+from services.llumlet.migration.kv_wire import AckStatus, FrameHeader
 from services.llumlet.migration.ops import migration_ops_for
 from services.llumlet.migration.protocol import ALREADY_COMMITTED, MigrationLimits, MigrationStatus, new_migration_id
 from services.llumlet.migration.protocol import DestinationRefused
-from services.llumlet.migration.transfer import AckStatus, FrameHeader, KVReceiver, KVSenderPool
 from shared.messages import MigrationAbort, PreAlloc, encode
 from tests.unit.migration_helpers import FakeClock, decode_steps, gen, sim_config
 

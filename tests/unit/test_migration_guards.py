@@ -1,7 +1,7 @@
 """The llumlet's migration guards (the simulator's `MigrationGuard`, applied live) and the short
 last stage: a request moves only after `min_residence_s` on its instance; a destination refuses
 the first PRE-ALLOC while requests wait there or when the request would leave it short of free
-blocks; the last stage is reserved before the suspend and its COMMIT may overtake its frame."""
+blocks; the last stage is reserved before the suspend and its COMMIT rides in its last frame."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ import pytest
 from services.llumlet.engines.sim.engine import SimEngine
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.destination import IncomingMigrations, IntakeLoad, guard_refusal
+from services.llumlet.migration.kv_receiver import KVReceiver
+from services.llumlet.migration.kv_sender import KVSenderPool
+from services.llumlet.migration.kv_wire import AckStatus, FrameHeader
 from services.llumlet.migration.ops import LivePhase, MigrationSnapshot, migration_ops_for
 from services.llumlet.migration.protocol import MigrationLimits, MigrationStatus, PreAllocGrant, new_migration_id
 from services.llumlet.migration.source import MigrationCoordinator
-from services.llumlet.migration.transfer import AckStatus, FrameHeader, KVReceiver, KVSenderPool
 from shared.messages import Ack, MigrateOrder, MigrationAbort, MigrationCommit, PreAlloc
 from shared.policy.migration import MigrationCandidate
 from tests.unit.migration_helpers import FakeClock, decode_steps, expected_tokens, gen, sim_config
@@ -176,7 +178,7 @@ def test_adapters_report_their_intake_load() -> None:
     assert load == IntakeLoad(engine.num_free_blocks(), 64, 1)
 
 
-# -- the last stage: reserved before the suspend, topped up, COMMIT overtaking the frame -------
+# -- the last stage: reserved before the suspend, topped up, committed in its frame ------------
 
 
 def test_a_repeated_prealloc_with_more_blocks_tops_up_its_stage() -> None:
@@ -194,7 +196,10 @@ def test_a_repeated_prealloc_with_more_blocks_tops_up_its_stage() -> None:
     intake.copier.close()
 
 
-async def test_a_commit_that_overtook_the_last_frame_waits_for_it() -> None:
+async def test_a_nats_commit_before_the_lease_is_filled_is_refused_and_ends_the_migration() -> None:
+    """The NATS COMMIT (sent only when the last frame's ack was lost) may find the lease not yet
+    written: it is refused and ends the migration (the source resumes the request), and a frame
+    that lands afterwards is refused too, so the request never runs on both instances."""
     intake = Intake(IntakeLoad(64, 64, 0))
     source = SimEngine(sim_config())
     source.add_request(gen("r", 10, 100))
@@ -202,42 +207,19 @@ async def test_a_commit_that_overtook_the_last_frame_waits_for_it() -> None:
     assert source.suspend("r")
     blocks = source.block_ids_of("r")
     mid = new_migration_id()
-    lease = intake.prealloc(mid, 0, len(blocks)).block_ids
-    commit = source.migration_commit("r", mid)
-    waiting = asyncio.create_task(intake.incoming.wait_for_kv(mid))
-    await asyncio.sleep(0.01)
-    assert not waiting.done()  # the frame is not in yet
-    payload = source.export_kv(blocks).reshape(-1)
-    header = FrameHeader(mid, 0, 0, len(blocks), payload.nbytes, 0)
-    assert await intake.incoming.write(header, memoryview(payload)) is AckStatus.OK
-    await asyncio.wait_for(waiting, 1)
-    ack, committed = intake.incoming.handle_commit(commit)
-    assert ack.ok and committed and intake.engine.verify_kv("r") and len(lease) == len(blocks)
-    intake.copier.close()
-
-
-async def test_a_commit_whose_frame_never_comes_is_refused_after_the_wait() -> None:
-    intake = Intake(IntakeLoad(64, 64, 0), MigrationLimits(commit_kv_wait_s=0.05))
-    mid = new_migration_id()
-    intake.prealloc(mid, 0, 2)
-    source = SimEngine(sim_config())
-    source.add_request(gen("r", 6, 100))
-    await decode_steps(source, 2)
-    assert source.suspend("r")
-    started = time.monotonic()
-    await intake.incoming.wait_for_kv(mid)
-    assert 0.04 < time.monotonic() - started < 1.0
+    assert intake.prealloc(mid, 0, len(blocks)).ok
     ack, committed = intake.incoming.handle_commit(source.migration_commit("r", mid))
     assert not ack.ok and "KV incomplete" in ack.error and not committed
     assert intake.engine.num_reserved_blocks() == 0
+    payload = source.export_kv(blocks).reshape(-1)
+    header = FrameHeader(mid, 0, 0, len(blocks), payload.nbytes, 0)
+    assert await intake.incoming.write(header, memoryview(payload)) is AckStatus.UNKNOWN_MIGRATION
     intake.copier.close()
 
 
-class WaitingLink:
-    """The handshake as `HandshakeServer` runs it (a COMMIT waits for the last frame), called
-    directly; it records the order of events."""
-
-    commit_waits_for_kv = True
+class RecordingLink:
+    """The handshake called directly; it records each call (with the request's phase at a
+    PRE-ALLOC)."""
 
     def __init__(self, incoming: IncomingMigrations, src: SimEngine, request_id: str) -> None:
         self.incoming, self.src, self.request_id = incoming, src, request_id
@@ -255,9 +237,7 @@ class WaitingLink:
         return self.incoming.handle_abort(msg)
 
     async def commit(self, dst: str, msg: MigrationCommit) -> Ack:
-        m = self.incoming.get(msg.migration_id)
-        self.events.append(("commit", "kv in" if m.kv_complete else "kv on its way"))
-        await self.incoming.wait_for_kv(msg.migration_id)
+        self.events.append(("commit", None))
         return self.incoming.handle_commit(msg)[0]
 
 
@@ -268,13 +248,13 @@ async def pair():
     config = sim_config(time_scale=0.01, num_blocks=256, max_model_len=2048)
     src, dst = SimEngine(config), SimEngine(config)
     src_ops, dst_ops = migration_ops_for(src), migration_ops_for(dst)
-    limits = MigrationLimits(last_stage_blocks=0, commit_in_frame=False)  # (the NATS COMMIT alone)
+    limits = MigrationLimits(last_stage_blocks=0)
     src_copier, dst_copier = BlockCopier(src_ops.kv_regions()), BlockCopier(dst_ops.kv_regions())
     incoming = IncomingMigrations(dst_ops, dst_copier, limits)
     receiver = KVReceiver(incoming, limits, dst_copier.new_host_buffer)
     incoming.kv_address = await receiver.start()
     senders = KVSenderPool(limits)
-    link = WaitingLink(incoming, src, "r")
+    link = RecordingLink(incoming, src, "r")
     coordinator = MigrationCoordinator("src", src_ops, src_copier, link, senders, limits, NoHooks())
     outputs: list = []
 
@@ -297,7 +277,7 @@ async def pair():
     dst_copier.close()
 
 
-async def test_the_last_stage_is_reserved_before_the_suspend_and_committed_behind_its_frame(pair) -> None:
+async def test_the_last_stage_is_reserved_before_the_suspend_and_committed_in_its_frame(pair) -> None:
     src, dst, link, coordinator, outputs = pair
     src.add_request(gen("r", 100, 300))
     async with asyncio.timeout(5):
@@ -305,10 +285,9 @@ async def test_the_last_stage_is_reserved_before_the_suspend_and_committed_behin
             await asyncio.sleep(0.001)
     m = await coordinator.migrate("r", "dst")
     assert m.status is MigrationStatus.FINISHED, m.reason
-    assert m.commit_pipelined and m.committed_at is not None
-    assert link.events[-2] == ("prealloc", LivePhase.RUNNING)  # the last stage's, before the suspend
-    if m.stages[-1].num_blocks:
-        assert link.events[-1] == ("commit", "kv on its way")  # sent without waiting for the frame's ack
+    assert m.commit_via == "frame" and m.committed_at is not None
+    assert link.events[-1] == ("prealloc", LivePhase.RUNNING)  # the last stage's, before the suspend
+    assert ("commit", None) not in link.events  # answered in the last frame's ack, not over NATS
     assert m.stages[-1].final and m.stages[-1].prealloc_s == 0.0  # no PRE-ALLOC in the downtime
     assert m.downtime_s == pytest.approx(m.committed_at - m.suspended_at)
     assert dst.verify_kv("r")
@@ -326,8 +305,7 @@ async def test_the_last_stage_is_reserved_before_the_suspend_and_committed_behin
 
 
 def test_the_limits_refuse_bad_guard_settings() -> None:
-    for bad in (dict(min_residence_s=-1), dict(dest_max_waiting=-1), dict(dest_min_free_fraction=1.0),
-                dict(commit_kv_wait_s=5.0, commit_timeout_s=2.0)):
+    for bad in (dict(min_residence_s=-1), dict(dest_max_waiting=-1), dict(dest_min_free_fraction=1.0)):
         with pytest.raises(ValueError):
             MigrationLimits(**bad)
 

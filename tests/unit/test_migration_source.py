@@ -13,9 +13,11 @@ import pytest
 from shared.engine_model.views import EngineError
 from services.llumlet.engines.sim.engine import SimEngine
 from shared.engine_model.request import RequestStatus
-from services.llumlet.migration import transfer as transfer_module
+from services.llumlet.migration import kv_sender
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.destination import IncomingMigrations
+from services.llumlet.migration.kv_receiver import KVReceiver
+from services.llumlet.migration.kv_sender import KVSenderPool
 from services.llumlet.migration.ops import LivePhase, migration_ops_for
 from services.llumlet.migration.protocol import (
     DestinationGone,
@@ -25,7 +27,6 @@ from services.llumlet.migration.protocol import (
     PreAllocGrant,
 )
 from services.llumlet.migration.source import MigrationCoordinator, OutgoingMigration
-from services.llumlet.migration.transfer import KVReceiver, KVSenderPool
 from shared.messages import Ack, MigrateOrder, MigrationAbort, MigrationCommit, PreAlloc
 from tests.unit.migration_helpers import FakeClock, expected_tokens, gen, sim_config
 
@@ -325,8 +326,11 @@ async def test_destination_gone_in_the_last_stage_resumes_the_request(make_harne
     h.assert_blocks_back()
 
 
-async def test_slow_destination_gets_an_abort_and_the_request_resumes(make_harness) -> None:
-    h = await make_harness(MigrationLimits(stage_limit=2, last_stage_blocks=0, commit_in_frame=False))
+async def test_slow_destination_gets_an_abort_and_the_request_resumes(make_harness, monkeypatch) -> None:
+    """The commit's frame is cut (the destination aborts it) and the NATS COMMITs that follow go
+    unanswered: the ABORT decides, and the request goes on here."""
+    h = await make_harness(MigrationLimits(stage_limit=2, last_stage_blocks=0))
+    cut_the_commit_frame(monkeypatch)
     await h.decoding("r", prompt=100, max_tokens=300)
 
     async def slow_commit(msg) -> None:
@@ -335,32 +339,41 @@ async def test_slow_destination_gets_an_abort_and_the_request_resumes(make_harne
     h.link.before["commit"] = slow_commit  # (the ABORT that resolves the doubt gets through)
     m = await h.coordinator.migrate("r", "dst")
     assert m.status is MigrationStatus.ABORTED_DST and h.hooks.resumes == 1
-    assert h.link.calls.count("commit") == h.limits.commit_attempts
+    assert m.commit_via == "frame+nats" and h.link.calls.count("commit") == h.limits.commit_attempts
+    assert h.link.calls[-1] == "abort" and h.hooks.migrated_out_ids == []
     await h.wait_finished("r")
     assert h.stream("r") == expected_tokens(h.src, "r", 300)
     h.assert_blocks_back()
 
 
 async def test_unanswered_commit_that_did_land_counts_as_committed(make_harness) -> None:
-    h = await make_harness(MigrationLimits(commit_attempts=1, commit_in_frame=False))
+    """The frame committed but its ack was lost, and so was the NATS COMMIT's reply: the ABORT
+    is answered "already committed", so the request is released here, not resumed."""
+    h = await make_harness(MigrationLimits(commit_attempts=1))
+    added = count_adds(h)
+    lose_the_commit_ack(h)
     await h.decoding("r", prompt=60, max_tokens=300)
     real_commit = h.link.commit
 
     async def commit_lost_reply(dst, msg):
-        await real_commit(dst, msg)  # the destination commits, the reply is lost
+        await real_commit(dst, msg)  # answered from the record, the reply is lost
         raise DestinationSlow("reply lost")
 
     h.link.commit = commit_lost_reply
     m = await h.coordinator.migrate("r", "dst")
     assert m.status is MigrationStatus.FINISHED and h.src.get_request("r") is None
+    assert m.commit_via == "frame+nats" and h.link.calls[-1] == "abort"
+    assert added == ["r"] and h.hooks.resumes == 0 and h.hooks.migrated_out_ids == ["r"]
     await h.wait_finished("r")
     assert h.stream("r") == expected_tokens(h.src, "r", 300)
     h.assert_blocks_back()
 
 
 async def test_commit_outcome_unknown_fails_the_request(make_harness) -> None:
-    h = await make_harness(MigrationLimits(commit_attempts=1, in_doubt_deadline_s=0.05, abort_timeout_s=0.01,
-                                           commit_in_frame=False))
+    """The frame's ack is lost and the destination answers nothing over NATS either: nobody
+    knows where the request runs, so it ends with an error (never resumed on a guess)."""
+    h = await make_harness(MigrationLimits(commit_attempts=1, in_doubt_deadline_s=0.05, abort_timeout_s=0.01))
+    lose_the_commit_ack(h)
     await h.decoding("r", prompt=60, max_tokens=300)
 
     async def silent(msg) -> None:
@@ -370,6 +383,7 @@ async def test_commit_outcome_unknown_fails_the_request(make_harness) -> None:
     h.link.before["abort"] = silent
     m = await h.coordinator.migrate("r", "dst")
     assert m.status is MigrationStatus.ABORTED_DST and "unknown" in m.reason
+    assert m.commit_via == "frame+nats" and h.hooks.resumes == 0
     assert h.hooks.failed == [("r", "migration outcome unknown")]
 
 
@@ -504,9 +518,8 @@ def drop_connections(h: Harness) -> None:
         connection.close()
 
 
-async def test_ack_lost_after_the_frame_committed_is_resolved_once_over_nats(make_harness) -> None:
-    h = await make_harness()
-    added = count_adds(h)
+def lose_the_commit_ack(h: Harness) -> None:
+    """The destination commits the frame's commit, then the connection drops: its ack is lost."""
     real_commit_frame = h.incoming.commit_frame
 
     async def commit_then_lose_the_connection(header, raw, frame_status):
@@ -515,6 +528,26 @@ async def test_ack_lost_after_the_frame_committed_is_resolved_once_over_nats(mak
         return answer
 
     h.incoming.commit_frame = commit_then_lose_the_connection
+
+
+def cut_the_commit_frame(monkeypatch) -> None:
+    """The sender hangs up right after the commit frame's header (the destination sees a
+    truncated frame and aborts the migration); plain frames go out whole."""
+    real_send_frame = kv_sender.send_frame
+
+    async def send_or_cut(loop, sock, header, views, checksum, commit=b""):
+        if not header.commit_len:
+            return await real_send_frame(loop, sock, header, views, checksum, commit)
+        sock.send(header.pack())
+        raise ConnectionResetError("cut mid-frame")
+
+    monkeypatch.setattr(kv_sender, "send_frame", send_or_cut)
+
+
+async def test_ack_lost_after_the_frame_committed_is_resolved_once_over_nats(make_harness) -> None:
+    h = await make_harness()
+    added = count_adds(h)
+    lose_the_commit_ack(h)
     await h.decoding("r", prompt=60, max_tokens=300)
     m = await h.coordinator.migrate("r", "dst")
     assert m.status is MigrationStatus.FINISHED, m.reason
@@ -528,15 +561,7 @@ async def test_ack_lost_after_the_frame_committed_is_resolved_once_over_nats(mak
 async def test_connection_lost_before_the_commit_landed_resumes_the_request_once(make_harness, monkeypatch) -> None:
     h = await make_harness()
     added = count_adds(h)
-    real_send_frame = transfer_module.send_frame
-
-    async def cut_the_commit_frame(loop, sock, header, views, checksum, commit=b""):
-        if not header.commit_len:
-            return await real_send_frame(loop, sock, header, views, checksum, commit)
-        sock.send(header.pack())  # the header only: the destination aborts the migration (TRUNCATED)
-        raise ConnectionResetError("cut mid-frame")
-
-    monkeypatch.setattr(transfer_module, "send_frame", cut_the_commit_frame)
+    cut_the_commit_frame(monkeypatch)  # the header only: the destination aborts the migration (TRUNCATED)
     await h.decoding("r", prompt=60, max_tokens=300)
     m = await h.coordinator.migrate("r", "dst")
     assert m.status is MigrationStatus.ABORTED_DST and "commit refused" in m.reason, m.reason

@@ -1,4 +1,5 @@
-"""KV data plane: framing, and a real loopback receiver/sender pair (no NATS)."""
+"""KV data plane: a real loopback receiver/sender pair (no NATS); faults on the wire. (The wire
+format alone: test_migration_transfer_wire.py.)"""
 
 from __future__ import annotations
 
@@ -12,71 +13,31 @@ import numpy as np
 import pytest
 
 from services.llumlet.migration import copier as copier_module
-from services.llumlet.migration import transfer as transfer_module
+from services.llumlet.migration import kv_receiver, kv_sender
 from services.llumlet.migration.copier import BlockCopier
-from services.llumlet.migration.ops import KVRegion
-from services.llumlet.migration.protocol import (
-    CommitOutcomeUnknown,
-    DestinationGone,
-    DestinationRefused,
-    MigrationLimits,
-    SourceAborted,
-    new_migration_id,
-)
-from services.llumlet.migration.transfer import (
+from services.llumlet.migration.kv_receiver import KVReceiver
+from services.llumlet.migration.kv_sender import KVSenderPool, send_frame
+from services.llumlet.migration.kv_wire import (
     ACK_SIZE,
     HEADER_SIZE,
     TRAILER_SIZE,
     AckStatus,
     FrameAck,
-    FrameError,
     FrameHeader,
-    KVReceiver,
-    KVSenderPool,
-    frame_chunks,
     parse_address,
-    send_frame,
+)
+from services.llumlet.migration.ops import KVRegion
+from services.llumlet.migration.protocol import (
+    CommitOutcomeUnknown,
+    DestinationGone,
+    DestinationRefused,
+    DestinationSlow,
+    MigrationLimits,
+    SourceAborted,
+    new_migration_id,
 )
 
 BLOCK_BYTES = 256
-
-
-def test_header_round_trip() -> None:
-    header = FrameHeader(new_migration_id(), stage=3, lease_offset=17, num_blocks=5, payload_len=5 * 256)
-    raw = header.pack()
-    assert len(raw) == HEADER_SIZE
-    assert FrameHeader.unpack(raw) == header
-
-
-def test_ack_round_trip() -> None:
-    ack = FrameAck(AckStatus.BAD_CHECKSUM, new_migration_id(), 2, 40)
-    assert FrameAck.unpack(ack.pack()) == ack
-
-
-@pytest.mark.parametrize("position", [0, 5, 30, HEADER_SIZE - 1])
-def test_corrupt_header_is_rejected(position: int) -> None:
-    raw = bytearray(FrameHeader(new_migration_id(), 0, 0, 1, 256, 1).pack())
-    raw[position] ^= 0x01
-    with pytest.raises(FrameError):
-        FrameHeader.unpack(raw)
-
-
-def test_truncated_header_is_rejected() -> None:
-    with pytest.raises(FrameError):
-        FrameHeader.unpack(FrameHeader(new_migration_id(), 0, 0, 1, 256, 1).pack()[:-3])
-
-
-def test_frames_split_a_stage_by_size() -> None:
-    assert frame_chunks(list(range(10)), 100, 350) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
-    assert frame_chunks(list(range(3)), 100, 10) == [[0], [1], [2]]  # at least one block per frame
-    assert frame_chunks([], 100, 350) == [[]]
-    assert frame_chunks([4, 5], 0, 350) == [[4, 5]]  # no KV bytes: one empty frame
-
-
-def test_bad_address_is_a_clear_error() -> None:
-    assert parse_address("10.0.0.1:5000") == ("10.0.0.1", 5000)
-    with pytest.raises(ValueError):
-        parse_address("nohost")
 
 
 class PoolSink:
@@ -321,17 +282,9 @@ async def test_a_slow_scatter_pauses_the_receiver_without_losing_frames(link) ->
 # -- checksums and vectored sends -----------------------------------------------------------------
 
 
-def test_crc_combine_fallback_matches_zlib() -> None:
-    rng = np.random.default_rng(5)
-    a, b = rng.bytes(1000), rng.bytes(70_001)
-    assert transfer_module._crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
-    assert transfer_module._crc32_combine(0, zlib.crc32(b), len(b)) == zlib.crc32(b)  # after nothing
-    assert transfer_module.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
-
-
 def test_pieces_cut_views_without_losing_bytes() -> None:
     views = [memoryview(bytes(range(i, i + n))) for i, n in ((0, 5), (50, 12), (100, 1))]
-    pieces = list(transfer_module._pieces(views, 7))
+    pieces = list(kv_sender._pieces(views, 7))
     assert [sum(v.nbytes for v in piece) for piece in pieces] == [7, 7, 4]
     assert b"".join(b"".join(piece) for piece in pieces) == b"".join(views)
 
@@ -339,9 +292,9 @@ def test_pieces_cut_views_without_losing_bytes() -> None:
 async def test_frames_go_out_in_many_pieces_and_partial_sends(link, monkeypatch) -> None:
     """Pieces not aligned to blocks and few vectors per sendmsg: the bytes and crc still match."""
     src_pool, copier, senders, dst_pool, sink, address, receiver = link
-    monkeypatch.setattr(transfer_module, "PIECE_BYTES", 300)  # receiver
-    monkeypatch.setattr(transfer_module, "SEND_PIECE_BYTES", 300)  # sender
-    monkeypatch.setattr(transfer_module, "_IOV_MAX", 3)
+    monkeypatch.setattr(kv_receiver, "PIECE_BYTES", 300)  # receiver
+    monkeypatch.setattr(kv_sender, "SEND_PIECE_BYTES", 300)  # sender
+    monkeypatch.setattr(kv_sender, "_IOV_MAX", 3)
     sink.migration_id = mid = new_migration_id()
     blocks = [9, 2, 3, 4, 17, 30, 1]
     transfer = await senders.send_stage(address, mid, 0, 0, blocks, copier)
@@ -400,15 +353,15 @@ async def test_lent_blocks_receive_the_payload_without_staging(lending_link) -> 
 async def test_receiver_wakes_for_large_reads_but_never_past_what_the_frame_owes(lending_link, monkeypatch) -> None:
     """SO_RCVLOWAT goes up while a payload streams in and comes down as the frame's end nears
     (a mark the sender never reaches would stall it), back to 1 between frames."""
-    monkeypatch.setattr(transfer_module, "RCVLOWAT_BYTES", 3 * BLOCK_BYTES + 100)  # above a frame's tail
+    monkeypatch.setattr(kv_receiver, "RCVLOWAT_BYTES", 3 * BLOCK_BYTES + 100)  # above a frame's tail
     marks: list[int] = []
-    real_wake_after = transfer_module._FrameConnection._wake_after
+    real_wake_after = kv_receiver._FrameConnection._wake_after
 
     def wake_after(self, payload_left: int) -> None:
         real_wake_after(self, payload_left)
         marks.append(self._lowat)
 
-    monkeypatch.setattr(transfer_module._FrameConnection, "_wake_after", wake_after)
+    monkeypatch.setattr(kv_receiver._FrameConnection, "_wake_after", wake_after)
     src_pool, copier, senders, dst_pool, sink, address, receiver = lending_link
     sink.migration_id = mid = new_migration_id()
     blocks = [7, 3, 19, 2, 30, 31, 11, 5, 8, 1]  # frames of 4, 4 and 2 blocks
@@ -584,20 +537,42 @@ async def test_a_stage_stopped_before_the_commit_went_out_is_not_in_doubt(commit
     assert sink.commits == []
 
 
-def test_ack_carries_a_detail() -> None:
-    ack = FrameAck(AckStatus.COMMIT_REFUSED, new_migration_id(), 2, 40, "KV incomplete: 3 of 4 blocks written")
-    assert FrameAck.unpack(ack.pack()) == ack
-    with pytest.raises(FrameError):
-        FrameAck.unpack(ack.pack()[:-2])
+async def test_a_commit_frame_cut_in_its_commit_section_never_commits(commit_link) -> None:
+    """The sender hangs up after the payload, mid-commit: the migration fails (TRUNCATED) and the
+    sink is never asked to commit."""
+    src_pool, copier, senders, dst_pool, sink, address, receiver = commit_link
+    sink.migration_id = mid = new_migration_id()
+    payload, commit = src_pool[[1]].tobytes(), b"commit"
+    await write_and_hang_up(address, FrameHeader(mid, 0, 0, 1, len(payload), commit_len=len(commit)).pack()
+                            + payload + zlib.crc32(payload).to_bytes(4, "big") + commit[:3])
+    await wait_until(lambda: sink.failed == [AckStatus.TRUNCATED])
+    assert sink.commits == []
 
 
-def test_a_frame_of_another_version_is_refused_by_name() -> None:
-    mid = new_migration_id()
-    v2_layout = struct.Struct("!4sHH16sIIIQ")  # the previous version: no commit length
-    head = v2_layout.pack(b"CKV2", 2, 0, uuid.UUID(hex=mid).bytes, 0, 0, 1, 256)
-    v2_header = head + zlib.crc32(head).to_bytes(4, "big") + b"\x00" * (HEADER_SIZE - len(head) - 4)
-    with pytest.raises(FrameError, match="unsupported frame version"):
-        FrameHeader.unpack(v2_header)
+async def silent_receiver() -> tuple[asyncio.Server, str]:
+    """A receiver that takes every byte and never acks (a destination stuck mid-stage)."""
+
+    async def swallow(reader, writer) -> None:
+        while await reader.read(1 << 16):
+            pass
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    return server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+@pytest.mark.parametrize("commit", [b"", b"c"])
+async def test_an_unanswered_stage_is_slow_and_an_unanswered_commit_is_in_doubt(commit: bytes) -> None:
+    server, address = await silent_receiver()
+    copier = BlockCopier([KVRegion(make_pool(4, 0))])
+    senders = KVSenderPool(MigrationLimits(stage_timeout_base_s=0.2))
+    expected = CommitOutcomeUnknown if commit else DestinationSlow
+    with pytest.raises(expected):
+        await senders.send_stage(address, new_migration_id(), 0, 0, [1, 2], copier, commit=commit)
+    assert not senders.connection(address).connected  # its framing state is unknown: closed
+    senders.close()
+    copier.close()
+    server.close()
+    await server.wait_closed()
 
 
 async def test_a_peer_of_another_version_fails_the_stage_cleanly(commit_link) -> None:
@@ -660,4 +635,4 @@ async def test_a_long_send_lets_the_event_loop_run_other_work() -> None:
     await send_frame(asyncio.get_running_loop(), sock, header, [memoryview(payload)], crc)
     ticker.cancel()
     assert sock.sent > payload.nbytes
-    assert ticks - before >= payload.nbytes // transfer_module.SEND_YIELD_BYTES - 1
+    assert ticks - before >= payload.nbytes // kv_sender.SEND_YIELD_BYTES - 1

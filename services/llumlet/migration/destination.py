@@ -1,7 +1,7 @@
 """Destination side of live migration: leases on reserved blocks, the handshake's decisions, the
 KV frames' target, and the watchdog that frees what a vanished source left behind.
 
-No NATS here (see `handshake.py`) and no sockets (see `transfer.py`): every method is a plain
+No NATS here (see `handshake.py`) and no sockets (see `kv_receiver.py`): every method is a plain
 decision over the registry, so it is tested directly.
 
 A migration's lease holds its reserved blocks, cumulative over stages, in reservation order:
@@ -11,9 +11,10 @@ repeated message gets the same answer (idempotency) and a late commit after an a
 
 A new migration's first PRE-ALLOC passes the simulator's guard on this instance's own load (no
 queue here, enough blocks left free after taking the request: `guard_refusal`). The COMMIT
-usually comes in the last KV frame (`commit_frame`, answered in that frame's ack); over NATS it
-is the fallback (or the only path with `commit_in_frame=False`), and may then arrive before the
-last stage's frame: the handshake waits for it (`wait_for_kv`). Both go through `commit`.
+comes in the last KV frame (`commit_frame`, answered in that frame's ack); over NATS only when the
+source never got that ack, and both go through `commit` (idempotent: a repeat is answered from
+the record). A NATS COMMIT that finds the lease not yet filled is refused and ends the migration
+(the source then resumes the request), so a frame that lands later is refused too.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 from shared.engine_model.views import EngineError
 from services.llumlet.migration.copier import BlockCopier
+from services.llumlet.migration.kv_wire import AckStatus, FrameHeader
 from services.llumlet.migration.ops import IntakeLoad, MigratableEngine
 from services.llumlet.migration.protocol import (
     ALREADY_COMMITTED,
@@ -34,7 +36,6 @@ from services.llumlet.migration.protocol import (
     MigrationStatus,
     PreAllocGrant,
 )
-from services.llumlet.migration.transfer import AckStatus, FrameHeader
 from shared.messages import (
     Ack,
     MigrationAbort,
@@ -74,8 +75,6 @@ class IncomingMigration(MigrationLifecycle):
     writers: int = 0  # scatters in flight: the lease must not be released under them
     release_pending: bool = False
     ended_at: float | None = None
-    progress: asyncio.Event = field(default_factory=asyncio.Event)  # set when a frame lands or it ends
-    kv_wait_s: float = 0.0  # how long its COMMIT waited for the last frame
 
     @property
     def kv_complete(self) -> bool:
@@ -191,9 +190,8 @@ class IncomingMigrations:
             self._end(m, MigrationStatus.ABORTED_DST, problem)
             return Ack(ok=False, error=problem), False
         m.finish(self._clock())
-        log.info("incoming migration %s of %s committed: %d blocks (waited %.2f ms for the last frame, "
-                 "add_migrated %.2f ms)", m.migration_id, m.request_id, len(m.block_ids), 1e3 * m.kv_wait_s,
-                 1e3 * (m.ended_at - started))
+        log.info("incoming migration %s of %s committed: %d blocks (add_migrated %.2f ms)", m.migration_id,
+                 m.request_id, len(m.block_ids), 1e3 * (m.ended_at - started))
         self._on_change()
         return Ack(ok=True), True
 
@@ -237,23 +235,6 @@ class IncomingMigrations:
         if not m.kv_complete:
             return f"KV incomplete: {m.filled} of {len(m.block_ids)} blocks written"
         return None
-
-    async def wait_for_kv(self, migration_id: str) -> None:
-        """The source sends a COMMIT right behind its last frame, and NATS may deliver it before
-        TCP delivers the frame: wait (at most `commit_kv_wait_s`) until the lease is filled or
-        the migration ended; `handle_commit` then decides."""
-        m = self._migrations.get(migration_id)
-        if m is None:
-            return
-        started = self._clock()
-        try:
-            async with asyncio.timeout(self.limits.commit_kv_wait_s):
-                while m.status is MigrationStatus.RUNNING and not m.kv_complete:
-                    m.progress.clear()
-                    await m.progress.wait()
-        except TimeoutError:
-            pass
-        m.kv_wait_s = self._clock() - started
 
     def abort_request(self, request_id: str) -> None:
         """The client aborted the request (broadcast): drop any migration of it into here."""
@@ -335,7 +316,6 @@ class IncomingMigrations:
         m.writers -= 1
         if m.release_pending and not m.writers:
             self._release(m)
-        m.progress.set()
         if m.status.is_over:
             return AckStatus.UNKNOWN_MIGRATION
         if landed:
@@ -352,7 +332,6 @@ class IncomingMigrations:
 
     def _end(self, m: IncomingMigration, status: MigrationStatus, reason: str) -> None:
         m.abort(status, reason, self._clock())
-        m.progress.set()
         log.info("incoming migration %s of %s ended: %s (%s)", m.migration_id, m.request_id, status.value, reason)
         if m.writers:
             m.release_pending = True  # a scatter still writes into these blocks

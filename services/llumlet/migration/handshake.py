@@ -1,6 +1,6 @@
 """The migration handshake over NATS request/reply: the source's client (`NatsDestinationLink`)
-and the destination's subscriptions (`HandshakeServer`). (The COMMIT normally travels in the last
-KV frame instead, see `transfer.py`; over NATS it is the fallback.)
+and the destination's subscriptions (`HandshakeServer`). (The COMMIT travels in the last KV
+frame, see `kv_wire.py`; over NATS only when that frame's ack never came back.)
 
 Every request has its own timeout. "No responders" (nobody subscribes: the destination is gone)
 and a timeout (it may be alive but slow) are different errors, and the coordinator treats them
@@ -29,12 +29,7 @@ R = TypeVar("R")
 
 
 class DestinationLink(Protocol):
-    """The handshake as the source coordinator sees it (NATS in production, fakes in tests).
-
-    A link whose `commit_waits_for_kv` is true reaches a destination that, given a COMMIT which
-    overtook the last KV frame, waits for that frame (`HandshakeServer`): the source may then
-    send it without waiting for the frame's ack. Links without the attribute get the COMMIT
-    after the ack."""
+    """The handshake as the source coordinator sees it (NATS in production, fakes in tests)."""
 
     async def prealloc(self, dst: str, msg: PreAlloc) -> PreAllocGrant: ...
 
@@ -44,8 +39,6 @@ class DestinationLink(Protocol):
 
 
 class NatsDestinationLink:
-    commit_waits_for_kv = True  # HandshakeServer's COMMIT handler waits for the last frame
-
     def __init__(self, nc: Client, limits: MigrationLimits) -> None:
         self.nc = nc
         self.limits = limits
@@ -74,8 +67,7 @@ class NatsDestinationLink:
 
 class HandshakeServer:
     """The destination's three subjects; each handler decodes, decides (no await in between, so
-    decisions never interleave) and replies. (A COMMIT first waits for the last frame, which it
-    may have overtaken.)"""
+    decisions never interleave) and replies."""
 
     def __init__(self, incoming: IncomingMigrations) -> None:
         self.incoming = incoming  # (its `commit` hands a committed request to the llumlet)
@@ -105,7 +97,6 @@ class HandshakeServer:
         except WireError as exc:
             await self._respond(msg, Ack(ok=False, error=str(exc)))
             return
-        await self.incoming.wait_for_kv(commit.migration_id)  # (it may overtake the last frame)
         await self._respond(msg, await self.incoming.commit(commit))
 
     @staticmethod

@@ -7,17 +7,17 @@ Message flow (source S, destination D; NATS request/reply unless noted):
                                                repeat gets the same blocks, a larger n tops up
     S → D  KV frames over TCP (stage k)        D scatters into the lease's blocks, acks each frame
     ...    S re-checks the request after every await: finished/aborted/preempted → ABORT
-    S      last stage: PRE-ALLOC, suspend, (top-up if it grew), copy the rest (incl. the partial
-           block); forced by the stage limit: suspend first, then PRE-ALLOC and copy
+    S      last stage (few blocks left, or the stage limit reached): PRE-ALLOC while the request
+           still runs, then suspend, a top-up PRE-ALLOC only if it grew meanwhile, and copy the
+           rest (incl. the partial block); the same order whichever way the last stage came
     S → D  COMMIT(request, output so far)      in the last stage's last KV frame (TCP): once the
                                                frame is written D adopts the lease's blocks,
                                                resumes the request and answers in the frame's ack
                                                (COMMITTED / refused, with the reason)
     S → D  COMMIT over NATS (fallback)         only when that ack never came (connection lost,
-                                               timeout): idempotent, D answers from its record
-                                               (`commit_in_frame=False`: the NATS COMMIT is the
-                                               only one, sent right behind a one-frame last stage;
-                                               D waits for that frame before it decides)
+                                               timeout): idempotent, D answers from its record;
+                                               unanswered, an ABORT decides (refused "already
+                                               committed": it runs on D)
     S      release the request; D publishes from the next token index on
 
 Either side failing ends the migration: a dead destination leaves the request running on the
@@ -99,20 +99,13 @@ class MigrationLimits:
     prealloc_timeout_s: float = 1.0
     abort_timeout_s: float = 0.5
     commit_timeout_s: float = 2.0
-    commit_attempts: int = 3
-    # The COMMIT rides in the last stage's last KV frame and is answered in its ack (no NATS hop
-    # in the downtime); the NATS COMMIT stays as the fallback when that ack is lost. False: the
-    # NATS COMMIT only (as before).
-    commit_in_frame: bool = True
-    # The COMMIT follows a one-frame last stage without waiting for its ack: the destination
-    # waits this long for the frame before it decides (less than commit_timeout_s).
-    commit_kv_wait_s: float = 1.0
+    commit_attempts: int = 3  # NATS COMMITs (the fallback: the last frame's ack was lost)
     # An unanswered commit leaves the outcome unknown: keep asking (ABORT is decisive) this long
     # before failing the request with an error.
     in_doubt_deadline_s: float = 15.0
     # Data plane (TCP).
     connect_timeout_s: float = 2.0
-    frame_bytes: int = 16 << 20  # stages are shipped in frames of at most this (pipelined)
+    frame_bytes: int = 16 << 20  # stages are shipped in frames of at most this (one gathers while one is sent)
     max_frame_bytes: int = 256 << 20  # receiver: larger frames are refused (connection closed)
     # Cap on the data plane's rate (0: none), so migrations leave bandwidth to everything else;
     # frames then shrink to about `throttle_frame_s` worth of bytes, so the cap is smooth.
@@ -141,8 +134,6 @@ class MigrationLimits:
             raise ValueError("max_out and max_in must be >= 0")
         if self.bandwidth_bytes_per_s < 0:
             raise ValueError("bandwidth_bytes_per_s must be >= 0 (0: no cap)")
-        if not 0 <= self.commit_kv_wait_s < self.commit_timeout_s:
-            raise ValueError("commit_kv_wait_s must be in [0, commit_timeout_s)")
         if self.frame_bytes <= 0 or self.frame_bytes > self.max_frame_bytes:
             raise ValueError("frame_bytes must be in (0, max_frame_bytes]")
         for name in ("lease_s", "watchdog_interval_s", "prealloc_timeout_s", "abort_timeout_s",

@@ -13,10 +13,11 @@ from nats.aio.msg import Msg
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.destination import IncomingMigrations
 from services.llumlet.migration.handshake import HandshakeServer, NatsDestinationLink
+from services.llumlet.migration.kv_receiver import KVReceiver
+from services.llumlet.migration.kv_sender import KVSenderPool
 from services.llumlet.migration.ops import MigratableEngine
 from services.llumlet.migration.protocol import MigrationLimits
 from services.llumlet.migration.source import MigrationCoordinator, SourceHooks
-from services.llumlet.migration.transfer import KVReceiver, KVSenderPool
 from shared import subjects
 from shared.messages import (
     MigrateOrder,

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.handshake import DestinationLink
+from services.llumlet.migration.kv_sender import KVSenderPool, StageTransfer
 from services.llumlet.migration.ops import LivePhase, MigratableEngine, MigrationSnapshot
 from services.llumlet.migration.protocol import (
     ALREADY_COMMITTED,
@@ -34,8 +35,7 @@ from services.llumlet.migration.protocol import (
     SourceAborted,
     new_migration_id,
 )
-from services.llumlet.migration.transfer import KVSenderPool, StageTransfer
-from shared.messages import MigrateOrder, MigrationAbort, MigrationCommit, PreAlloc, encode
+from shared.messages import MigrateOrder, MigrationAbort, PreAlloc, encode
 from shared.policy.migration import next_stage, select_request_to_migrate
 
 log = logging.getLogger(__name__)
@@ -87,8 +87,7 @@ class OutgoingMigration(MigrationLifecycle):
     suspended_at: float | None = None
     suspend_s: float = 0.0  # the suspend call: waits for the engine step in flight, then aborts
     commit_s: float = 0.0  # the COMMIT round trip (in a frame: the last copy's, with the commit)
-    commit_pipelined: bool = False  # the COMMIT went out behind the last frame, not after its ack
-    commit_via: str = ""  # "frame", "frame+nats" (the frame's ack was lost), "nats"
+    commit_via: str = ""  # "frame", or "frame+nats" (the frame's ack was lost: asked over NATS)
     commit_sent: bool = False  # a COMMIT may have reached the destination: an abort asks it first
     committed_at: float | None = None  # the destination acknowledged the COMMIT
     release_s: float = 0.0  # freeing the request here afterwards (off the downtime)
@@ -348,34 +347,10 @@ class MigrationCoordinator:
     # -- the last stage, commit and abort ----------------------------------------------------------
 
     async def _last_stage(self, m: OutgoingMigration, upto: int, prealloc_s: float) -> None:
-        """Copy the rest and commit. With `commit_in_frame` the COMMIT rides in the last frame
-        and its ack is the commit's: the downtime holds one TCP round trip. Otherwise, a last
-        stage of one frame (the usual: a block or two) has the NATS COMMIT follow it at once,
-        without waiting for the frame's ack: the destination commits once the frame is in."""
+        """Copy the rest with the COMMIT in the last frame; that frame's ack answers it (the
+        downtime holds one TCP round trip, no NATS hop). Only when that ack is lost does the NATS
+        COMMIT (idempotent) learn the outcome; a refusal raises (→ abort, resumes here)."""
         commit = self.ops.migration_commit(m.request_id, m.migration_id)
-        if self.limits.commit_in_frame:
-            await self._commit_in_frame(m, upto, prealloc_s, commit)
-            return
-        m.commit_via = "nats"
-        copy = self._copy(m, upto, LivePhase.SUSPENDED, prealloc_s, final=True)
-        one_frame = self.copier.frame_bytes(upto - m.blocks_sent) <= self.limits.effective_frame_bytes()
-        if not (one_frame and getattr(self.link, "commit_waits_for_kv", False)):
-            await copy  # (e.g. a blocking copy: the destination would wait too long for it)
-            await self._commit(m, commit)
-            return
-        m.commit_pipelined = True
-        copying = asyncio.ensure_future(copy)
-        try:
-            await self._commit(m, commit, copying)
-        finally:
-            if not copying.done():
-                copying.cancel()
-                await asyncio.gather(copying, return_exceptions=True)
-
-    async def _commit_in_frame(self, m: OutgoingMigration, upto: int, prealloc_s: float,
-                               commit: MigrationCommit) -> None:
-        """The last copy carries the COMMIT; its ack answers it. When that ack is lost the NATS
-        COMMIT (idempotent) learns the outcome; a refusal raises (→ abort, resumes here)."""
         assert upto <= m.lease_blocks, (upto, m.lease_blocks)
         block_ids = self.ops.block_ids_of(m.request_id)[m.blocks_sent : upto]
         raw = encode(commit)
@@ -398,32 +373,13 @@ class MigrationCoordinator:
         m.stage += 1
         await self._committed(m, committed, asked)
 
-    async def _commit(self, m: OutgoingMigration, commit: MigrationCommit,
-                      copying: asyncio.Future | None = None) -> None:
-        """Ask the destination to commit over NATS; `copying`, the last stage's copy still in
-        flight, is awaited once the answer is in (a refused COMMIT stops it)."""
-        asked = self._clock()
-        m.commit_sent = True
-        try:
-            committed = await self._ask_commit(m, commit)
-        except BaseException:
-            if copying is not None:
-                copying.cancel()
-            raise
-        await self._committed(m, committed, asked, copying)
-
-    async def _committed(self, m: OutgoingMigration, committed: bool | None, asked: float,
-                         copying: asyncio.Future | None = None) -> None:
+    async def _committed(self, m: OutgoingMigration, committed: bool | None, asked: float) -> None:
         """The COMMIT's outcome: True (runs there now: release it here), None (unknown: fail it)."""
         now = self._clock()
         m.commit_s = now - asked
         if committed:
             m.committed_at = now
             self.hooks.migrated_out(m.request_id)  # no await since the ack: nothing published meanwhile
-        if copying is not None:
-            (copy_error,) = await asyncio.gather(copying, return_exceptions=True)
-            if copy_error is not None and committed:  # the destination had the KV all the same
-                log.warning("migration %s committed, but its last copy ended with %r", m.migration_id, copy_error)
         if committed is None:  # nobody knows: the request cannot go on anywhere for sure
             m.abort(MigrationStatus.ABORTED_DST, "commit outcome unknown", self._clock())
             await self.hooks.fail_request(m.request_id, "migration outcome unknown")
