@@ -13,20 +13,27 @@ from shared.logs import setup_logging
 
 def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
     from services.cpu_layout import available_cpus, cpu_layout_decision, resolve_engine
-    from services.supervisor import run_cluster
+    from services.supervisor import run_cluster, say
     from services.tools.make_model import ensure_tiny_model
 
     if args.instances < 1:
         raise SystemExit(f"corral up: --instances must be at least 1, got {args.instances}")
+    if args.metrics_port < 0 or args.metrics_port + args.instances > 65535:
+        raise SystemExit(f"corral up: --metrics-port {args.metrics_port} leaves no room for {args.instances} llumlets")
+    if args.model is None:
+        say("preparing the tiny test model (made once, then reused)")
     model_dir = args.model or str(ensure_tiny_model())
+    say(f"model {model_dir} (give it to benchmark clients as --tokenizer)")
     llumlet_args = ["--model", model_dir, *extra]
     if args.engine:
         llumlet_args += ["--engine", args.engine]
     gateway_args = ["--model", model_dir, "--port", str(args.port), "--host", args.host]
     autoscaler_args = None
     if args.autoscale:  # the autoscaler starts (and stops) the llumlets itself
+        # Its llumlets serve no metrics: they would share one port (the gateway's and scheduler's still serve).
+        autoscaled = ["--metrics-port", "0", *llumlet_args]
         autoscaler_args = ["--initial-instances", str(args.instances), "--min-instances", str(args.min_instances),
-                           "--max-instances", str(args.max_instances), "--llumlet-args", shlex.join(llumlet_args)]
+                           "--max-instances", str(args.max_instances), "--llumlet-args", shlex.join(autoscaled)]
     try:
         decision = cpu_layout_decision(args.cpu_layout, resolve_engine(args.engine), args.instances, args.autoscale,
                                        available_cpus())
@@ -43,6 +50,7 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
         autoscaler_args=autoscaler_args,
         port=args.port,
         ready_timeout_s=args.ready_timeout_s,
+        metrics_port=args.metrics_port,
     )
 
 
@@ -118,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--engine", choices=["sim", "vllm"], default=None, help="default: vllm when importable, else sim")
     up.add_argument("--model", default=None, help="local model directory (default: a tiny Llama made on first use)")
     up.add_argument("--ready-timeout-s", type=float, default=300.0)
+    up.add_argument("--metrics-port", type=int, default=env("METRICS_PORT", 0),
+                    help="P > 0: Prometheus /metrics of the scheduler on P and of llumlet i on P+1+i (the gateway "
+                         "serves its own on --port); 0: only the gateway's")
     up.add_argument("--autoscale", action="store_true",
                     help="let the autoscaler start and stop llumlets (--instances is the initial count)")
     up.add_argument("--min-instances", type=int, default=1)

@@ -1,12 +1,19 @@
-"""`corral up`: an embedded NATS server and every service as a child process, stopped together."""
+"""`corral up`: an embedded NATS server and every service as a child process, stopped together.
+
+It says what it is doing while things start (each child, NATS, the gateway, instances reporting),
+"ready" only once the gateway can serve, and when a child dies it names it and shows its last
+log lines (each child's output goes through us: forwarded as it comes, the tail kept).
+"""
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +26,7 @@ from shared.embedded_nats import EmbeddedNats, start_nats
 log = logging.getLogger("corral.up")
 
 _PR_SET_PDEATHSIG = 1
+TAIL_LINES = 20  # of a dead child's output, shown when it dies
 
 
 def die_with_parent() -> None:  # runs in the child between fork and exec
@@ -41,29 +49,58 @@ def child_setup(cpus: frozenset[int] | None) -> Callable[[], None]:
     return setup
 
 
+def say(message: str) -> None:
+    """Progress for the person who ran `corral up` (stdout; the children's logs go to stderr)."""
+    print(f"corral up: {message}", flush=True)
+
+
 @dataclass
 class Child:
     name: str
     argv: list[str]
     cpus: frozenset[int] | None = None  # the cores it may run on (None: any)
+    metrics_url: str | None = None  # where its Prometheus /metrics is, when on
     process: subprocess.Popen | None = None
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    _forwarder: threading.Thread | None = None
 
     def start(self) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "services.cli", *self.argv], preexec_fn=child_setup(self.cpus),
-            start_new_session=True,
+            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )
+        self._forwarder = threading.Thread(target=self._forward, name=f"output:{self.name}", daemon=True)
+        self._forwarder.start()
         where = "" if self.cpus is None else f" on cores {format_cpus(self.cpus)}"
-        log.info("started %s (pid %d)%s", self.name, self.process.pid, where)
+        say(f"started {self.name} (pid {self.process.pid}){where}")
+
+    def _forward(self) -> None:
+        """Its output to our stderr as it comes, the last lines kept for when it dies."""
+        assert self.process is not None and self.process.stdout is not None
+        for raw in self.process.stdout:
+            self.tail.append(raw.decode(errors="replace").rstrip("\n"))
+            sys.stderr.buffer.write(raw)
+            sys.stderr.buffer.flush()
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    def death_notice(self) -> str:
+        """Who died, how, and what it said last."""
+        assert self.process is not None
+        if self._forwarder is not None:
+            self._forwarder.join(timeout=2)  # the last lines may still be in the pipe
+        lines = "\n".join(f"    {line}" for line in self.tail) or "    (no output)"
+        return f"{self.name} exited with code {self.process.returncode}; its last lines:\n{lines}"
 
 
 @dataclass
 class Cluster:
     children: list[Child] = field(default_factory=list)
     nats: EmbeddedNats | None = None
+
+    def dead(self) -> list[Child]:
+        return [child for child in self.children if not child.alive()]
 
     def stop(self, grace_s: float = 15.0) -> None:
         """Gateway first (no new work), then llumlets, then the scheduler, then NATS."""
@@ -84,20 +121,55 @@ class Cluster:
             self.nats.stop()
 
 
-def wait_ready(port: int, instances: int, timeout_s: float, cluster: Cluster) -> bool:
-    """Ready when the gateway answers /healthz and sees every llumlet's reports."""
+@dataclass(frozen=True)
+class GatewayState:
+    """What the gateway says about itself (`answering` False: nothing else is known)."""
+
+    answering: bool
+    connected: bool = False
+    instances: int = 0
+
+
+def gateway_state(port: int) -> GatewayState:
+    """From /healthz: 503 while not connected to NATS, and the live instances it sees."""
+    try:
+        reply = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1.0)
+        instances = int(reply.json().get("instances", 0))
+    except (httpx.HTTPError, ValueError, TypeError):
+        return GatewayState(answering=False)
+    return GatewayState(answering=True, connected=reply.status_code == 200, instances=instances)
+
+
+def wait_ready(port: int, instances: int, timeout_s: float, cluster: Cluster,
+               stop_requested: Callable[[], bool] = lambda: False,
+               probe: Callable[[int], GatewayState] = gateway_state) -> str | None:
+    """Until the gateway is connected and sees every instance: None, or why it is not ready
+    (a child died, the time ran out, a stop was asked for). Says each step on the way."""
     deadline = time.monotonic() + timeout_s
+    last: GatewayState | None = None
     while time.monotonic() < deadline:
-        if not all(child.alive() for child in cluster.children):
-            return False
-        try:
-            reply = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1.0)
-            if reply.status_code == 200 and reply.json().get("instances", 0) >= instances:
-                return True
-        except (httpx.HTTPError, ValueError):
-            pass
+        if stop_requested():
+            return "stopped while starting"
+        dead = cluster.dead()
+        if dead:
+            return f"{dead[0].death_notice()}"
+        state = probe(port)
+        if state != last:
+            was = last or GatewayState(answering=False)
+            if state.answering and not was.answering:
+                say(f"gateway answering on http://127.0.0.1:{port}")
+            if state.connected and not was.connected:
+                say("gateway connected to NATS")
+            if state.connected and (not was.connected or state.instances != was.instances):
+                say(f"instances reporting: {state.instances}/{instances}")
+            last = state
+        if state.connected and state.instances >= instances:
+            return None
         time.sleep(0.2)
-    return False
+    seen = "the gateway never answered" if last is None or not last.answering else (
+        "the gateway is not connected to NATS" if not last.connected else
+        f"{last.instances}/{instances} instances reporting")
+    return f"not ready after {timeout_s:.0f} s: {seen}"
 
 
 def run_cluster(
@@ -111,8 +183,11 @@ def run_cluster(
     port: int,
     ready_timeout_s: float,
     cpu_layout: CpuLayout | None = None,
+    metrics_port: int = 0,
 ) -> int:
-    """`cpu_layout`: each llumlet on its own cores, everything else on the control plane's."""
+    """`cpu_layout`: each llumlet on its own cores, everything else on the control plane's.
+    `metrics_port` P > 0: the scheduler serves /metrics on P, llumlet i on P + 1 + i (each its
+    own: one port for all would leave all but one dead); the gateway on its HTTP port."""
     cluster = Cluster()
     control = cpu_layout.control if cpu_layout is not None else None
     stop_requested = False
@@ -127,35 +202,68 @@ def run_cluster(
         if nats_url is None:
             cluster.nats = start_nats(preexec_fn=keep_to(control))
             nats_url = cluster.nats.url
-            log.info("embedded NATS at %s", nats_url)
-        common = ["--nats-url", nats_url]
-        cluster.children.append(Child("gateway", ["gateway", *common, *gateway_args], control))
-        if autoscaler_args is None:
-            for i in range(instances):
-                cpus = cpu_layout.engines[i] if cpu_layout is not None else None
-                # As many torch threads as cores of its own (before llumlet_args: a user's flag wins).
-                threads = [] if cpus is None else ["--vllm-cpu-threads", str(len(cpus))]
-                argv = ["llumlet", *common, "--instance-id", f"llumlet-{i}", *threads, *llumlet_args]
-                cluster.children.append(Child(f"llumlet-{i}", argv, cpus))
+            say(f"embedded NATS up at {nats_url}")
         else:
-            cluster.children.append(Child("autoscaler", ["autoscaler", *common, *autoscaler_args], control))
-        cluster.children.append(Child("scheduler", ["scheduler", *common, *scheduler_args], control))
+            say(f"using NATS at {nats_url}")
+        cluster.children = plan_children(nats_url, instances, gateway_args, llumlet_args, scheduler_args,
+                                         autoscaler_args, cpu_layout, port, metrics_port)
         for child in reversed(cluster.children):  # scheduler first, gateway last
             child.start()
-        if not wait_ready(port, instances, ready_timeout_s, cluster):
+        count = "initial " if autoscaler_args is not None else ""
+        say(f"waiting for the gateway and {instances} {count}instance(s) to report")
+        why_not = wait_ready(port, instances, ready_timeout_s, cluster, lambda: stop_requested)
+        if why_not is not None:
             if not stop_requested:
-                log.error("Corral did not become ready in %.0f s", ready_timeout_s)
+                log.error("Corral did not start: %s", why_not)
                 return 1
-        else:
-            print(f"Corral is up: http://127.0.0.1:{port}/v1  ({instances} llumlets, NATS {nats_url})", flush=True)
-        reported_dead: set[str] = set()
-        while not stop_requested:
-            for child in cluster.children:
-                if not child.alive() and child.name not in reported_dead:
-                    reported_dead.add(child.name)
-                    log.error("%s exited with code %s; the rest keeps running", child.name, child.process.returncode)
-            time.sleep(0.2)
+            return 0
+        for child in cluster.children:
+            if child.metrics_url is not None:
+                say(f"metrics of {child.name}: {child.metrics_url}")
+        say(f"ready: http://127.0.0.1:{port}/v1  ({instances} llumlets, NATS {nats_url})")
+        watch(cluster, lambda: stop_requested)
         return 0
     finally:
         log.info("stopping Corral")
         cluster.stop()
+
+
+def plan_children(nats_url: str, instances: int, gateway_args: list[str], llumlet_args: list[str],
+                  scheduler_args: list[str], autoscaler_args: list[str] | None, cpu_layout: CpuLayout | None,
+                  port: int, metrics_port: int) -> list[Child]:
+    """Gateway first, scheduler last (the order they stop in); every metrics port distinct."""
+    control = cpu_layout.control if cpu_layout is not None else None
+    common = ["--nats-url", nats_url]
+
+    def metrics(offset: int) -> tuple[list[str], str | None]:
+        """The flag (always given, so a CORRAL_METRICS_PORT in the environment cannot make them collide)."""
+        if metrics_port <= 0:
+            return ["--metrics-port", "0"], None
+        return ["--metrics-port", str(metrics_port + offset)], f"http://127.0.0.1:{metrics_port + offset}/metrics"
+
+    children = [Child("gateway", ["gateway", *common, *gateway_args], control,
+                      metrics_url=f"http://127.0.0.1:{port}/metrics")]
+    if autoscaler_args is None:
+        for i in range(instances):
+            cpus = cpu_layout.engines[i] if cpu_layout is not None else None
+            # As many torch threads as cores of its own (before llumlet_args: a user's flag wins).
+            threads = [] if cpus is None else ["--vllm-cpu-threads", str(len(cpus))]
+            flag, url = metrics(1 + i)
+            argv = ["llumlet", *common, "--instance-id", f"llumlet-{i}", *threads, *flag, *llumlet_args]
+            children.append(Child(f"llumlet-{i}", argv, cpus, metrics_url=url))
+    else:
+        children.append(Child("autoscaler", ["autoscaler", *common, *autoscaler_args], control))
+    flag, url = metrics(0)
+    children.append(Child("scheduler", ["scheduler", *common, *flag, *scheduler_args], control, metrics_url=url))
+    return children
+
+
+def watch(cluster: Cluster, stop_requested: Callable[[], bool]) -> None:
+    """Until asked to stop: a child that dies is named, with its last lines; the rest keeps running."""
+    reported: set[str] = set()
+    while not stop_requested():
+        for child in cluster.dead():
+            if child.name not in reported:
+                reported.add(child.name)
+                log.error("%s (the rest keeps running)", child.death_notice())
+        time.sleep(0.2)

@@ -19,7 +19,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from services.gateway.generation import Generation
-from services.gateway.metrics import CONTENT_TYPE
+from services.gateway.metrics import CONTENT_TYPE, timeline_of
 from services.gateway.protocol import (
     ApiError, ParsedRequest, RequestKind, bad_request, parse_chat_request, parse_completion_request, parse_priority,
 )
@@ -211,11 +211,8 @@ class GatewayApp:
             return
         metrics = self.service.metrics
         metrics.request_done(endpoint, status)
-        if generation.first_token_at is not None:
-            metrics.first_token(generation.first_token_at - prepared.arrival)
-        metrics.generation_tokens_sent(generation.num_output_tokens)
-        if generation.finish_reason is not None:
-            metrics.finished(time.monotonic() - prepared.arrival)
+        if stream.holders:
+            metrics.request_finished(timeline_of(generation, prepared, stream.holders[-1]))
         ttft = None if generation.first_token_at is None else generation.first_token_at - prepared.arrival
         trace.finished(status, generation.finish_reason, generation.error, generation.num_output_tokens, ttft,
                        stream.holders)

@@ -33,6 +33,8 @@ class Generation:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_output_tokens = 0
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.token_gaps: list[float] = []  # between deliveries that carried tokens (vLLM's inter-token latency)
         self.finish_reason: str | None = None
         self.error: ApiError | None = None
 
@@ -67,8 +69,13 @@ class Generation:
                 yield TextEvent(text, self.finish_reason, self.error)
 
     def _absorb(self, token_ids: list[int]) -> str:
-        if token_ids and self.first_token_at is None:
-            self.first_token_at = time.monotonic()
+        if token_ids:
+            now = time.monotonic()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            else:
+                self.token_gaps.append(now - self.last_token_at)
+            self.last_token_at = now
         if not self._token_by_token:
             self.num_output_tokens += len(token_ids)
             return self._stops.append(self._detok.push(token_ids))

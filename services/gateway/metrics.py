@@ -1,71 +1,165 @@
-"""Prometheus metrics of one gateway, in vLLM's naming style (`corral:` prefix, seconds, `_total`).
+"""Prometheus metrics of one gateway: what the client sees, under vLLM's names, and Corral's own.
 
+The gateway measures what vLLM's frontend measures, as the client sees it: time to first token,
+inter-token latency, time per output token, e2e latency, decode time, how each request finished,
+and its prompt/output lengths (`vllm:*`, labels `model_name` and `engine` = the instance that
+finished it). Engine-side series (queue and prefill time, running/waiting, KV usage, token
+counters) come from the llumlets; Corral's own (`corral:gateway_*`) sit beside them.
 Each gateway owns its registry, so several can live in one process (tests) without clashing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-# vLLM's buckets (vllm/v1/metrics/buckets.py), so dashboards built for vLLM read ours too.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-               240.0, 480.0, 960.0, 1920.0, 7680.0)
+from shared import vllm_metrics as vllm
+from shared.metrics_server import CONTENT_TYPE, render
+
+if TYPE_CHECKING:
+    from services.gateway.generation import Generation
+    from services.gateway.service import PreparedRequest
+
+__all__ = ["CONTENT_TYPE", "GatewayMetrics", "RequestTimeline", "timeline_of"]
+
 # llm-d's scheduler buckets: dispatch decisions take well under a second.
 DISPATCH_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+@dataclass
+class RequestTimeline:
+    """One dispatched request as the gateway saw it (monotonic seconds)."""
+
+    engine: str  # the instance that held it last (after any migration)
+    arrival: float
+    ended: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+    max_tokens: int  # the budget it ran with
+    max_tokens_param: int | None  # what the client asked for, if it did
+    finished_reason: str  # one of vllm.FINISHED_REASONS
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    token_gaps: list[float] = field(default_factory=list)  # between successive deliveries
+
+
+def timeline_of(generation: Generation, prepared: PreparedRequest, engine: str) -> RequestTimeline:
+    """How a request ended, in vLLM's finish reasons: an error is "error", a client that left
+    before the end is "abort"."""
+    if generation.finish_reason is not None:
+        reason = generation.finish_reason
+    else:
+        reason = "error" if generation.error is not None else "abort"
+    return RequestTimeline(
+        engine=engine, arrival=prepared.arrival, ended=time.monotonic(),
+        num_prompt_tokens=len(prepared.prompt_token_ids), num_output_tokens=generation.num_output_tokens,
+        max_tokens=prepared.max_tokens, max_tokens_param=prepared.options.max_tokens, finished_reason=reason,
+        first_token_at=generation.first_token_at, last_token_at=generation.last_token_at,
+        token_gaps=generation.token_gaps,
+    )
 
 
 class GatewayMetrics:
-    def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, model_name: str, max_model_len: int) -> None:
+        self.registry = r = CollectorRegistry()
         self._model = model_name
-        r = self.registry
+        self._engines_seen: set[str] = set()
+        labels = vllm.LABELS
+        tokens = vllm.request_tokens_buckets(max_model_len)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              labels, buckets=vllm.TIME_TO_FIRST_TOKEN_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             labels, buckets=vllm.INTER_TOKEN_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request.", labels,
+                              buckets=vllm.INTER_TOKEN_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             labels, buckets=vllm.REQUEST_LATENCY_BUCKETS, registry=r)
+        self.decode_time = Histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", labels,
+                                     buckets=vllm.REQUEST_LATENCY_BUCKETS, registry=r)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               [*labels, "finished_reason"], registry=r)
+        self.prompt_len = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels,
+                                    buckets=tokens, registry=r)
+        self.output_len = Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                    labels, buckets=tokens, registry=r)
+        self.max_tokens = Histogram("vllm:request_max_num_generation_tokens",
+                                    "Histogram of maximum number of requested generation tokens.", labels,
+                                    buckets=tokens, registry=r)
+        self.max_tokens_param = Histogram("vllm:request_params_max_tokens",
+                                          "Histogram of the max_tokens request parameter.", labels,
+                                          buckets=tokens, registry=r)
         self.requests = Counter("corral:gateway_requests", "Requests by endpoint and final HTTP status "
                                 "(mid-stream errors count with their error code; 499: client went away)",
                                 ["model_name", "endpoint", "status"], registry=r)
-        self.ttft = Histogram("corral:gateway_time_to_first_token_seconds", "Time from request arrival to "
-                              "the first output token", ["model_name"], buckets=TTFT_BUCKETS, registry=r)
-        self.e2e = Histogram("corral:gateway_e2e_request_latency_seconds", "Time from request arrival to its "
-                             "last token", ["model_name"], buckets=E2E_BUCKETS, registry=r)
+        self.rejections = Counter("corral:gateway_rejections", "Requests refused before any output, by typed "
+                                  "reason (shared.messages.Refusal; 'error' when the gateway failed otherwise)",
+                                  ["model_name", "endpoint", "reason"], registry=r)
         self.dispatch_latency = Histogram("corral:gateway_dispatch_duration_seconds", "Time to choose an instance "
                                           "(scheduler round trip or bypass)", buckets=DISPATCH_BUCKETS, registry=r)
         self.bypass_dispatches = Counter("corral:gateway_bypass_dispatches", "Requests dispatched by the gateway "
                                          "itself because the global scheduler did not answer", registry=r)
         self.in_flight = Gauge("corral:gateway_requests_in_flight", "Requests dispatched and not finished",
                                ["model_name"], registry=r)
+        self.in_flight.labels(model_name)
         self.instances_alive = Gauge("corral:gateway_instances_alive", "Instances whose load reports are recent",
                                      registry=r)
-        self.prompt_tokens = Counter("corral:gateway_prompt_tokens", "Prompt tokens of dispatched requests",
-                                     ["model_name"], registry=r)
-        self.generation_tokens = Counter("corral:gateway_generation_tokens",
-                                         "Output tokens received for clients (up to a stop string)",
-                                         ["model_name"], registry=r)
+        self._live_ids: Callable[[], Sequence[str]] = list
 
-    def watch_instances(self, count: Callable[[], int]) -> None:
-        self.instances_alive.set_function(count)
+    def watch_instances(self, live_ids: Callable[[], Sequence[str]]) -> None:
+        """Read at scrape time: the live count, and every engine's counters present at zero."""
+        self._live_ids = live_ids
+        self.instances_alive.set_function(lambda: len(live_ids()))
+
+    def engine_seen(self, engine: str) -> None:
+        """A new engine's series start at zero, as vLLM's do: every histogram, and one counter per
+        finish reason."""
+        if engine in self._engines_seen:
+            return
+        self._engines_seen.add(engine)
+        for reason in vllm.FINISHED_REASONS:
+            self.success.labels(self._model, engine, reason)
+        for histogram in (self.ttft, self.itl, self.tpot, self.e2e, self.decode_time, self.prompt_len,
+                          self.output_len, self.max_tokens, self.max_tokens_param):
+            histogram.labels(self._model, engine)
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(self._model, endpoint, str(status)).inc()
 
-    def first_token(self, seconds: float) -> None:
-        self.ttft.labels(self._model).observe(seconds)
+    def request_rejected(self, endpoint: str, reason: str) -> None:
+        self.rejections.labels(self._model, endpoint, reason).inc()
 
-    def finished(self, seconds: float) -> None:
-        self.e2e.labels(self._model).observe(seconds)
-
-    def generation_tokens_sent(self, num_tokens: int) -> None:
-        self.generation_tokens.labels(self._model).inc(num_tokens)
+    def request_finished(self, t: RequestTimeline) -> None:
+        """A dispatched request ended (finished, failed or abandoned by its client)."""
+        labels = (self._model, t.engine)
+        self.engine_seen(t.engine)
+        self.success.labels(*labels, t.finished_reason).inc()
+        self.e2e.labels(*labels).observe(t.ended - t.arrival)
+        self.prompt_len.labels(*labels).observe(t.num_prompt_tokens)
+        self.output_len.labels(*labels).observe(t.num_output_tokens)
+        self.max_tokens.labels(*labels).observe(t.max_tokens)
+        if t.max_tokens_param is not None:
+            self.max_tokens_param.labels(*labels).observe(t.max_tokens_param)
+        itl = self.itl.labels(*labels)
+        for gap in t.token_gaps:
+            itl.observe(gap)
+        if t.first_token_at is None or t.last_token_at is None:
+            return
+        self.ttft.labels(*labels).observe(t.first_token_at - t.arrival)
+        decode = t.last_token_at - t.first_token_at
+        self.decode_time.labels(*labels).observe(decode)
+        # As vLLM: the first token is prefill's; a one-token request counts 0.
+        self.tpot.labels(*labels).observe(decode / (t.num_output_tokens - 1) if t.num_output_tokens > 1 else 0.0)
 
     def in_flight_changed(self, delta: int) -> None:
         self.in_flight.labels(self._model).inc(delta)
 
-    def prompt_tokens_sent(self, num_tokens: int) -> None:
-        self.prompt_tokens.labels(self._model).inc(num_tokens)
-
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        for engine in self._live_ids():
+            self.engine_seen(engine)
+        return render(self.registry)

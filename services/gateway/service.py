@@ -60,9 +60,9 @@ class GatewayService:
         self.config = config
         self._owns_tokenizer = tokenizer is None
         self.tokenizer = tokenizer or ModelTokenizer.load(config.model_dir, config.max_model_len)
-        self.metrics = GatewayMetrics(config.model_name)
+        self.metrics = GatewayMetrics(config.model_name, self.tokenizer.max_model_len)
         self.instances = GatewayInstances(config.instance_timeout_s)
-        self.metrics.watch_instances(self.instances.alive_count)
+        self.metrics.watch_instances(lambda: [load.instance_id for load in self.instances.live_loads()])
         self.streams = StreamRegistry()
         self.started_at = int(time.time())
         self.output_subject = subjects.gateway_output(config.gateway_id)
@@ -192,7 +192,6 @@ class GatewayService:
         except BaseException:
             self.release(stream, abort=False)
             raise
-        self.metrics.prompt_tokens_sent(len(request.prompt_token_ids))
         return stream
 
     async def _place(self, request: PreparedRequest, stream: OutputStream) -> None:

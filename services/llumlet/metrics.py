@@ -1,40 +1,120 @@
-"""A llumlet's Prometheus metrics: vLLM's names where the meaning is the same, `corral:` otherwise."""
+"""A llumlet's Prometheus metrics: what vLLM's engine measures, under vLLM's names and labels
+(`model_name`, `engine` = this instance's id), and Corral's own (`corral:llumlet_*`).
+
+Measured here because only the engine's side knows them: running/waiting, KV usage, preemptions,
+prefix-cache lookups, prompt and generation tokens as the engine computes them, and each
+request's queue and prefill time (vLLM's definitions: queued until the step that first schedules
+it, prefill until its first token; a preemption does not restart either). The client-side
+latencies (TTFT, ITL, e2e, decode) are the gateway's.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from collections.abc import Iterable
+from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from shared import vllm_metrics as vllm
+from shared.engine_model.views import RequestPhase, RequestView, StepOutput
 from shared.messages import LoadReport
 
 
+@dataclass
+class _Pending:
+    """A request that arrived here and has not produced its first token yet."""
+
+    arrived: float
+    scheduled: float | None = None
+
+
 class LlumletMetrics:
-    def __init__(self, model_name: str, engine: str) -> None:
-        self.registry = CollectorRegistry()
-        labels = ["model_name", "engine"]
-        r = self.registry
-        self._labels = (model_name, engine)
-        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", labels, registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)", labels, registry=r)
-        self.preemptions = Counter("vllm:num_preemptions", "Preemptions by recompute", labels, registry=r)
-        self.freeness = Gauge("corral:llumlet_freeness", "Head-of-line freeness (Llumnix Algorithm 1)", labels, registry=r)
-        self.dispatch_freeness = Gauge("corral:llumlet_dispatch_freeness",
-                                       "Freeness counting the whole waiting queue", labels, registry=r)
-        self.migrations = Counter("corral:llumlet_migrations", "Migrations by direction and outcome",
-                                  [*labels, "direction", "outcome"], registry=r)
+    def __init__(self, model_name: str, instance_id: str) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = vllm.LABELS
+        self._labels = (model_name, instance_id)
+        self._pending: dict[str, _Pending] = {}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r).labels(*self._labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(*self._labels)  # present at 0 from the start
+
+        def latency(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=vllm.REQUEST_LATENCY_BUCKETS, registry=r).labels(*self._labels)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        # Corral has no prefix caching yet: every lookup is a miss, so both stay at zero.
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                                      "queried tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.queue_time = latency("vllm:request_queue_time_seconds",
+                                  "Histogram of time spent in WAITING phase for request.")
+        self.prefill_time = latency("vllm:request_prefill_time_seconds",
+                                    "Histogram of time spent in PREFILL phase for request.")
+        self.freeness = gauge("corral:llumlet_freeness", "Head-of-line freeness (Llumnix Algorithm 1)")
+        self.dispatch_freeness = gauge("corral:llumlet_dispatch_freeness", "Freeness counting the whole waiting queue")
+        migrations = Counter("corral:llumlet_migrations", "Requests migrated (committed), by direction",
+                             [*labels, "direction"], registry=r)
+        self.migrations = {d: migrations.labels(*self._labels, d) for d in ("in", "out")}
         self._preemptions_seen = 0
 
+    # ---- load reports --------------------------------------------------------------------
+
     def observe_report(self, report: LoadReport) -> None:
-        labels = self._labels
-        self.running.labels(*labels).set(report.num_running)
-        self.waiting.labels(*labels).set(report.num_waiting)
+        self.running.set(report.num_running)
+        self.waiting.set(report.num_waiting)
         used = report.num_blocks_total - report.num_blocks_free
-        self.kv_usage.labels(*labels).set(used / report.num_blocks_total if report.num_blocks_total else 0.0)
-        self.freeness.labels(*labels).set(report.freeness)
-        self.dispatch_freeness.labels(*labels).set(report.dispatch_freeness)
+        self.kv_usage.set(used / report.num_blocks_total if report.num_blocks_total else 0.0)
+        self.freeness.set(report.freeness)
+        self.dispatch_freeness.set(report.dispatch_freeness)
         if report.num_preemptions_total > self._preemptions_seen:
-            self.preemptions.labels(*labels).inc(report.num_preemptions_total - self._preemptions_seen)
+            self.preemptions.inc(report.num_preemptions_total - self._preemptions_seen)
             self._preemptions_seen = report.num_preemptions_total
 
-    def migration_done(self, direction: str, outcome: str) -> None:
-        self.migrations.labels(*self._labels, direction, outcome).inc()
+    # ---- requests and steps --------------------------------------------------------------
+
+    def request_arrived(self, request_id: str, now: float) -> None:
+        self._pending[request_id] = _Pending(now)
+
+    def request_left(self, request_id: str) -> None:
+        """Aborted, failed or migrated away before its first token: no queue/prefill time here."""
+        self._pending.pop(request_id, None)
+
+    @property
+    def awaiting_schedule(self) -> bool:
+        """Whether `step_done` needs the engine's request views (some arrival is not scheduled yet)."""
+        return any(p.scheduled is None for p in self._pending.values())
+
+    def step_done(self, started: float, now: float, outputs: Iterable[StepOutput],
+                  views: Iterable[RequestView] = ()) -> None:
+        """One engine step that began at `started`: `views` (taken after it) say which requests
+        it scheduled; its outputs carry the tokens it computed."""
+        for view in views:
+            pending = self._pending.get(view.request_id)
+            if pending is not None and pending.scheduled is None and view.phase is RequestPhase.RUNNING:
+                pending.scheduled = started
+        for output in outputs:
+            self.generation_tokens.inc(len(output.token_ids))
+            if output.start_index == 0 and output.token_ids:  # its prefill finished in this step
+                self.prompt_tokens.inc(output.num_prompt_tokens)
+                self._first_token(output.request_id, started, now)
+            if output.finish_reason is not None:
+                self._pending.pop(output.request_id, None)
+
+    def _first_token(self, request_id: str, started: float, now: float) -> None:
+        pending = self._pending.pop(request_id, None)
+        if pending is None:
+            return  # arrived by migration, or before metrics were on
+        scheduled = pending.scheduled if pending.scheduled is not None else started
+        self.queue_time.observe(max(0.0, scheduled - pending.arrived))
+        self.prefill_time.observe(max(0.0, now - scheduled))
+
+    def migrated(self, direction: str) -> None:
+        self.migrations[direction].inc()

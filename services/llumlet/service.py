@@ -76,7 +76,7 @@ class Llumlet:
         await self.engine.start()
         self.spans = RequestSpans(self.instance_id, self.engine.model_name)
         self.migration = self._build_migration()
-        self.metrics = LlumletMetrics(self.engine.model_name, self.engine.kind)
+        self.metrics = LlumletMetrics(self.engine.model_name, self.instance_id)
         serve_metrics(self.metrics.registry, self.config.metrics_port)
         self.nc = await connect(self.config.nats_url, f"llumlet-{self.instance_id}")
         nc = self.nc
@@ -143,6 +143,7 @@ class Llumlet:
             await msg.respond(encode(Ack(ok=False, error=str(exc))))
             return
         self._reply_subjects[request.request_id] = request.reply_subject
+        self.metrics.request_arrived(request.request_id, time.monotonic())
         self.spans.started(request)
         self._work.set()
         self._report_now.set()
@@ -156,6 +157,7 @@ class Llumlet:
             self.migration.on_request_aborted(order.request_id)
         if self._reply_subjects.pop(order.request_id, None) is not None:
             self.engine.abort_request(order.request_id)
+            self.metrics.request_left(order.request_id)
             self.spans.ended(order.request_id, "aborted")
             self._report_now.set()
 
@@ -177,12 +179,15 @@ class Llumlet:
                 self._work.clear()
                 await self._work.wait()
                 continue
+            started = time.monotonic()
             try:
                 outputs = await self.engine.step()
             except Exception:
                 log.exception("engine step failed; failing in-flight requests")
                 await self._fail_all("engine failure")
                 raise
+            views = self.engine.request_views() if self.metrics.awaiting_schedule else ()
+            self.metrics.step_done(started, time.monotonic(), outputs, views)
             for output in outputs:
                 await self._publish_output(output)
             if outputs:
@@ -209,6 +214,7 @@ class Llumlet:
     async def fail_request(self, request_id: str, reason: str) -> None:
         subject = self._reply_subjects.pop(request_id, None)
         self.engine.abort_request(request_id)
+        self.metrics.request_left(request_id)
         self.spans.ended(request_id, "failed", error=reason)
         if subject is not None and self.nc is not None and not self.nc.is_closed:
             error = f"{reason} ({self.instance_id})"
@@ -291,6 +297,8 @@ class _MigrationHooks:
 
     def migrated_out(self, request_id: str) -> None:
         self.llumlet._reply_subjects.pop(request_id, None)  # the destination publishes from now on
+        self.llumlet.metrics.request_left(request_id)
+        self.llumlet.metrics.migrated("out")
         self.llumlet.spans.ended(request_id, "migrated_out")
 
     def resumed(self) -> None:
@@ -307,6 +315,7 @@ class _MigrationHooks:
         published its last token before it stopped (the gateway drops what it has seen)."""
         llumlet, request = self.llumlet, commit.request
         llumlet._reply_subjects[request.request_id] = request.reply_subject
+        llumlet.metrics.migrated("in")
         llumlet.spans.started(request, migrated_in=True, num_output_tokens=len(commit.output_token_ids))
         llumlet._work.set()
         llumlet._report_now.set()

@@ -85,7 +85,7 @@ class FakeNats:
 
 
 def dispatcher(instances: GatewayInstances, outcome) -> Dispatcher:
-    return Dispatcher(FakeNats(outcome), instances, GatewayMetrics("m"), timeout_s=0.5)  # type: ignore[arg-type]
+    return Dispatcher(FakeNats(outcome), instances, GatewayMetrics("m", 2048), timeout_s=0.5)  # type: ignore[arg-type]
 
 
 def request(i: int, priority: int = 0, exclude: list[str] | None = None) -> DispatchRequest:

@@ -1,0 +1,215 @@
+"""Corral's vllm:* series are vLLM's: same names, types, labels and buckets, colons kept on the wire."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.gateway.metrics import GatewayMetrics, RequestTimeline
+from services.global_scheduler.config import SchedulerConfig
+from services.global_scheduler.service import GlobalScheduler
+from services.llumlet.metrics import LlumletMetrics
+from shared import vllm_metrics
+from shared.engine_model.views import RequestPhase, RequestView, StepOutput
+from shared.messages import FinishReason
+from shared.metrics_server import CONTENT_TYPE, render, serve_metrics
+
+# What Prometheus 2.x sends: OpenMetrics first (the format whose writer drops the colons).
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
+def vllm_source(relative: str) -> Path:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vLLM is not installed: nothing to compare with")
+    return Path(spec.submodule_search_locations[0]) / relative
+
+
+def vllm_declarations() -> dict[str, str]:
+    """vLLM's metric name → its kind (gauge, counter, histogram), read from its stat logger."""
+    source = vllm_source("v1/metrics/loggers.py").read_text()
+    found = re.findall(r"self\._(gauge|counter|histogram)_cls\(\s*name=\"(vllm:[a-z0-9_]+)\"", source)
+    return {name: kind for kind, name in found}
+
+
+def vllm_buckets():
+    """vLLM's buckets module, loaded alone (importing the vllm package takes seconds)."""
+    spec = importlib.util.spec_from_file_location("vllm_buckets", vllm_source("v1/metrics/buckets.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def families(text: str) -> dict:
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def gateway_with_one_request() -> GatewayMetrics:
+    metrics = GatewayMetrics("tiny", 2048)
+    metrics.watch_instances(lambda: ["llumlet-0"])
+    metrics.request_finished(RequestTimeline(
+        engine="llumlet-1", arrival=10.0, ended=11.0, num_prompt_tokens=30, num_output_tokens=5, max_tokens=16,
+        max_tokens_param=16, finished_reason="length", first_token_at=10.2, last_token_at=10.6,
+        token_gaps=[0.1, 0.1, 0.1, 0.1]))
+    return metrics
+
+
+def llumlet_after_one_request() -> LlumletMetrics:
+    metrics = LlumletMetrics("tiny", "llumlet-0")
+    metrics.request_arrived("r1", 100.0)
+    running = RequestView("r1", 0, RequestPhase.RUNNING, 2, 2, 30)
+    metrics.step_done(100.5, 100.6, [], [running])  # scheduled, prefill not done (a chunk)
+    metrics.step_done(100.6, 100.9, [StepOutput("r1", 0, [7], num_prompt_tokens=30)], [running])
+    metrics.step_done(100.9, 101.0, [StepOutput("r1", 1, [8], FinishReason.LENGTH, num_prompt_tokens=30)])
+    return metrics
+
+
+def all_texts() -> list[str]:
+    scheduler = GlobalScheduler(SchedulerConfig(nats_url="nats://unused:4222"))
+    return [gateway_with_one_request().render().decode(), render(llumlet_after_one_request().registry).decode(),
+            render(scheduler.metrics.registry).decode()]
+
+
+def test_every_vllm_series_has_vllms_name_kind_and_labels():
+    declared = vllm_declarations()
+    assert len(declared) > 30  # the regex still reads vLLM's source
+    exported = {}
+    for text in all_texts():
+        for family in text_string_to_metric_families(text):
+            # `_created` timestamps come with every counter and histogram (vLLM's too).
+            if family.name.startswith("vllm:") and not family.name.endswith("_created"):
+                exported[family.name] = family
+    for name, family in exported.items():
+        vllm_name = name if name in declared else name.removesuffix("_total")  # a counter's family name
+        assert declared.get(vllm_name) == family.type, name
+        for sample in family.samples:
+            assert {"model_name", "engine"} <= set(sample.labels), sample
+    expected = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens",
+                "vllm:generation_tokens", "vllm:request_success", "vllm:time_to_first_token_seconds",
+                "vllm:inter_token_latency_seconds", "vllm:request_time_per_output_token_seconds",
+                "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+                "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_params_max_tokens",
+                "vllm:request_max_num_generation_tokens"}
+    assert expected <= set(exported)
+
+
+def test_buckets_are_vllms():
+    theirs = vllm_buckets()
+    assert vllm_metrics.TIME_TO_FIRST_TOKEN_BUCKETS == theirs.TIME_TO_FIRST_TOKEN_BUCKETS
+    assert vllm_metrics.INTER_TOKEN_LATENCY_BUCKETS == theirs.INTER_TOKEN_LATENCY_BUCKETS
+    assert vllm_metrics.REQUEST_LATENCY_BUCKETS == theirs.REQUEST_LATENCY_BUCKETS
+    for max_model_len in (1, 7, 2048, 4096, 131072):
+        assert vllm_metrics.request_tokens_buckets(max_model_len) == theirs.build_1_2_5_buckets(max_model_len)
+    text = gateway_with_one_request().render().decode()
+    bounds = [s.labels["le"] for s in families(text)["vllm:request_prompt_tokens"].samples
+              if s.name.endswith("_bucket")]
+    assert bounds[:3] == ["1.0", "2.0", "5.0"] and bounds[-2:] == ["2000.0", "+Inf"]
+
+
+def test_the_exposition_keeps_the_colons():
+    for text in all_texts():
+        samples = [line for line in text.splitlines() if line and not line.startswith("#")]
+        assert samples
+        assert not [line for line in samples if line.startswith(("vllm_", "corral_"))]
+        assert all(line.startswith(("vllm:", "corral:")) for line in samples), text
+
+
+def test_the_metrics_server_answers_prometheus_with_the_text_format():
+    """prometheus_client's own server would answer this Accept header with OpenMetrics and
+    `vllm_num_requests_running`: ours always sends the text format, names untouched."""
+    metrics = LlumletMetrics("tiny", "llumlet-0")
+    server = serve_metrics(metrics.registry, 0, "127.0.0.1")
+    assert server is None  # port 0: off
+    from shared.metrics_server import MetricsServer
+    server = MetricsServer(metrics.registry, 0, "127.0.0.1")
+    try:
+        reply = httpx.get(f"http://127.0.0.1:{server.port}/metrics", headers={"Accept": PROMETHEUS_ACCEPT})
+        assert reply.status_code == 200
+        assert reply.headers["content-type"] == CONTENT_TYPE
+        assert 'vllm:num_requests_running{engine="llumlet-0",model_name="tiny"} 0.0' in reply.text
+        assert "vllm_num_requests_running" not in reply.text
+        assert httpx.get(f"http://127.0.0.1:{server.port}/other").status_code == 404
+    finally:
+        server.close()
+
+
+def test_counters_are_there_at_zero_before_anything_happens():
+    gateway = GatewayMetrics("tiny", 2048)
+    gateway.watch_instances(lambda: ["llumlet-0", "llumlet-1"])
+    seen = families(gateway.render().decode())
+    success = {(s.labels["engine"], s.labels["finished_reason"]): s.value
+               for s in seen["vllm:request_success"].samples if s.name.endswith("_total")}
+    assert success == {(e, r): 0.0 for e in ("llumlet-0", "llumlet-1") for r in vllm_metrics.FINISHED_REASONS}
+    assert seen["corral:gateway_instances_alive"].samples[0].value == 2
+    llumlet = families(render(LlumletMetrics("tiny", "llumlet-0").registry).decode())
+    for name in ("vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+                 "vllm:prompt_tokens", "vllm:generation_tokens"):
+        totals = [s for s in llumlet[name].samples if s.name.endswith("_total")]
+        assert [s.value for s in totals] == [0.0], name
+    directions = {s.labels["direction"] for s in llumlet["corral:llumlet_migrations"].samples}
+    assert directions == {"in", "out"}
+
+
+def value(text: str, name: str, **labels) -> float:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    raise KeyError(name)
+
+
+def test_the_gateway_measures_the_request_as_the_client_saw_it():
+    text = gateway_with_one_request().render().decode()
+    one = {"engine": "llumlet-1"}
+    assert value(text, "vllm:time_to_first_token_seconds_sum", **one) == pytest.approx(0.2)
+    assert value(text, "vllm:inter_token_latency_seconds_count", **one) == 4
+    assert value(text, "vllm:request_decode_time_seconds_sum", **one) == pytest.approx(0.4)
+    assert value(text, "vllm:request_time_per_output_token_seconds_sum", **one) == pytest.approx(0.1)
+    assert value(text, "vllm:e2e_request_latency_seconds_sum", **one) == pytest.approx(1.0)
+    assert value(text, "vllm:request_success_total", finished_reason="length", **one) == 1
+    assert value(text, "vllm:request_success_total", finished_reason="stop", **one) == 0
+    assert value(text, "vllm:request_prompt_tokens_sum", **one) == 30
+    assert value(text, "vllm:request_generation_tokens_sum", **one) == 5
+    assert value(text, "vllm:request_params_max_tokens_count", **one) == 1
+
+
+def test_a_request_without_tokens_counts_its_end_but_no_token_timing():
+    metrics = GatewayMetrics("tiny", 2048)
+    metrics.request_finished(RequestTimeline("llumlet-0", 0.0, 0.5, 10, 0, 16, None, "abort"))
+    text = metrics.render().decode()
+    assert value(text, "vllm:request_success_total", finished_reason="abort") == 1
+    assert value(text, "vllm:e2e_request_latency_seconds_count") == 1
+    assert value(text, "vllm:request_params_max_tokens_count") == 0  # the client gave none
+    assert value(text, "vllm:time_to_first_token_seconds_count", engine="llumlet-0") == 0
+    assert value(text, "vllm:inter_token_latency_seconds_count", engine="llumlet-0") == 0
+
+
+def test_the_llumlet_times_queue_and_prefill_from_the_step_that_scheduled_it():
+    text = render(llumlet_after_one_request().registry).decode()
+    assert value(text, "vllm:request_queue_time_seconds_sum") == pytest.approx(0.5)
+    assert value(text, "vllm:request_prefill_time_seconds_sum") == pytest.approx(0.4)
+    assert value(text, "vllm:prompt_tokens_total") == 30
+    assert value(text, "vllm:generation_tokens_total") == 2
+
+
+def test_the_llumlet_forgets_requests_that_leave_and_times_none_it_did_not_queue():
+    metrics = LlumletMetrics("tiny", "llumlet-0")
+    metrics.request_arrived("gone", time.monotonic())
+    assert metrics.awaiting_schedule
+    metrics.request_left("gone")
+    assert not metrics.awaiting_schedule
+    # Migrated in mid-decode: its tokens count, it has no queue or prefill time here.
+    metrics.step_done(1.0, 1.1, [StepOutput("migrated", 12, [3, 4])])
+    text = render(metrics.registry).decode()
+    assert value(text, "vllm:generation_tokens_total") == 2
+    assert value(text, "vllm:prompt_tokens_total") == 0
+    assert value(text, "vllm:request_queue_time_seconds_count") == 0
