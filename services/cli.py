@@ -91,14 +91,20 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
 
 def _cmd_autoscaler(args: argparse.Namespace) -> int:
     from services.autoscaler.config import config_from_args
-    from services.autoscaler.providers import LocalProcessProvider
+    from services.autoscaler.providers import provider_from_args
     from services.autoscaler.service import Autoscaler
     from services.runner import run, serve_until_signalled
 
     config = config_from_args(args)
-    provider = LocalProcessProvider(config.nats_url, config.llumlet_args, config.instance_prefix)
+    provider = provider_from_args(args, config)
     run(serve_until_signalled(Autoscaler(config, provider)))
     return 0
+
+
+def _cmd_drain(args: argparse.Namespace) -> int:
+    from services.tools.drain import run as drain
+
+    return drain(args)
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -112,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     from services.gateway.config import add_arguments as gateway_arguments
     from services.global_scheduler.config import add_arguments as scheduler_arguments
     from services.llumlet.config import add_arguments as llumlet_arguments
+    from services.autoscaler.providers import add_arguments as provider_arguments
+    from services.tools.drain import add_arguments as drain_arguments
     from services.tools.make_model import add_arguments as make_model_arguments
 
     parser = argparse.ArgumentParser(prog="corral", description=__doc__)
@@ -140,7 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler_arguments(sub.add_parser("scheduler", help="run the global scheduler"))
     llumlet_arguments(sub.add_parser("llumlet", help="run one llumlet (one engine instance)"))
     gateway_arguments(sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway"))
-    autoscaler_arguments(sub.add_parser("autoscaler", help="run the autoscaler (starts llumlets as local processes)"))
+    autoscaler = sub.add_parser("autoscaler", help="run the autoscaler (starts llumlets: local processes or Kubernetes)")
+    autoscaler_arguments(autoscaler)
+    provider_arguments(autoscaler)
+    drain_arguments(sub.add_parser("drain", help="drain one llumlet by live migration and wait until it is empty"))
     make_model_arguments(sub.add_parser("make-model", help="write a tiny random-weight Llama model for tests and demos"))
     return parser
 
@@ -157,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         "gateway": _cmd_gateway,
         "autoscaler": _cmd_autoscaler,
         "make-model": _cmd_make_model,
+        "drain": _cmd_drain,
     }
     if args.command == "up":
         return _cmd_up(args, extra)

@@ -1,8 +1,9 @@
-"""Where instances come from. The local-process provider starts llumlets as child processes;
-the interface admits others (docker compose, Kubernetes) that start them elsewhere."""
+"""Where instances come from. The local-process provider starts llumlets as child processes; the
+Kubernetes provider (`kubernetes_provider.py`) scales a llumlet Deployment."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import logging
 import signal
@@ -11,8 +12,13 @@ import sys
 from typing import Protocol
 
 from services.supervisor import die_with_parent
+from shared.config import env
 
 log = logging.getLogger(__name__)
+
+
+class ProviderError(RuntimeError):
+    """An instance could not be started or stopped (the autoscaler logs it and tries again later)."""
 
 
 class InstanceProvider(Protocol):
@@ -66,3 +72,31 @@ class LocalProcessProvider:
     def stop_all(self) -> None:
         for instance_id in list(self._processes):
             self.stop_instance(instance_id)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("instance provider")
+    group.add_argument("--provider", choices=["local", "kubernetes"], default=env("PROVIDER", "local"),
+                       help="local: llumlets as child processes; kubernetes: scale a llumlet Deployment")
+    group.add_argument("--k8s-namespace", default=env("K8S_NAMESPACE", None),
+                       help="the Deployment's namespace (default: this pod's, from the service account)")
+    group.add_argument("--k8s-deployment", default=env("K8S_DEPLOYMENT", "corral-llumlet"))
+    group.add_argument("--k8s-api-url", default=env("K8S_API_URL", None),
+                       help="API server URL (default: in-cluster configuration, else ~/.kube/config)")
+
+
+def provider_from_args(args: argparse.Namespace, config) -> InstanceProvider:
+    if args.provider == "local":
+        return LocalProcessProvider(config.nats_url, config.llumlet_args, config.instance_prefix)
+    from services.autoscaler.kubernetes_provider import KubernetesProvider, KubernetesSettings
+
+    namespace = args.k8s_namespace or _service_account_namespace()
+    return KubernetesProvider(KubernetesSettings(namespace, args.k8s_deployment, args.k8s_api_url))
+
+
+def _service_account_namespace() -> str:
+    try:
+        with open("/var/run/secrets/kubernetes.io/serviceaccount/namespace") as handle:
+            return handle.read().strip()
+    except OSError:
+        raise SystemExit("autoscaler: --k8s-namespace is required outside a Kubernetes pod") from None

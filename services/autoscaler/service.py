@@ -12,7 +12,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from services.autoscaler.config import AutoscalerConfig
-from services.autoscaler.providers import InstanceProvider
+from services.autoscaler.providers import InstanceProvider, ProviderError
 from shared import subjects
 from shared.instance_table import InstanceTable
 from shared.messages import (
@@ -45,8 +45,9 @@ class Autoscaler:
     async def start(self) -> None:
         self.nc = await connect(self.config.nats_url, "autoscaler")
         await self.nc.subscribe(subjects.LOAD_REPORTS_ALL, cb=self._on_report)
-        for _ in range(self.config.initial_instances):
-            self._start_one()
+        # Instances the provider already has count (a Kubernetes Deployment's pods outlive us).
+        for _ in range(self.config.initial_instances - len(await asyncio.to_thread(self.provider.managed))):
+            await self._start_one()
         self._task = asyncio.create_task(self._loop(), name="autoscaler-loop")
 
     async def stop(self) -> None:
@@ -64,15 +65,18 @@ class Autoscaler:
         self.table.update(report)
         self._starting.pop(report.instance_id, None)
 
-    def _start_one(self) -> str:
-        instance_id = self.provider.start_instance()
+    async def _start_one(self) -> str:
+        instance_id = await asyncio.to_thread(self.provider.start_instance)  # may wait on an API server
         self._starting[instance_id] = time.monotonic()
         return instance_id
 
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.tick_s)
-            await self.tick()
+            try:
+                await self.tick()
+            except ProviderError as exc:  # e.g. the API server refused or was away: try again next tick
+                log.error("instance provider: %s", exc)
 
     async def tick(self) -> None:
         await self._forget_failed_starts()
@@ -82,7 +86,7 @@ class Autoscaler:
             loads, self.state, self.config.scaling, time.monotonic(), pending=len(self._starting)
         )
         if decision.action is ScaleAction.OUT:
-            instance_id = self._start_one()
+            instance_id = await self._start_one()
             await self._event(ScalingAction.SCALE_OUT, instance_id, decision.average_freeness)
         elif decision.action is ScaleAction.IN:
             victim = self._managed_victim(loads, decision.victim)
