@@ -12,13 +12,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.gateway.metrics import GatewayMetrics, RequestTimeline
-from services.global_scheduler.config import SchedulerConfig
-from services.global_scheduler.service import GlobalScheduler
 from services.llumlet.metrics import LlumletMetrics
 from shared import vllm_metrics
-from shared.engine_model.views import RequestPhase, RequestView, StepOutput
-from shared.messages import FinishReason
-from shared.metrics_server import CONTENT_TYPE, render, serve_metrics
+from shared.engine_model.views import StepOutput
+from shared.metrics_server import CONTENT_TYPE, MetricsServer, render, serve_metrics
+from tests.support.exported_metrics import exposition_texts, gateway_with_one_request, llumlet_after_one_request
 
 # What Prometheus 2.x sends: OpenMetrics first (the format whose writer drops the colons).
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
@@ -51,37 +49,11 @@ def families(text: str) -> dict:
     return {family.name: family for family in text_string_to_metric_families(text)}
 
 
-def gateway_with_one_request() -> GatewayMetrics:
-    metrics = GatewayMetrics("tiny", 2048)
-    metrics.watch_instances(lambda: ["llumlet-0"])
-    metrics.request_finished(RequestTimeline(
-        engine="llumlet-1", arrival=10.0, ended=11.0, num_prompt_tokens=30, num_output_tokens=5, max_tokens=16,
-        max_tokens_param=16, finished_reason="length", first_token_at=10.2, last_token_at=10.6,
-        token_gaps=[0.1, 0.1, 0.1, 0.1]))
-    return metrics
-
-
-def llumlet_after_one_request() -> LlumletMetrics:
-    metrics = LlumletMetrics("tiny", "llumlet-0")
-    metrics.request_arrived("r1", 100.0)
-    running = RequestView("r1", 0, RequestPhase.RUNNING, 2, 2, 30)
-    metrics.step_done(100.5, 100.6, [], [running])  # scheduled, prefill not done (a chunk)
-    metrics.step_done(100.6, 100.9, [StepOutput("r1", 0, [7], num_prompt_tokens=30)], [running])
-    metrics.step_done(100.9, 101.0, [StepOutput("r1", 1, [8], FinishReason.LENGTH, num_prompt_tokens=30)])
-    return metrics
-
-
-def all_texts() -> list[str]:
-    scheduler = GlobalScheduler(SchedulerConfig(nats_url="nats://unused:4222"))
-    return [gateway_with_one_request().render().decode(), render(llumlet_after_one_request().registry).decode(),
-            render(scheduler.metrics.registry).decode()]
-
-
 def test_every_vllm_series_has_vllms_name_kind_and_labels():
     declared = vllm_declarations()
     assert len(declared) > 30  # the regex still reads vLLM's source
     exported = {}
-    for text in all_texts():
+    for text in exposition_texts():
         for family in text_string_to_metric_families(text):
             # `_created` timestamps come with every counter and histogram (vLLM's too).
             if family.name.startswith("vllm:") and not family.name.endswith("_created"):
@@ -116,7 +88,7 @@ def test_buckets_are_vllms():
 
 
 def test_the_exposition_keeps_the_colons():
-    for text in all_texts():
+    for text in exposition_texts():
         samples = [line for line in text.splitlines() if line and not line.startswith("#")]
         assert samples
         assert not [line for line in samples if line.startswith(("vllm_", "corral_"))]
@@ -129,7 +101,6 @@ def test_the_metrics_server_answers_prometheus_with_the_text_format():
     metrics = LlumletMetrics("tiny", "llumlet-0")
     server = serve_metrics(metrics.registry, 0, "127.0.0.1")
     assert server is None  # port 0: off
-    from shared.metrics_server import MetricsServer
     server = MetricsServer(metrics.registry, 0, "127.0.0.1")
     try:
         reply = httpx.get(f"http://127.0.0.1:{server.port}/metrics", headers={"Accept": PROMETHEUS_ACCEPT})
