@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 log = logging.getLogger(__name__)
+
+# Why a service should take no traffic now, in words; None when it is ready (the `/ready` probe).
+Readiness = Callable[[], "str | None"]
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
@@ -29,10 +33,12 @@ def render(registry: CollectorRegistry) -> bytes:
 
 
 class MetricsServer:
-    """`/metrics` on a port of its own, served from a daemon thread."""
+    """`/metrics` on a port of its own, served from a daemon thread; with it `/health` (the process
+    answers: liveness) and, given a readiness check, `/ready` (200, or 503 with the reason)."""
 
-    def __init__(self, registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> None:
-        self._server = ThreadingHTTPServer((host, port), _handler_for(registry))
+    def __init__(self, registry: CollectorRegistry, port: int, host: str = "0.0.0.0",
+                 ready: Readiness | None = None) -> None:
+        self._server = ThreadingHTTPServer((host, port), _handler_for(registry, ready))
         self._server.daemon_threads = True
         self.host = host
         self.port = self._server.server_address[1]  # the bound one, when asked for port 0
@@ -44,24 +50,35 @@ class MetricsServer:
         self._server.server_close()
 
 
-def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> MetricsServer | None:
+def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0",
+                  ready: Readiness | None = None) -> MetricsServer | None:
     """A port ≤ 0 keeps metrics off (the default: several llumlets on one host would collide)."""
     if port <= 0:
         return None
-    server = MetricsServer(registry, port, host)
+    server = MetricsServer(registry, port, host, ready)
     log.info("metrics on http://%s:%d/metrics", host, server.port)
     return server
 
 
-def _handler_for(registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
+def _handler_for(registry: CollectorRegistry, ready: Readiness | None) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-            if self.path.split("?", 1)[0] not in ("/metrics", "/"):
-                self.send_error(404, "only /metrics is served here")
+            path = self.path.split("?", 1)[0]
+            if path == "/health":
+                self._answer(200, b"ok\n", "text/plain")
                 return
-            body = render(registry)
-            self.send_response(200)
-            self.send_header("Content-Type", CONTENT_TYPE)
+            if path == "/ready" and ready is not None:
+                reason = ready()
+                self._answer(503 if reason else 200, f"{reason or 'ready'}\n".encode(), "text/plain")
+                return
+            if path not in ("/metrics", "/"):
+                self.send_error(404, "only /metrics, /health and /ready are served here")
+                return
+            self._answer(200, render(registry), CONTENT_TYPE)
+
+        def _answer(self, status: int, body: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

@@ -17,6 +17,7 @@ from shared.engine_model.load_report import build_load_report
 from services.llumlet.metrics import LlumletMetrics
 from services.llumlet.tracing import RequestSpans, trace_context_of
 from shared.metrics_server import serve_metrics
+from services.llumlet.readiness import not_ready_reason
 from services.llumlet.migration.ops import migration_ops_for
 from services.llumlet.migration.runtime import LlumletMigration
 from shared import subjects, tracing
@@ -77,7 +78,7 @@ class Llumlet:
         self.spans = RequestSpans(self.instance_id, self.engine.model_name)
         self.migration = self._build_migration()
         self.metrics = LlumletMetrics(self.engine.model_name, self.instance_id)
-        serve_metrics(self.metrics.registry, self.config.metrics_port)
+        serve_metrics(self.metrics.registry, self.config.metrics_port, ready=self.not_ready_reason)
         self.nc = await connect(self.config.nats_url, f"llumlet-{self.instance_id}")
         nc = self.nc
         await nc.subscribe(subjects.llumlet(self.instance_id, "generate"), cb=self._on_generate)
@@ -105,6 +106,11 @@ class Llumlet:
         for task in done:
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception()
+
+    def not_ready_reason(self) -> str | None:
+        """The metrics port's `/ready` (called from its thread: only reads)."""
+        connected = self.nc is not None and self.nc.is_connected
+        return not_ready_reason(self._last_report, self.draining, connected, self.config.report_interval_s, time.time())
 
     async def stop(self) -> None:
         await self._announce_leaving()

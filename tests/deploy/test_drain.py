@@ -12,7 +12,7 @@ import time
 import httpx
 
 from shared.embedded_nats import start_nats
-from tests.support.cluster import REPO, Cluster
+from tests.support.cluster import REPO, Cluster, free_port
 
 SIM = ("--sim-time-scale", "1.0", "--sim-num-blocks", "400", "--max-model-len", "2048")
 
@@ -28,7 +28,8 @@ async def test_drain_migrates_a_running_request_away_and_returns_once_empty(tiny
     cluster = Cluster(server.url, tiny_model_dir, tmp_path)
     try:
         cluster.start_scheduler()
-        cluster.start_llumlet("leaving", *SIM)
+        probe_port = free_port()
+        cluster.start_llumlet("leaving", *SIM, "--metrics-port", str(probe_port))
         cluster.start_gateway()
         await asyncio.to_thread(cluster.wait_ready, 1)
         model = httpx.get(f"{cluster.base_url}/v1/models").json()["data"][0]["id"]
@@ -53,12 +54,16 @@ async def test_drain_migrates_a_running_request_away_and_returns_once_empty(tiny
         await asyncio.sleep(1.0)  # running on "leaving", the only instance
         cluster.start_llumlet("staying", *SIM)
         await asyncio.to_thread(cluster.wait_ready, 2)
+        ready = f"http://127.0.0.1:{probe_port}/ready"
+        assert httpx.get(ready).status_code == 200
         started = time.monotonic()
         drained.append((await asyncio.to_thread(drain, server.url, "leaving", 60.0), time.monotonic() - started))
         result, took = drained[0]
         assert result.returncode == 0, result.stderr[-2000:]
         assert "leaving is empty" in result.stderr
         assert not streaming.done(), "the request ended before the drain: nothing was shown to migrate"
+        not_ready = httpx.get(ready)  # a ReplicaSet scaling in deletes not-ready pods first
+        assert not_ready.status_code == 503 and not_ready.text.strip() == "draining"
         await asyncio.wait_for(streaming, 240)
         assert tokens == 1500
         assert "migrat" in cluster.procs["leaving"].log().lower()
