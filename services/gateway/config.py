@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import secrets
 from collections.abc import Callable, Mapping
@@ -41,6 +42,14 @@ class GatewayConfig:
     # Context limit for validation; None: the model's config.json (max_position_embeddings).
     max_model_len: int | None = None
     log_level: str = "info"
+    # Bearer tokens accepted on /v1 routes (vLLM's --api-key); empty: no authentication. Never
+    # shown in a repr, so never in a log line.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # CORS, as vLLM's flags: cross-origin browser access is off until origins are given.
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -54,6 +63,8 @@ class GatewayConfig:
         for name in ("dispatch_timeout_s", "generate_timeout_s", "instance_timeout_s", "request_inactivity_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if any(not key or key != key.strip() for key in self.api_keys):
+            raise ConfigError("an API key is empty or has surrounding spaces")
         for name in ("default_max_tokens", "max_model_len"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -62,6 +73,29 @@ class GatewayConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model_dir.rstrip("/")).name
+
+
+def _string_list(text: str) -> tuple[str, ...]:
+    """A JSON list (vLLM's form: '["https://a.example"]') or comma-separated values."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not a JSON list: {exc}") from None
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise ValueError("expected a JSON list of strings")
+    else:
+        values = text.split(",")
+    return tuple(v.strip() for v in values if v.strip())
+
+
+def _flag(text: str) -> bool:
+    if text.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.strip().lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
 
 
 # (field, flag, env var, parser, help). One table, so flags and env vars cannot drift apart.
@@ -86,7 +120,15 @@ _OPTIONS: list[_Option] = [
     ("max_model_len", "--max-model-len", "CORRAL_MAX_MODEL_LEN", int,
      "context limit (default: the model's config.json)"),
     ("log_level", "--log-level", "CORRAL_LOG_LEVEL", str, "logging level"),
+    ("api_keys", "--api-key", "CORRAL_API_KEY", _string_list,
+     "API key(s) required as `Authorization: Bearer KEY` on /v1 routes; repeat the flag or separate by commas"),
+    ("allowed_origins", "--allowed-origins", "CORRAL_ALLOWED_ORIGINS", _string_list,
+     "CORS origins allowed (JSON list or comma-separated; '*' for any)"),
+    ("allowed_methods", "--allowed-methods", "CORRAL_ALLOWED_METHODS", _string_list, "CORS methods allowed"),
+    ("allowed_headers", "--allowed-headers", "CORRAL_ALLOWED_HEADERS", _string_list, "CORS headers allowed"),
+    ("allow_credentials", "--allow-credentials", "CORRAL_ALLOW_CREDENTIALS", _flag, "CORS: allow credentials"),
 ]
+_REPEATABLE = {"api_keys"}  # a repeated flag adds to the list
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,9 +136,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = {f.name: f.default for f in dataclasses.fields(GatewayConfig)}
     for name, flag, env, parse, help_text in _OPTIONS:
         default = defaults.get(name)
-        shown = "" if default in (None, dataclasses.MISSING) else f"; default {default}"
+        shown = "" if default in (None, dataclasses.MISSING, ()) or name in _REPEATABLE else f"; default {default}"
+        if name == "allow_credentials":
+            parser.add_argument(flag, dest=f"gateway_{name}", action="store_const", const=True, default=None,
+                                help=f"{help_text} (env {env})")
+            continue
         parser.add_argument(flag, dest=f"gateway_{name}", metavar=name.upper(), type=parse, default=None,
-                            help=f"{help_text} (env {env}{shown})")
+                            action="append" if name in _REPEATABLE else "store", help=f"{help_text} (env {env}{shown})")
 
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> GatewayConfig:
@@ -104,6 +150,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
     values: dict[str, Any] = {}
     for name, _flag, env_name, parse, _help in _OPTIONS:
         value = getattr(args, f"gateway_{name}", None)
+        if name in _REPEATABLE and value is not None:
+            value = tuple(item for chunk in value for item in chunk)  # each flag may hold several
         if value is None and env.get(env_name):
             try:
                 value = parse(env[env_name])

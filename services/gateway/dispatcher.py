@@ -8,7 +8,6 @@ reports spreads instead of piling onto the instance that looked freest at the la
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 from nats.aio.client import Client
@@ -17,27 +16,13 @@ from nats.errors import NoRespondersError
 
 from services.gateway.instances import GatewayInstances
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.protocol import ApiError
+from services.gateway.errors import ApiError, refusal_error
 from shared import subjects, tracing
-from shared.messages import DispatchReply, DispatchRequest, WireError, decode, encode
+from shared.messages import DispatchReply, DispatchRequest, Refusal, WireError, decode, encode
 from shared.policy import PolicyConfig, choose_instance
-from shared.policy.dispatch import REJECT_NO_INSTANCE, REJECT_TOO_LONG
+from shared.policy.dispatch import REJECT_NO_INSTANCE
 
 log = logging.getLogger(__name__)
-
-
-def rejection_error(reason: str, retry_after_s: float | None = None) -> ApiError:
-    """Map a dispatch refusal to HTTP: a prompt no instance can hold is the client's fault (400),
-    no instance at all is ours (503), anything else is load shedding (429, retry later)."""
-    if reason == REJECT_TOO_LONG:
-        return ApiError(400, f"{reason}; shorten the prompt", "messages")
-    if reason == REJECT_NO_INSTANCE:
-        return ApiError(503, f"{reason}: no inference instance is alive")
-    headers = {}
-    if retry_after_s is not None and retry_after_s > 0:
-        headers = {"retry-after": str(max(1, math.ceil(retry_after_s))),
-                   "retry-after-ms": str(int(retry_after_s * 1000))}
-    return ApiError(429, f"request rejected: {reason}", headers=headers)
 
 
 class Dispatcher:
@@ -50,41 +35,47 @@ class Dispatcher:
         self._policy = policy or PolicyConfig()
         self.bypassing = False  # inside a bypass episode: logged once when it starts and when it ends
 
-    async def choose(self, request: DispatchRequest) -> str:
-        """The instance to run `request` on; ApiError (400/429/503) when there is none."""
+    async def choose(self, request: DispatchRequest, prompt_param: str = "prompt") -> str:
+        """The instance to run `request` on; ApiError (400/429/503, see `refusal_error`) when there
+        is none. `prompt_param` is the body field a too-long refusal names."""
         started = time.perf_counter()
         try:
-            return await self._choose(request)
+            return await self._choose(request, prompt_param)
         finally:
             self._metrics.dispatch_latency.observe(time.perf_counter() - started)
 
-    async def _choose(self, request: DispatchRequest) -> str:
+    async def _choose(self, request: DispatchRequest, prompt_param: str) -> str:
         try:
             msg = await self._nc.request(subjects.DISPATCH, encode(request), timeout=self._timeout_s,
                                          headers=tracing.inject())
         except NoRespondersError:
-            return self._bypass(request, "no global scheduler is running")
+            return self._bypass(request, "no global scheduler is running", prompt_param)
         except TimeoutError:
-            return self._bypass(request, f"the global scheduler did not answer within {self._timeout_s:g} s")
+            return self._bypass(request, f"the global scheduler did not answer within {self._timeout_s:g} s",
+                                prompt_param)
         except NatsError as exc:
             raise ApiError(503, f"the gateway is not connected to NATS: {exc}") from exc
         try:
             reply = decode(msg.data, DispatchReply)
         except WireError as exc:
             log.warning("bad dispatch reply: %s", exc)
-            return self._bypass(request, "the global scheduler sent a bad reply")
+            return self._bypass(request, "the global scheduler sent a bad reply", prompt_param)
         self._end_bypass()
         if reply.instance_id is not None:
             return reply.instance_id
-        raise rejection_error(reply.rejected or "rejected by the global scheduler", reply.retry_after_s)
+        # A scheduler too old to say why: the generic refusal, load shedding (retry later).
+        reason = reply.reason or Refusal.OVERLOADED
+        raise refusal_error(reason, _message(reason, reply.rejected or "rejected by the global scheduler"),
+                            prompt_param, reply.retry_after_s)
 
-    def _bypass(self, request: DispatchRequest, why: str) -> str:
+    def _bypass(self, request: DispatchRequest, why: str, prompt_param: str) -> str:
         if not self.bypassing:
             self.bypassing = True
             log.warning("%s: dispatching from this gateway's load reports (bypass mode)", why)
         decision = choose_instance(self._instances.live_loads(), request, self._policy)
         if decision.instance_id is None:
-            raise rejection_error(decision.rejected or REJECT_NO_INSTANCE)
+            reason = decision.reason or Refusal.NO_INSTANCE
+            raise refusal_error(reason, _message(reason, decision.rejected or REJECT_NO_INSTANCE), prompt_param)
         self._instances.account(decision.instance_id, request)
         self._metrics.bypass_dispatches.inc()
         return decision.instance_id
@@ -93,3 +84,11 @@ class Dispatcher:
         if self.bypassing:
             self.bypassing = False
             log.info("the global scheduler answers again: bypass mode ends")
+
+
+def _message(reason: Refusal, rejected: str) -> str:
+    if reason is Refusal.TOO_LONG:
+        return f"{rejected}; shorten the prompt"
+    if reason is Refusal.NO_INSTANCE:
+        return f"{rejected}: no inference instance is alive"
+    return f"request rejected: {rejected}"

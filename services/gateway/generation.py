@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from services.gateway.detokenizer import IncrementalDetokenizer
-from services.gateway.protocol import ApiError, GenerationOptions
+from services.gateway.errors import ApiError
+from services.gateway.protocol import GenerationOptions
 from services.gateway.responses import Usage
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.streams import OutputStream

@@ -59,6 +59,11 @@ class GatewayInstances:
         load = self._table.get(instance_id)
         return load.max_model_len if load is not None and load.max_model_len > 0 else None
 
+    def smallest_max_model_len(self) -> int | None:
+        """The shortest context over live instances (those that report one); None when none does."""
+        limits = [load.max_model_len for load in self._table.live() if load.max_model_len > 0]
+        return min(limits) if limits else None
+
     def forget_marks(self, older_than_s: float) -> None:
         """Drop dead-marks of instances gone for good (the table expires its own entries)."""
         now = self._clock()

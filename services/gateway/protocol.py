@@ -1,57 +1,24 @@
 """OpenAI request bodies → typed requests, with vLLM's validation rules and error conventions.
 
-Unknown fields are ignored (as vLLM does); fields we cannot honour (n > 1, echo, logprobs,
+Unknown fields are ignored (as vLLM does); fields we cannot honour (best_of > 1, echo, logprobs,
 penalties other than repetition) are refused with a 400 that says so rather than silently dropped.
+`n` > 1 is served as n requests, one per choice.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any
 
+from services.gateway.errors import ApiError, bad_request  # ApiError: re-exported for older importers
 from shared.messages import SamplingParams
 from shared.policy import HIGH_PRIORITY, NORMAL_PRIORITY
 
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    409: "ConflictError",
-    429: "RateLimitError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-    504: "GatewayTimeoutError",
-}
-
 PRIORITY_NAMES = {"high": HIGH_PRIORITY, "normal": NORMAL_PRIORITY}
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-
-
-class ApiError(Exception):
-    """An error answered as OpenAI-style JSON: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, headers: Mapping[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.headers = dict(headers or {})
-
-    @property
-    def type(self) -> str:
-        if self.status in _ERROR_TYPES:
-            return _ERROR_TYPES[self.status]
-        return HTTPStatus(self.status).phrase.replace(" ", "") + "Error"
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
-
-
-def bad_request(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param)
+MAX_N = 128  # choices per request: each is a request of its own on some instance
 
 
 class RequestKind(enum.Enum):
@@ -62,13 +29,20 @@ class RequestKind(enum.Enum):
     def id_prefix(self) -> str:
         return "chatcmpl" if self is RequestKind.CHAT else "cmpl"
 
+    @property
+    def prompt_param(self) -> str:
+        """The body field that holds the prompt (the `param` of a prompt's errors)."""
+        return "messages" if self is RequestKind.CHAT else "prompt"
+
 
 @dataclass(frozen=True)
 class GenerationOptions:
     stream: bool = False
+    n: int = 1  # choices: each runs as a request of its own
     include_usage: bool = False
     continuous_usage_stats: bool = False
     max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"  # the field it came from (chat: max_completion_tokens wins)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -171,9 +145,14 @@ def parse_priority(value: object, param: str = "priority") -> int:
     raise bad_request(f"unknown priority {value!r}: use an integer or one of {sorted(PRIORITY_NAMES)}", param)
 
 
+def _choices(body: _Body) -> int:
+    n = body.integer("n", minimum=1)
+    if n is not None and n > MAX_N:
+        raise bad_request(f"`n` must be at most {MAX_N}, got {n}", "n")
+    return n or 1
+
+
 def _unsupported(body: _Body) -> None:
-    if (n := body.integer("n", minimum=1)) is not None and n > 1:
-        raise bad_request("`n` > 1 is not supported by Corral; send separate requests", "n")
     if (best_of := body.integer("best_of", minimum=1)) is not None and best_of > 1:
         raise bad_request("`best_of` > 1 is not supported by Corral", "best_of")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -225,7 +204,7 @@ def _stream_flags(body: _Body) -> tuple[bool, bool, bool]:
     return stream, flags.boolean("include_usage"), flags.boolean("continuous_usage_stats")
 
 
-def _options(body: _Body, max_tokens: int | None) -> GenerationOptions:
+def _options(body: _Body, max_tokens: int | None, max_tokens_param: str = "max_tokens") -> GenerationOptions:
     _unsupported(body)
     stream, include_usage, continuous = _stream_flags(body)
     top_k = body.integer("top_k", minimum=-1)
@@ -235,9 +214,11 @@ def _options(body: _Body, max_tokens: int | None) -> GenerationOptions:
     priority = body.raw("priority")
     return GenerationOptions(
         stream=stream,
+        n=_choices(body),
         include_usage=include_usage,
         continuous_usage_stats=continuous,
         max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
         temperature=_or(body.number("temperature", minimum=0.0), 1.0),
         top_p=_or(body.number("top_p", minimum=0.0, maximum=1.0, exclusive_minimum=True), 1.0),
         top_k=max(top_k, 0) if top_k is not None else 0,  # -1 and 0 both mean "disabled"
@@ -268,9 +249,10 @@ def parse_chat_request(raw: object) -> ParsedRequest:
         raise bad_request("`logprobs` is not supported by Corral", "logprobs")
     _unsupported_chat_features(body)
     # As vLLM: max_completion_tokens (the newer name) wins over max_tokens.
-    max_tokens = body.integer("max_completion_tokens", minimum=1) or body.integer("max_tokens", minimum=1)
+    newer, older = body.integer("max_completion_tokens", minimum=1), body.integer("max_tokens", minimum=1)
+    max_tokens, param = (newer, "max_completion_tokens") if newer is not None else (older, "max_tokens")
     return ParsedRequest(
-        RequestKind.CHAT, body.string("model"), _options(body, max_tokens), messages=_messages(body.raw("messages"))
+        RequestKind.CHAT, body.string("model"), _options(body, max_tokens, param), messages=parse_messages(body.raw("messages"))
     )
 
 
@@ -286,7 +268,8 @@ def parse_completion_request(raw: object) -> ParsedRequest:
     return ParsedRequest(RequestKind.COMPLETION, body.string("model"), options, prompt=_prompt(body.raw("prompt")))
 
 
-def _messages(value: object) -> list[dict[str, str]]:
+def parse_messages(value: object) -> list[dict[str, str]]:
+    """Chat messages as the chat template takes them (text only)."""
     if value is None:
         raise bad_request("`messages` is required", "messages")
     if not isinstance(value, list) or not value:

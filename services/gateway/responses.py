@@ -7,7 +7,8 @@ from typing import Any
 
 import msgspec
 
-from services.gateway.protocol import ApiError, RequestKind
+from services.gateway.errors import ApiError
+from services.gateway.protocol import RequestKind
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -55,19 +56,20 @@ class ResponseFormatter:
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def role_chunk(self) -> dict[str, Any]:
-        """The first chat chunk, as vLLM sends it: the role and empty content."""
+    def role_chunk(self, index: int = 0) -> dict[str, Any]:
+        """A choice's first chat chunk, as vLLM sends it: the role and empty content."""
         assert self.kind is RequestKind.CHAT
         delta = {"role": "assistant", "content": ""}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
         return self._envelope(self._chunk_object, [choice])
 
-    def text_chunk(self, text: str, finish_reason: str | None, usage: Usage | None = None) -> dict[str, Any]:
+    def text_chunk(self, text: str, finish_reason: str | None, usage: Usage | None = None,
+                   index: int = 0) -> dict[str, Any]:
         if self.kind is RequestKind.CHAT:
             delta = {"content": text} if text else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
         chunk = self._envelope(self._chunk_object, [choice])
         if usage is not None:
             chunk["usage"] = usage.as_dict()
@@ -79,13 +81,15 @@ class ResponseFormatter:
         chunk["usage"] = usage.as_dict()
         return chunk
 
-    def full_response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        if self.kind is RequestKind.CHAT:
-            message = {"role": "assistant", "content": text}
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-            response = self._envelope("chat.completion", [choice])
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            response = self._envelope("text_completion", [choice])
+    def full_response(self, texts: list[str], finish_reasons: list[str], usage: Usage) -> dict[str, Any]:
+        """The whole response; one choice per text, indexed in order (`n` > 1 gives several)."""
+        choices = []
+        for index, (text, finish_reason) in enumerate(zip(texts, finish_reasons, strict=True)):
+            if self.kind is RequestKind.CHAT:
+                message = {"role": "assistant", "content": text}
+                choices.append({"index": index, "message": message, "logprobs": None, "finish_reason": finish_reason})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason})
+        response = self._envelope("chat.completion" if self.kind is RequestKind.CHAT else "text_completion", choices)
         response["usage"] = usage.as_dict()
         return response

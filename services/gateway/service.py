@@ -23,13 +23,14 @@ from services.gateway.config import GatewayConfig
 from services.gateway.dispatcher import Dispatcher
 from services.gateway.instances import GatewayInstances
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.protocol import ApiError, GenerationOptions, RequestKind, bad_request
+from services.gateway.errors import TRY_ANOTHER_INSTANCE, ApiError, bad_request, refusal_error
+from services.gateway.protocol import GenerationOptions, RequestKind
 from services.gateway.streams import OutputStream, StreamRegistry
 from services.gateway.tokenizer import ModelTokenizer
 from shared import subjects, tracing
 from shared.messages import (
-    AbortRequest, Ack, DispatchRequest, GenerateRequest, LoadReport, TokenChunk, WireError, decode, decode_or_drop,
-    encode,
+    AbortRequest, Ack, DispatchRequest, GenerateRequest, LoadReport, Refusal, TokenChunk, WireError, decode,
+    decode_or_drop, encode,
 )
 from shared.nats_client import connect
 
@@ -49,10 +50,6 @@ class PreparedRequest:
     max_tokens: int
     arrival: float  # time.monotonic()
     created: int  # unix seconds, the `created` of every chunk
-
-
-def _too_long(reason: str) -> bool:
-    return "too long" in reason or "max_model_len" in reason or "context length" in reason
 
 
 class GatewayService:
@@ -76,6 +73,13 @@ class GatewayService:
     @property
     def connected(self) -> bool:
         return self._nc is not None and self._nc.is_connected
+
+    @property
+    def max_model_len(self) -> int:
+        """The context the instances run: the smallest any live instance reports, so a request
+        that passes here fits wherever it lands; the model's own (or --max-model-len) while none
+        reports one."""
+        return self.instances.smallest_max_model_len() or self.tokenizer.max_model_len
 
     async def start(self) -> None:
         assert self._nc is None, "started twice"
@@ -148,22 +152,24 @@ class GatewayService:
 
     def prepare(self, kind: RequestKind, prompt_token_ids: list[int], options: GenerationOptions, priority: int,
                 response_id: str | None = None, arrival: float | None = None) -> PreparedRequest:
-        """Check the prompt against the context window and settle max_tokens (vLLM 0.32's rules:
-        the prompt must leave room for one token; max_tokens is clamped to the room left)."""
-        limit = self.tokenizer.max_model_len
+        """Check the prompt against the context window and settle max_tokens (vLLM 0.32's rules and
+        wording: the prompt must leave room for one token; max_tokens is clamped to the room left)."""
+        limit = self.max_model_len
         prompt_len = len(prompt_token_ids)
         if prompt_len == 0:
-            raise bad_request("the prompt must not be empty", "prompt")
+            raise bad_request("the prompt must not be empty", kind.prompt_param)
         if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt_token_ids):
-            raise bad_request(f"token ids must be in [0, {self.tokenizer.vocab_size})", "prompt")
+            raise bad_request(f"token ids must be in [0, {self.tokenizer.vocab_size})", kind.prompt_param)
         if options.max_tokens is not None and options.max_tokens > limit:
-            raise bad_request(f"max_tokens={options.max_tokens} cannot be greater than max_model_len={limit}. "
-                              "Please request fewer output tokens.", "max_tokens")
+            param = options.max_tokens_param
+            raise bad_request(f"{param}={options.max_tokens} cannot be greater than max_model_len={limit}. "
+                              "Please request fewer output tokens.", param, Refusal.TOO_LONG)
         if prompt_len >= limit:
-            param = "messages" if kind is RequestKind.CHAT else "prompt"
+            room = ("which exceeds this limit even without any output tokens" if prompt_len > limit
+                    else "which leaves no room for output tokens")
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt "
-                              f"contains {prompt_len} input tokens, which leaves no room for output tokens. "
-                              "Please reduce the length of the input prompt.", param)
+                              f"contains {prompt_len} input tokens, {room}. "
+                              "Please reduce the length of the input prompt.", kind.prompt_param, Refusal.TOO_LONG)
         budget = [limit - prompt_len]
         if options.max_tokens is not None:
             budget.append(options.max_tokens)
@@ -197,10 +203,10 @@ class GatewayService:
     async def _place(self, request: PreparedRequest, stream: OutputStream) -> None:
         assert self._dispatcher is not None
         exclude: list[str] = []
-        for _attempt in range(2):  # a second try when the chosen instance turns out to be gone
+        for _attempt in range(2):  # a second try when the chosen instance is gone or leaving
             dispatch = DispatchRequest(request.request_id, len(request.prompt_token_ids), request.max_tokens,
                                        request.priority, list(exclude))
-            instance_id = await self._dispatcher.choose(dispatch)
+            instance_id = await self._dispatcher.choose(dispatch, request.kind.prompt_param)
             stream.set_holder(instance_id)
             try:
                 await self._send_generate(instance_id, request)
@@ -211,7 +217,14 @@ class GatewayService:
                 log.warning("instance %s has no responders: marking it dead", instance_id)
                 self.instances.mark_dead(instance_id)
                 exclude.append(instance_id)
-        raise ApiError(503, f"the instances chosen for the request are gone ({', '.join(exclude)})")
+            except ApiError as error:
+                if error.reason not in TRY_ANOTHER_INSTANCE:
+                    raise
+                log.info("instance %s refused request %s (%s): trying another", instance_id, request.request_id,
+                         error.reason.value)
+                exclude.append(instance_id)
+        raise ApiError(503, f"the instances chosen for the request are gone or leaving ({', '.join(exclude)})",
+                       reason=Refusal.NO_INSTANCE)
 
     async def _send_generate(self, instance_id: str, request: PreparedRequest) -> None:
         assert self._nc is not None
@@ -241,9 +254,10 @@ class GatewayService:
             self._publish_abort(request.request_id, "bad acknowledgement")
             raise ApiError(500, f"instance {instance_id} sent a bad acknowledgement") from exc
         if not ack.ok:
-            reason = ack.error or "refused"
-            status = 400 if _too_long(reason) else 503
-            raise ApiError(status, f"instance {instance_id} refused the request: {reason}")
+            # An llumlet too old to say why: we cannot tell whose fault it was, so ours (503).
+            raise refusal_error(ack.reason or Refusal.ENGINE_FAILED,
+                                f"instance {instance_id} refused the request: {ack.error or 'refused'}",
+                                request.kind.prompt_param)
 
     def _max_tokens_on(self, instance_id: str, request: PreparedRequest) -> int:
         """An instance may run with a shorter context than the model's: fit the budget to it."""

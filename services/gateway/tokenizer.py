@@ -50,26 +50,34 @@ class ModelTokenizer:
     def close(self) -> None:
         self._worker.shutdown(wait=False)
 
-    async def encode_async(self, text: str) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self._worker, self.encode, text)
+    async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self._worker, self.encode, text, add_special_tokens)
 
-    async def apply_chat_template_async(self, messages: list[dict[str, str]]) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self._worker, self.apply_chat_template, messages)
+    async def apply_chat_template_async(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                                        continue_final_message: bool = False) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._worker, self.apply_chat_template, messages, add_generation_prompt, continue_final_message)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A raw completion prompt: special tokens (BOS) added, as vLLM does. Worker thread only."""
         return list(self._encoder.encode(text, add_special_tokens=add_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> list[int]:
         """Worker thread only (see the class comment)."""
         if not self.has_chat_template:
             raise PromptError("the model has no chat template; use /v1/completions")
         try:
-            ids = self._encoder.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+            ids = self._encoder.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                    continue_final_message=continue_final_message, tokenize=True,
                                                     return_dict=False)
         except (TemplateError, ValueError) as exc:  # the messages broke the template (raise_exception)
             raise PromptError(f"chat template error: {exc}") from exc
         return list(ids)
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each token's own string (vLLM's `return_token_strs`). Event loop only."""
+        return list(self._decoder.convert_ids_to_tokens(token_ids))
 
     def decode(self, token_ids: list[int]) -> str:
         """Event loop only. Twice per output token (incremental detokenization): straight to the

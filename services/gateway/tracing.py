@@ -13,7 +13,8 @@ from contextlib import AbstractContextManager
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from services.gateway.protocol import ApiError, RequestKind
+from services.gateway.errors import ApiError
+from services.gateway.protocol import RequestKind
 from shared import tracing
 
 _tracer = tracing.tracer("corral.gateway")

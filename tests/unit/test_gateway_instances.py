@@ -9,11 +9,12 @@ import msgspec
 import pytest
 from nats.errors import NoRespondersError
 
-from services.gateway.dispatcher import Dispatcher, rejection_error
+from services.gateway.dispatcher import Dispatcher
+from services.gateway.errors import refusal_error
 from services.gateway.instances import GatewayInstances
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ApiError
-from shared.messages import DispatchReply, DispatchRequest, LoadReport, encode
+from shared.messages import DispatchReply, DispatchRequest, LoadReport, Refusal, encode
 
 TIMEOUT_S = 3.0
 
@@ -134,12 +135,34 @@ async def test_bypass_episode_ends_when_the_scheduler_answers(instances):
 
 
 @pytest.mark.parametrize("reason, retry_after, status", [
-    ("prompt is longer than any instance's max_model_len", None, 400),
-    ("no instance is available", None, 503),
-    ("all instances are overloaded", 0.2, 429),
+    (Refusal.TOO_LONG, None, 400),
+    (Refusal.INVALID, None, 400),
+    (Refusal.DUPLICATE, None, 409),
+    (Refusal.NO_INSTANCE, None, 503),
+    (Refusal.DRAINING, None, 503),
+    (Refusal.OVERLOADED, 0.2, 429),
 ])
-def test_rejections_map_to_http_statuses(reason, retry_after, status):
-    error = rejection_error(reason, retry_after)
-    assert error.status == status
-    if retry_after:
-        assert error.headers == {"retry-after": "1", "retry-after-ms": "200"}
+def test_refusals_map_to_http_statuses(reason, retry_after, status):
+    error = refusal_error(reason, "no", "messages", retry_after)
+    assert (error.status, error.reason) == (status, reason)
+    assert error.param == ("messages" if reason is Refusal.TOO_LONG else None)
+    assert error.headers == ({"retry-after": "1", "retry-after-ms": "200"} if retry_after else {})
+
+
+@pytest.mark.parametrize("reply, status, param", [
+    (DispatchReply(rejected="prompt is longer than any instance's max_model_len", reason=Refusal.TOO_LONG), 400,
+     "messages"),
+    (DispatchReply(rejected="all instances are overloaded", reason=Refusal.OVERLOADED, retry_after_s=2.0), 429, None),
+    (DispatchReply(rejected="something new", reason=None), 429, None),  # a scheduler too old to say why
+], ids=["too long", "overloaded", "no reason"])
+async def test_scheduler_refusal_follows_its_reason_not_its_words(instances, reply, status, param):
+    with pytest.raises(ApiError) as info:
+        await dispatcher(instances, reply).choose(request(0), prompt_param="messages")
+    assert (info.value.status, info.value.param) == (status, param)
+
+
+async def test_bypass_refuses_a_prompt_no_instance_holds_naming_the_prompt_field(instances):
+    instances.update(msgspec.structs.replace(report("a"), max_model_len=100))
+    with pytest.raises(ApiError) as info:
+        await dispatcher(instances, NoRespondersError()).choose(request(0), prompt_param="prompt")
+    assert (info.value.status, info.value.reason, info.value.param) == (400, Refusal.TOO_LONG, "prompt")

@@ -26,7 +26,8 @@ from services.gateway.tokenizer import ModelTokenizer
 from shared import subjects
 from shared.embedded_nats import start_nats
 from shared.messages import (
-    AbortRequest, Ack, DispatchReply, DispatchRequest, FinishReason, GenerateRequest, LoadReport, TokenChunk, decode,
+    AbortRequest, Ack, DispatchReply, DispatchRequest, FinishReason, GenerateRequest, LoadReport, Refusal, TokenChunk,
+    decode,
     encode,
 )
 
@@ -64,6 +65,7 @@ class FakeLlumlet:
         self.requests: list[GenerateRequest] = []
         self.aborts: list[str] = []
         self.ack_error: str | None = None
+        self.ack_reason: Refusal | None = None
         self.emit: Callable[[GenerateRequest], list[TokenChunk | float]] = self.emit_all
         self.reporting = True
         self._subs = []
@@ -96,7 +98,7 @@ class FakeLlumlet:
     async def _on_generate(self, msg) -> None:
         request = decode(msg.data, GenerateRequest)
         self.requests.append(request)
-        await msg.respond(encode(Ack(ok=self.ack_error is None, error=self.ack_error)))
+        await msg.respond(encode(Ack(ok=self.ack_error is None, error=self.ack_error, reason=self.ack_reason)))
         if self.ack_error is None:
             self._tasks.append(asyncio.create_task(self._stream(request, self.emit(request))))
 
@@ -240,10 +242,14 @@ async def test_scheduler_rejection_is_a_429_with_retry_after(cluster):
     assert error["type"] == "RateLimitError" and "overloaded" in error["message"]
 
 
-async def test_prompt_too_long_for_every_instance_is_a_400(cluster):
-    await cluster.scheduler(lambda request: DispatchReply(rejected="prompt is longer than any instance's max_model_len"))
-    response = await cluster.client.post(CHAT, json={"messages": HELLO})
-    assert response.status_code == 400 and "max_model_len" in response.json()["error"]["message"]
+@pytest.mark.parametrize("path, body, param", [(CHAT, {"messages": HELLO}, "messages"),
+                                                 ("/v1/completions", {"prompt": "hello"}, "prompt")])
+async def test_prompt_too_long_for_every_instance_is_a_400_naming_the_prompt(cluster, path, body, param):
+    await cluster.scheduler(lambda request: DispatchReply(rejected="prompt is longer than any instance's max_model_len",
+                                                          reason=Refusal.TOO_LONG))
+    response = await cluster.client.post(path, json=body)
+    error = response.json()["error"]
+    assert response.status_code == 400 and "max_model_len" in error["message"] and error["param"] == param
 
 
 async def test_no_live_instance_is_a_503(cluster):
@@ -261,14 +267,36 @@ async def test_vanished_instance_is_excluded_and_dispatch_retried(cluster, token
     assert cluster.gateway.instances.is_silent("ghost-1", since=time.monotonic())
 
 
-async def test_llumlet_refusals_map_to_http_errors(cluster):
+@pytest.mark.parametrize("reason, status", [(Refusal.TOO_LONG, 400), (Refusal.INVALID, 400), (Refusal.DUPLICATE, 409)])
+async def test_llumlet_refusals_map_to_http_errors_by_reason_not_words(cluster, reason, status):
     llumlet = await cluster.llumlet("a")
     await cluster.until_alive(1)
-    llumlet.ack_error = "request x: prompt (10 tokens) + max_tokens (200) exceeds max_model_len 128"
-    assert (await cluster.client.post(CHAT, json={"messages": HELLO})).status_code == 400
-    llumlet.ack_error = "instance is draining"
+    llumlet.ack_error, llumlet.ack_reason = "words that say nothing about the cause", reason
     response = await cluster.client.post(CHAT, json={"messages": HELLO})
-    assert response.status_code == 503 and "draining" in response.json()["error"]["message"]
+    assert response.status_code == status and "words that say nothing" in response.json()["error"]["message"]
+    assert len(llumlet.requests) == 1  # the client's fault: not tried elsewhere
+    label = f'corral:gateway_rejections_total{{endpoint="{CHAT}",model_name="tiny-tok",reason="{reason.value}"}} 1.0'
+    assert label in cluster.gateway.metrics.render().decode()
+
+
+async def test_a_leaving_instance_refusal_is_tried_on_another(cluster, tokenizer):
+    leaving, staying = await cluster.llumlet("leaving"), await cluster.llumlet("staying")
+    await cluster.until_alive(2)
+    leaving.ack_error, leaving.ack_reason = "instance is shutting down", Refusal.DRAINING
+    await cluster.scheduler(
+        lambda request: DispatchReply(instance_id=staying.instance_id if request.exclude else leaving.instance_id))
+    body = (await cluster.client.post(CHAT, json={"messages": HELLO})).json()
+    assert body["choices"][0]["message"]["content"] == text_of(tokenizer, OUTPUT)
+    assert len(leaving.requests) == 1 and len(staying.requests) == 1
+
+
+async def test_every_instance_leaving_is_a_503(cluster):
+    llumlet = await cluster.llumlet("a")
+    await cluster.until_alive(1)
+    llumlet.ack_error, llumlet.ack_reason = "instance is shutting down", Refusal.DRAINING
+    response = await cluster.client.post(CHAT, json={"messages": HELLO})
+    assert response.status_code == 503 and response.json()["error"]["type"] == "ServiceUnavailableError"
+    assert len(llumlet.requests) == 1  # excluded from the second try, which finds no other instance
 
 
 async def test_max_tokens_fits_the_instance_context(cluster):
@@ -383,3 +411,68 @@ async def test_client_disconnect_over_real_http_aborts_the_request(cluster):
     finally:
         server.should_exit = True
         await serving
+
+
+async def test_limits_are_the_smallest_live_instance_context(cluster):
+    await cluster.llumlet("long", max_model_len=90)
+    short = await cluster.llumlet("short", max_model_len=60)
+    await cluster.until_alive(2)
+    [card] = (await cluster.client.get("/v1/models")).json()["data"]
+    assert card["max_model_len"] == 60  # not the model's 128
+    response = await cluster.client.post(CHAT, json={"messages": HELLO, "max_completion_tokens": 61})
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": "max_completion_tokens=61 cannot be greater than max_model_len=60. Please request fewer output "
+                   "tokens.", "type": "BadRequestError", "param": "max_completion_tokens", "code": 400}
+    response = await cluster.client.post("/v1/completions", json={"prompt": list(range(5, 75)), "max_tokens": 4})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "prompt"
+    assert error["message"] == ("This model's maximum context length is 60 tokens. However, your prompt contains 70 "
+                                "input tokens, which exceeds this limit even without any output tokens. Please "
+                                "reduce the length of the input prompt.")
+    short.reporting = False  # gone: the limit follows the instances that are left
+    await eventually(lambda: cluster.gateway.max_model_len == 90, timeout_s=5)
+
+
+async def test_ready_only_with_a_live_instance(cluster):
+    response = await cluster.client.get("/ready")
+    assert response.status_code == 503 and response.json()["status"] == "no live instance"
+    assert (await cluster.client.get("/health")).status_code == 200
+    await cluster.llumlet("a")
+    await cluster.llumlet("b")
+    await cluster.until_alive(2)
+    response = await cluster.client.get("/ready")
+    assert response.status_code == 200 and response.json()["instances"] == 2 and response.json()["connected"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_n_choices_run_as_n_requests(cluster, tokenizer, stream):
+    llumlet = await cluster.llumlet("a")
+    await cluster.until_alive(1)
+    response = await cluster.client.post(CHAT, json={"messages": HELLO, "n": 3, "max_tokens": 5, "seed": 7,
+                                                     "stream": stream})
+    assert response.status_code == 200
+    assert len({r.request_id for r in llumlet.requests}) == 3
+    assert sorted(r.sampling.seed for r in llumlet.requests) == [7, 8, 9]  # n equal seeds would give n equal choices
+    expected = text_of(tokenizer, OUTPUT[:5])
+    if not stream:
+        body = response.json()
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+        assert all(c["message"]["content"] == expected and c["finish_reason"] == "length" for c in body["choices"])
+        assert body["usage"]["completion_tokens"] == 15
+        assert body["usage"]["prompt_tokens"] == len(llumlet.requests[0].prompt_token_ids)
+        return
+    events = [line[len("data: "):] for line in response.text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    by_index: dict[int, list[dict]] = {}
+    for chunk in chunks:
+        [choice] = chunk["choices"]
+        by_index.setdefault(choice["index"], []).append(choice)
+    assert sorted(by_index) == [0, 1, 2]
+    for choices in by_index.values():
+        assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(c["delta"].get("content", "") for c in choices) == expected
+        assert [c["finish_reason"] for c in choices][-1] == "length"
+    assert len({c["id"] for c in chunks}) == 1
+    await eventually(lambda: len(cluster.gateway.streams) == 0)

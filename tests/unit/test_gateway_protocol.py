@@ -126,7 +126,7 @@ BAD_CHAT_BODIES = {
     "stop a number": {"messages": HELLO, "stop": 3},
     "stop_token_ids not ints": {"messages": HELLO, "stop_token_ids": ["a"]},
     "min_tokens above max_tokens": {"messages": HELLO, "max_tokens": 2, "min_tokens": 5},
-    "n above one": {"messages": HELLO, "n": 2},
+    "n above the cap": {"messages": HELLO, "n": 129},
     "logprobs": {"messages": HELLO, "logprobs": True},
     "presence_penalty": {"messages": HELLO, "presence_penalty": 0.5},
     "tools": {"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}]},
@@ -154,7 +154,7 @@ BAD_COMPLETION_BODIES = {
     "logprobs": {"prompt": "hi", "logprobs": 2},
     "suffix": {"prompt": "hi", "suffix": "end"},
     "best_of": {"prompt": "hi", "best_of": 3},
-    "n above one": {"prompt": "hi", "n": 3},
+    "n above the cap": {"prompt": "hi", "n": 1000},
     "prompt too long": {"prompt": list(range(10, 10 + MAX_MODEL_LEN))},
 }
 
@@ -193,20 +193,49 @@ async def test_unknown_route_and_wrong_method_are_json_errors(client):
 # ---- HTTP: valid input reaches dispatch ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("path, body", [
+@pytest.mark.parametrize("path, body, prompt, expected", [
     (CHAT, {"model": "tiny-tok", "messages": HELLO, "max_tokens": 4, "stream": True,
-            "stream_options": {"include_usage": True}}),
+            "stream_options": {"include_usage": True}},
+     lambda tok: tok.apply_chat_template(HELLO), dict(max_tokens=4, stream=True, include_usage=True)),
     (CHAT, {"messages": [{"role": "system", "content": "be brief"}, *HELLO,
-                         {"role": "assistant", "content": None}, {"role": "user", "content": "again"}]}),
-    (CHAT, {"messages": HELLO, "unknown_field": {"is": "ignored"}, "n": 1, "presence_penalty": 0}),
+                         {"role": "assistant", "content": None}, {"role": "user", "content": "again"}]},
+     None, dict(stream=False, include_usage=False)),
+    (CHAT, {"messages": HELLO, "unknown_field": {"is": "ignored"}, "n": 1, "presence_penalty": 0},
+     lambda tok: tok.apply_chat_template(HELLO), dict(stream=False)),
     (CHAT, {"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none",
-            "response_format": {"type": "text"}}),
-    (COMPLETIONS, {"prompt": "hello", "max_tokens": MAX_MODEL_LEN - 2, "priority": "normal"}),
-    (COMPLETIONS, {"prompt": [1, 5, 9], "max_tokens": None, "temperature": None}),
+            "response_format": {"type": "text"}},
+     lambda tok: tok.apply_chat_template(HELLO), {}),
+    (COMPLETIONS, {"prompt": "hello", "max_tokens": MAX_MODEL_LEN - 2, "priority": "normal"},
+     lambda tok: tok.encode("hello"), dict(max_tokens=MAX_MODEL_LEN - 2)),
+    (COMPLETIONS, {"prompt": [1, 5, 9], "max_tokens": None, "temperature": None},
+     lambda tok: [1, 5, 9], dict(max_tokens=MAX_MODEL_LEN - 3, temperature=1.0)),
 ])
-async def test_valid_request_passes_validation(client, path, body):
+async def test_valid_request_passes_validation(client, service, monkeypatch, path, body, prompt, expected):
+    """It reaches `submit` (a 503 here: no NATS) parsed as sent: the prompt as the tokenizer
+    makes it, the options, the priority and the output budget (max_tokens, at most the room left)."""
+    submitted = []
+    real_submit = service.submit
+
+    async def record(request):
+        submitted.append(request)
+        return await real_submit(request)
+
+    monkeypatch.setattr(service, "submit", record)
     error = assert_error(await client.post(path, json=body), 503, "ServiceUnavailableError")
     assert "not connected" in error["message"]
+    [request] = submitted
+    assert request.kind is (RequestKind.CHAT if path == CHAT else RequestKind.COMPLETION)
+    if prompt is not None:
+        assert request.prompt_token_ids == prompt(service.tokenizer)
+    else:  # the system turn and both user turns are in the prompt (the empty assistant turn adds nothing)
+        text = service.tokenizer.decode(request.prompt_token_ids)
+        assert all(part in text for part in ("be brief", "hello", "again")), text
+    assert request.priority == 0
+    room = MAX_MODEL_LEN - len(request.prompt_token_ids)
+    assert request.max_tokens == min(expected.get("max_tokens", room), room)  # clamped to the room left
+    for field in ("stream", "include_usage", "temperature"):
+        if field in expected:
+            assert getattr(request.options, field) == expected[field], field
 
 
 async def test_model_may_be_named_by_its_path(client, model_dir):
@@ -222,9 +251,13 @@ async def test_models_lists_the_served_model(client):
     assert card["max_model_len"] == MAX_MODEL_LEN and isinstance(card["created"], int)
 
 
-async def test_healthz_is_503_without_nats(client):
-    response = await client.get("/healthz")
-    assert response.status_code == 503 and response.json()["instances"] == 0
+async def test_health_is_liveness_and_ready_is_503_without_nats(client):
+    for path in ("/health", "/healthz"):
+        assert (await client.get(path)).status_code == 200  # the process serves: alive
+    response = await client.get("/ready")
+    assert response.status_code == 503
+    assert response.json() == {"status": "not connected to NATS", "gateway_id": "gw-test", "connected": False,
+                               "instances": 0}
 
 
 async def test_metrics_counts_requests_by_status(client):

@@ -1,0 +1,256 @@
+"""One completion request from body to response: parse, tokenize, submit each choice, stream or
+collect the output, then release every choice and record how the request ended.
+
+`n` > 1 is fanned out as n requests with the same prompt (each placed by dispatch like any other,
+so the choices may run on different instances); their outputs are merged into one response whose
+choices are indexed in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from services.gateway.errors import ApiError, bad_request, error_response, read_json
+from services.gateway.generation import Generation, TextEvent
+from services.gateway.metrics import timeline_of
+from services.gateway.protocol import ParsedRequest, RequestKind, parse_priority
+from services.gateway.responses import SSE_DONE, ResponseFormatter, Usage, json_bytes, sse_error, sse_event
+from services.gateway.service import GatewayService, PreparedRequest
+from services.gateway.tokenizer import PromptError
+from services.gateway.tracing import RequestTrace
+
+PRIORITY_HEADER = "x-corral-priority"
+REQUEST_ID_HEADER = "x-request-id"  # always present: the request-id middleware adds one
+CLIENT_CLOSED = 499  # nginx's status for "the client went away first"
+
+
+@dataclass(frozen=True)
+class Choice:
+    index: int
+    prepared: PreparedRequest
+    generation: Generation
+
+
+class Completion:
+    """The choices of one HTTP request and the way they are answered."""
+
+    def __init__(self, service: GatewayService, kind: RequestKind, endpoint: str, trace: RequestTrace,
+                 choices: list[Choice]) -> None:
+        assert choices
+        self.service = service
+        self.endpoint = endpoint
+        self.trace = trace
+        self.choices = choices
+        self.options = choices[0].prepared.options
+        first = choices[0].prepared
+        self.formatter = ResponseFormatter(kind, first.response_id, first.created, service.config.model_name)
+        self._finished = False
+
+    def usage(self) -> Usage:
+        """As vLLM for `n` > 1: the prompt counted once, the completions of every choice."""
+        return Usage(self.choices[0].generation.num_prompt_tokens,
+                     sum(c.generation.num_output_tokens for c in self.choices))
+
+    def error(self) -> ApiError | None:
+        return next((c.generation.error for c in self.choices if c.generation.error is not None), None)
+
+    # ---- streaming ---------------------------------------------------------------------------
+
+    async def events(self) -> AsyncIterator[bytes]:
+        status = CLIENT_CLOSED  # until the stream got to its end
+        # As vLLM's server: a chat choice's role chunk goes out with its first output, not at once,
+        # so a client that times TTFT to its first chunk (vllm bench serve) measures the first token.
+        roles_due = {c.index for c in self.choices} if self.formatter.kind is RequestKind.CHAT else set()
+        continuous = self.options.continuous_usage_stats
+        try:
+            async for index, event in self._merged():
+                if event.text or event.finish_reason:
+                    chunk = sse_event(self.formatter.text_chunk(event.text, event.finish_reason,
+                                                                self.usage() if continuous else None, index))
+                    if index in roles_due:
+                        roles_due.discard(index)
+                        chunk = sse_event(self.formatter.role_chunk(index)) + chunk
+                    yield chunk
+                if event.error is not None:
+                    yield sse_error(event.error)
+                    break  # one failed choice fails the request, as one failed request would
+            error = self.error()
+            if error is None and self.options.include_usage:
+                yield sse_event(self.formatter.usage_chunk(self.usage()))
+            status = error.status if error is not None else 200
+            yield SSE_DONE
+        finally:
+            self.finish(status)
+
+    async def _merged(self) -> AsyncIterator[tuple[int, TextEvent]]:
+        """Every choice's events as they come, tagged with the choice's index."""
+        if len(self.choices) == 1:  # no task or queue in between for the usual case
+            async for event in self.choices[0].generation.events():
+                yield 0, event
+            return
+        queue: asyncio.Queue[tuple[int, TextEvent | None]] = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            async for event in choice.generation.events():
+                queue.put_nowait((choice.index, event))
+            queue.put_nowait((choice.index, None))
+
+        pumps = [asyncio.create_task(pump(c)) for c in self.choices]
+        try:
+            running = len(pumps)
+            while running:
+                index, event = await queue.get()
+                if event is None:
+                    running -= 1
+                else:
+                    yield index, event
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+    # ---- one JSON response -------------------------------------------------------------------
+
+    async def respond(self, request: Request) -> Response:
+        async def collect(choice: Choice) -> str:
+            return "".join([event.text async for event in choice.generation.events()])
+
+        collecting = asyncio.ensure_future(asyncio.gather(*(collect(c) for c in self.choices)))
+        disconnect = asyncio.create_task(_wait_for_disconnect(request))
+        status = CLIENT_CLOSED
+        try:
+            await asyncio.wait({collecting, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            if not collecting.done():
+                return Response(status_code=CLIENT_CLOSED)
+            texts = collecting.result()
+            error = self.error()
+            if error is not None:
+                status = error.status
+                return error_response(error)
+            reasons = [c.generation.finish_reason for c in self.choices]
+            assert all(r is not None for r in reasons)
+            status = 200
+            body = self.formatter.full_response(texts, reasons, self.usage())  # type: ignore[arg-type]
+            return Response(json_bytes(body), media_type="application/json")
+        finally:
+            for task in (collecting, disconnect):
+                task.cancel()
+            await asyncio.gather(collecting, disconnect, return_exceptions=True)
+            self.finish(status)
+
+    # ---- the end -----------------------------------------------------------------------------
+
+    def finish(self, status: int) -> None:
+        """Release every choice and record how the request ended; only the first call counts."""
+        if self._finished:
+            return
+        self._finished = True
+        metrics = self.service.metrics
+        metrics.request_done(self.endpoint, status)
+        for choice in self.choices:
+            generation, prepared = choice.generation, choice.prepared
+            stream = generation.stream
+            if self.service.release(stream, abort=not stream.upstream_finished) and stream.holders:
+                metrics.request_finished(timeline_of(generation, prepared, stream.holders[-1]))
+        first = self.choices[0]
+        arrival, first_token = first.prepared.arrival, [c.generation.first_token_at for c in self.choices]
+        seen = [t for t in first_token if t is not None]
+        ttft = min(seen) - arrival if seen else None
+        reasons = [c.generation.finish_reason for c in self.choices]
+        self.trace.finished(status, reasons[0] if len(reasons) == 1 else None, self.error(),
+                            self.usage().completion_tokens, ttft,
+                            [h for c in self.choices for h in c.generation.stream.holders])
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class CompletionEndpoint:
+    """POST /v1/chat/completions and /v1/completions."""
+
+    def __init__(self, service: GatewayService, check_model: Callable[[str | None], None],
+                 stream_response: Callable[[AsyncIterator[bytes], Callable[[], None]], StreamingResponse]) -> None:
+        self.service = service
+        self._check_model = check_model
+        self._stream_response = stream_response
+
+    async def handle(self, request: Request, endpoint: str, parse: Callable[[Any], ParsedRequest],
+                     kind: RequestKind) -> Response:
+        arrival = time.monotonic()
+        trace = RequestTrace(kind, self.service.config.model_name, request.headers)
+        try:
+            with trace.current():  # the scheduler's and the llumlet's spans are its children
+                parsed = parse(await read_json(request))
+                prepared = await self._prepare(parsed, request.headers, arrival)
+                options = parsed.options
+                first = prepared[0]
+                trace.prepared(first.request_id, first.response_id, len(first.prompt_token_ids), first.max_tokens,
+                               options.temperature, options.top_p, options.seed, first.priority, options.stream)
+                choices = await self._submit(prepared)
+        except ApiError as error:
+            self.service.metrics.request_done(endpoint, error.status)
+            self.service.metrics.request_rejected(endpoint, error.reason.value if error.reason else "error")
+            trace.rejected(error)
+            raise
+        except BaseException:
+            trace.span.end()
+            raise
+        completion = Completion(self.service, kind, endpoint, trace, choices)
+        if parsed.options.stream:
+            return self._stream_response(completion.events(), lambda: completion.finish(CLIENT_CLOSED))
+        return await completion.respond(request)
+
+    async def _prepare(self, parsed: ParsedRequest, headers: Mapping[str, str],
+                       arrival: float) -> list[PreparedRequest]:
+        self._check_model(parsed.model)
+        priority = parsed.options.priority
+        if priority is None:
+            header = headers.get(PRIORITY_HEADER)
+            priority = 0 if header is None else parse_priority(header, "X-Corral-Priority")
+        prompt_ids = await self._tokenize(parsed)
+        given_id = headers.get(REQUEST_ID_HEADER)
+        response_id = f"{parsed.kind.id_prefix}-{given_id}" if given_id else None  # vLLM's convention
+        options = parsed.options
+        # With a seed, choice i samples with seed + i: the same seed n times would give n equal choices.
+        per_choice = [options if options.seed is None or i == 0 else dataclasses.replace(options, seed=options.seed + i)
+                      for i in range(options.n)]
+        return [self.service.prepare(parsed.kind, prompt_ids, o, priority, response_id, arrival) for o in per_choice]
+
+    async def _tokenize(self, parsed: ParsedRequest) -> list[int]:
+        tokenizer = self.service.tokenizer
+        if isinstance(parsed.prompt, list):
+            return parsed.prompt
+        try:
+            if parsed.kind is RequestKind.CHAT:
+                assert parsed.messages is not None
+                return await tokenizer.apply_chat_template_async(parsed.messages)
+            assert isinstance(parsed.prompt, str)
+            return await tokenizer.encode_async(parsed.prompt)
+        except PromptError as exc:
+            raise bad_request(str(exc), parsed.kind.prompt_param) from None
+
+    async def _submit(self, prepared: list[PreparedRequest]) -> list[Choice]:
+        """Submit every choice; if one cannot be placed, release those that were."""
+        config = self.service.config
+        choices: list[Choice] = []
+        try:
+            for index, request in enumerate(prepared):
+                stream = await self.service.submit(request)
+                generation = Generation(stream, self.service.tokenizer.decode, request.prompt_token_ids,
+                                        request.options, config.request_inactivity_timeout_s, request.arrival)
+                choices.append(Choice(index, request, generation))
+        except BaseException:
+            for choice in choices:
+                self.service.release(choice.generation.stream, abort=True)
+            raise
+        return choices

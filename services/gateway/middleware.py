@@ -1,0 +1,98 @@
+"""ASGI middleware around the routes: API keys, request ids and CORS, as vLLM's server has them.
+
+Pure ASGI (no BaseHTTPMiddleware): they must not buffer or delay a streamed response.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import uuid
+from collections.abc import Sequence
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import ApiError, error_response
+
+REQUEST_ID_HEADER = "x-request-id"
+GUARDED_PREFIX = "/v1"  # vLLM's: health, readiness, metrics, version and tokenize stay open
+
+
+class ApiKeyMiddleware:
+    """401 on /v1 routes without `Authorization: Bearer <one of the keys>`. Keys are compared as
+    SHA-256 digests with `secrets.compare_digest` over every key: the time taken does not tell
+    how much of a key was right, nor which key matched."""
+
+    def __init__(self, app: ASGIApp, keys: Sequence[str]) -> None:
+        assert keys, "no API keys: leave the middleware out"
+        self.app = app
+        self._digests = [hashlib.sha256(key.encode()).digest() for key in keys]
+
+    def authorized(self, headers: Headers) -> bool:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        digest = hashlib.sha256(token.strip().encode()).digest()
+        matched = False
+        for known in self._digests:
+            matched |= secrets.compare_digest(digest, known)
+        return matched
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not _guarded(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        if self.authorized(Headers(scope=scope)):
+            await self.app(scope, receive, send)
+            return
+        error = ApiError(401, "Unauthorized: a valid API key is required (Authorization: Bearer <key>)",
+                         headers={"www-authenticate": "Bearer"})
+        await error_response(error)(scope, receive, send)
+
+
+def _guarded(path: str) -> bool:
+    return path == GUARDED_PREFIX or path.startswith(GUARDED_PREFIX + "/")
+
+
+class RequestIdMiddleware:
+    """Every response carries X-Request-Id: the client's when it sent one, else a new one, which
+    is also put into the request so that the handler uses it (the response id ends with it)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = Headers(scope=scope).get(REQUEST_ID_HEADER)
+        if not request_id:
+            request_id = uuid.uuid4().hex
+            scope = dict(scope, headers=[*scope["headers"], (REQUEST_ID_HEADER.encode(), request_id.encode())])
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                if REQUEST_ID_HEADER not in headers:
+                    headers.append(REQUEST_ID_HEADER, request_id)
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def middleware_for(config: GatewayConfig) -> list[Middleware]:
+    """Outermost first: CORS answers preflights and decorates every response (401s included),
+    then the request id, then the key check."""
+    stack = [
+        Middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=list(config.allowed_methods),
+                   allow_headers=list(config.allowed_headers), allow_credentials=config.allow_credentials,
+                   expose_headers=[REQUEST_ID_HEADER]),
+        Middleware(RequestIdMiddleware),
+    ]
+    if config.api_keys:
+        stack.append(Middleware(ApiKeyMiddleware, keys=config.api_keys))
+    return stack

@@ -1,0 +1,260 @@
+"""/openapi.json: an OpenAPI 3.1 document of every route, its body and its answers.
+
+The request and response bodies are typed models (msgspec Structs with the parser's limits as
+constraints); their JSON Schemas are generated from them. The parser (`protocol`) stays the judge
+of what is accepted; a test holds the two together by sending schema examples through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+from starlette.routing import Route
+
+from services.gateway.info_routes import corral_version
+from services.gateway.protocol import CHAT_ROLES, MAX_N
+
+NonNegative = Annotated[int, Meta(ge=0)]
+Positive = Annotated[int, Meta(ge=1)]
+Priority = int | Literal["high", "normal"]
+Role = Literal[tuple(sorted(CHAT_ROLES))]  # type: ignore[valid-type]
+
+
+class _Body(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
+    """Unknown fields are ignored, as vLLM's server ignores them."""
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Role
+    content: str | list[TextPart] | None = None  # None only for an assistant turn
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class _Sampling(_Body):
+    model: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None  # only with stream: true
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
+    max_tokens: Positive | None = None
+    temperature: Annotated[float, Meta(ge=0)] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    seed: int | None = None
+    ignore_eos: bool | None = None
+    min_tokens: NonNegative | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegative] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
+    include_stop_str_in_output: bool | None = None
+    priority: Priority | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: Positive | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[int], Meta(min_length=1)]
+
+
+class TokenizeCompletionRequest(_Body):
+    prompt: str
+    model: str | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Body):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    model: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[NonNegative]
+    model: str | None = None
+
+
+class ErrorInfo(_Body):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(_Body):
+    error: ErrorInfo
+
+
+class Usage(_Body):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatChoice(_Body):
+    index: int
+    message: ChatMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(_Body):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(_Body):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class Completion(_Body):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class Model(_Body):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+    parent: None = None
+
+
+class ModelList(_Body):
+    object: Literal["list"]
+    data: list[Model]
+
+
+class TokenizeResponse(_Body):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Body):
+    prompt: str
+
+
+class Version(_Body):
+    version: str
+
+
+class Health(_Body):
+    status: str
+    gateway_id: str
+    connected: bool
+    instances: int
+
+
+class Readiness(_Body):
+    status: str
+    gateway_id: str
+    connected: bool
+    instances: int
+
+
+# path -> (summary, request body model, JSON answer model for 200, error statuses, streams SSE, open)
+_Spec = tuple[str, Any, Any, tuple[int, ...], bool, bool]
+_GENERATION_ERRORS = (400, 401, 404, 409, 429, 503, 504)
+ROUTE_SPECS: dict[str, _Spec] = {
+    "/v1/chat/completions": ("Chat completion (JSON, or SSE with stream: true)", ChatCompletionRequest,
+                             ChatCompletion, _GENERATION_ERRORS, True, False),
+    "/v1/completions": ("Text completion (JSON, or SSE with stream: true)", CompletionRequest, Completion,
+                        _GENERATION_ERRORS, True, False),
+    "/v1/models": ("The served model", None, ModelList, (401,), False, False),
+    "/v1/models/{model}": ("One model by id", None, Model, (401, 404), False, False),
+    "/tokenize": ("vLLM's /tokenize", (TokenizeCompletionRequest, TokenizeChatRequest), TokenizeResponse,
+                  (400, 404), False, True),
+    "/detokenize": ("vLLM's /detokenize", DetokenizeRequest, DetokenizeResponse, (400, 404), False, True),
+    "/health": ("Liveness: 200 while the process serves", None, Health, (), False, True),
+    "/healthz": ("Liveness (alias of /health)", None, Health, (), False, True),
+    "/ready": ("Readiness: 200 when connected to NATS with a live instance, else 503", None, Readiness, (503,),
+               False, True),
+    "/version": ("Corral's version", None, Version, (), False, True),
+    "/metrics": ("Prometheus metrics (text exposition)", None, None, (), False, True),
+    "/openapi.json": ("This document", None, None, (), False, True),
+}
+
+
+def _ref(model: Any) -> dict[str, Any]:
+    """A schema reference; a tuple of models is "any of them" (msgspec wants tagged unions)."""
+    models = model if isinstance(model, tuple) else (model,)
+    schemas, _ = msgspec.json.schema_components(models, ref_template="#/components/schemas/{name}")
+    return schemas[0] if len(schemas) == 1 else {"anyOf": list(schemas)}
+
+
+def _operation(path: str, method: str, spec: _Spec) -> dict[str, Any]:
+    summary, body, answer, errors, streams, open_route = spec
+    content: dict[str, Any] = {"application/json": {"schema": _ref(answer)}} if answer is not None else {
+        "text/plain" if path == "/metrics" else "application/json": {"schema": {}}}
+    if streams:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    operation: dict[str, Any] = {
+        "summary": summary,
+        "operationId": f"{method}_{path.strip('/').replace('/', '_').replace('{', '').replace('}', '') or 'root'}",
+        "responses": {"200": {"description": "OK", "content": content}},
+    }
+    if "{model}" in path:
+        operation["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+    if body is not None:
+        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(body)}}}
+    for status in errors:
+        described = "Not ready" if path == "/ready" else "Error"
+        schema = _ref(Readiness) if path == "/ready" else _ref(ErrorResponse)
+        operation["responses"][str(status)] = {"description": described,
+                                               "content": {"application/json": {"schema": schema}}}
+    if not open_route:
+        operation["security"] = [{"bearer": []}, {}]  # a key when the gateway was started with --api-key
+    return operation
+
+
+def openapi_document(routes: Sequence[Route]) -> dict[str, Any]:
+    """The document for `routes` (and /openapi.json itself); a route without a spec is a bug."""
+    paths: dict[str, Any] = {}
+    for route in [*routes, Route("/openapi.json", lambda request: None, methods=["GET"])]:
+        path = route.path.replace("{model:path}", "{model}")
+        assert path in ROUTE_SPECS, f"route {path} has no OpenAPI description"
+        methods = sorted(m for m in route.methods or () if m != "HEAD")
+        paths[path] = {m.lower(): _operation(path, m.lower(), ROUTE_SPECS[path]) for m in methods}
+    models = [m for spec in ROUTE_SPECS.values() for i in (1, 2)
+              for m in (spec[i] if isinstance(spec[i], tuple) else (spec[i],)) if m is not None] + [ErrorResponse]
+    _, components = msgspec.json.schema_components(models, ref_template="#/components/schemas/{name}")
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Corral gateway", "version": corral_version(),
+                 "description": "OpenAI-compatible API in front of Corral's inference instances."},
+        "paths": paths,
+        "components": {"schemas": components,
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    }
