@@ -29,6 +29,7 @@ from shared.messages import (
     GenerateRequest,
     LoadReport,
     MigrationCommit,
+    Refusal,
     TokenChunk,
     WireError,
     decode,
@@ -47,6 +48,7 @@ class Llumlet:
         self.instance_id = config.instance_id
         self.nc: Client | None = None
         self.draining = False
+        self.leaving = False  # stopping: new requests are refused (DRAINING) so the gateway tries another
         self._reply_subjects: dict[str, str] = {}  # request id → gateway output subject
         self._work = asyncio.Event()
         self._report_now = asyncio.Event()
@@ -129,7 +131,7 @@ class Llumlet:
         timeout (what this instance still holds migrates out or fails with an error)."""
         if self.nc is None or self.nc.is_closed or self.metrics is None:
             return
-        self.draining = True
+        self.draining = self.leaving = True
         try:
             await self.publish_report()
             await self.nc.flush(timeout=1)
@@ -141,12 +143,17 @@ class Llumlet:
     async def _on_generate(self, msg: Msg) -> None:
         try:
             request = decode(msg.data, GenerateRequest)
+            if self.leaving:
+                raise EngineError(f"instance {self.instance_id} is shutting down", Refusal.DRAINING)
             if request.request_id in self._reply_subjects:
-                raise EngineError(f"request {request.request_id} is already running here")
+                raise EngineError(f"request {request.request_id} is already running here", Refusal.DUPLICATE)
             request.trace_context = trace_context_of(msg.headers) or request.trace_context
             self.engine.add_request(request)
-        except (WireError, EngineError) as exc:
-            await msg.respond(encode(Ack(ok=False, error=str(exc))))
+        except WireError as exc:
+            await msg.respond(encode(Ack(ok=False, error=str(exc), reason=Refusal.INVALID)))
+            return
+        except EngineError as exc:
+            await msg.respond(encode(Ack(ok=False, error=str(exc), reason=exc.reason)))
             return
         self._reply_subjects[request.request_id] = request.reply_subject
         self.metrics.request_arrived(request.request_id, time.monotonic())
