@@ -15,7 +15,7 @@ from services.llumlet.engines.sim.engine import SimEngine
 from services.llumlet.migration.protocol import MigrationLimits, MigrationStatus
 from services.llumlet.service import Llumlet
 from shared import subjects
-from shared.messages import AbortRequest, FinishReason, GenerateRequest, MigrateOrder, TokenChunk, decode, encode
+from shared.messages import AbortRequest, Ack, FinishReason, GenerateRequest, MigrateOrder, TokenChunk, decode, encode
 from tests.unit.migration_helpers import expected_tokens, gen, sim_config
 
 TIME_SCALE = 0.01
@@ -42,7 +42,8 @@ class Client:
     async def submit(self, llumlet: Llumlet, request: GenerateRequest) -> None:
         request.reply_subject = self.subject
         reply = await self.nc.request(subjects.llumlet(llumlet.instance_id, "generate"), encode(request), timeout=2)
-        assert b"\xc3" in reply.data or b"true" in reply.data  # Ack(ok=True)
+        ack = decode(reply.data, Ack)
+        assert ack.ok, ack
 
     def of(self, request_id: str) -> list[TokenChunk]:
         return [c for c in self.chunks if c.request_id == request_id]
@@ -271,11 +272,16 @@ async def test_stopping_publishes_an_error_for_every_request_held(llumlets, clie
     a, b = await llumlets(), await llumlets()
     await decoding(a, client, "moved", prompt=300, max_tokens=5000)
     await decoding(b, client, "native", prompt=300, max_tokens=5000)
+    await decoding(a, client, "bystander", prompt=100, max_tokens=3000)  # on the instance that stays
     assert (await a.migration.coordinator.migrate("moved", b.instance_id)).status is MigrationStatus.FINISHED
+    assert not client.finished("bystander")
     await b.stop()
     for request_id in ("moved", "native"):
         await client.wait_finished(request_id, 2)
         last = client.of(request_id)[-1]
         assert last.finish_reason is FinishReason.ERROR and last.instance_id == b.instance_id
-    assert not client.finished("other")
-    assert_idle(a)
+    await client.wait_finished("bystander")  # untouched by b's stop: no error, its whole stream
+    assert client.of("bystander")[-1].finish_reason is FinishReason.LENGTH
+    assert client.tokens("bystander") == expected_tokens(a.engine, "bystander", 3000)
+    assert client.publishers("bystander") == [a.instance_id]
+    await wait_idle(a)
