@@ -45,6 +45,7 @@ import uvloop
 
 from services.llumlet.config import LlumletConfig
 from services.llumlet.engines.sim.engine import SimEngine, SimEngineConfig
+from shared.engine_model.config import SchedulerConfig
 from services.llumlet.migration.protocol import MigrationLimits, MigrationStatus
 from services.llumlet.service import Llumlet
 from shared import subjects
@@ -356,8 +357,8 @@ def raw_port(port_file: Path) -> int:
 
 
 def engine_config(s: Settings, kv_bytes_per_token: int) -> SimEngineConfig:
-    return SimEngineConfig(num_blocks=s.num_blocks, block_size=s.block_size, max_model_len=s.max_model_len,
-                           gpu=s.gpu, time_scale=1.0, kv_bytes_per_token=kv_bytes_per_token)
+    scheduler = SchedulerConfig(num_blocks=s.num_blocks, block_size=s.block_size, max_model_len=s.max_model_len)
+    return SimEngineConfig(scheduler, gpu=s.gpu, time_scale=1.0, kv_bytes_per_token=kv_bytes_per_token)
 
 
 def start_destination(s: Settings, nats_url: str, log_path: Path, port_file: Path) -> subprocess.Popen:
@@ -489,9 +490,9 @@ async def recompute_once(s: Settings, length: int) -> dict:
     started = time.monotonic()
     while engine.get_request("recompute").num_output_tokens == 0:
         await engine.step()
-    chunks = -(-sequence // engine.config.max_num_batched_tokens)
-    modelled = sum(engine.latency.prefill_ms(min(engine.config.max_num_batched_tokens, sequence - i * engine.config.max_num_batched_tokens))
-                   for i in range(chunks))
+    budget = engine.config.scheduler.max_num_batched_tokens
+    chunks = -(-sequence // budget)
+    modelled = sum(engine.latency.prefill_ms(min(budget, sequence - i * budget)) for i in range(chunks))
     return {"length": length, "ttft_ms": 1e3 * (time.monotonic() - started), "modelled_prefill_ms": modelled}
 
 

@@ -75,7 +75,7 @@ PRIORITY_POINTS = (("L-L", "synthetic:L-L", 5.0), ("ShareGPT", "synthetic:shareg
 AUTOSCALE_POINT = ("ShareGPT Gamma CV 3", "synthetic:sharegpt", 7.0, 3.0)
 AUTOSCALE_BANDS = ((5.0, 40.0), (10.0, 60.0), (20.0, 100.0))
 
-PAPER_CLUSTER = SimConfig(step_mode="v0")  # 16 × LLaMA-7B on A10, the paper's vLLM (v0 steps)
+PAPER_CLUSTER = SimConfig().with_scheduler(step_mode="v0")  # 16 × LLaMA-7B on A10, the paper's vLLM (v0 steps)
 
 
 # -- one load point (runs in a worker process) ---------------------------------------------------
@@ -467,7 +467,7 @@ def main() -> int:
     args = parser.parse_args()
 
     started = time.perf_counter()
-    cluster = replace(PAPER_CLUSTER, step_mode=args.step_mode)
+    cluster = PAPER_CLUSTER.with_scheduler(step_mode=args.step_mode)
     todo = jobs(args, cluster)
     print(f"{len(todo)} load points × their policies × {args.seeds} seed(s), {args.requests} requests each, "
           f"{args.jobs} worker(s)", flush=True)

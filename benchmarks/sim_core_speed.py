@@ -19,9 +19,10 @@ import random
 import time
 from pathlib import Path
 
+from shared.engine_model.config import SchedulerConfig
 from shared.engine_model.latency import LatencyModel
 from shared.engine_model.request import SimRequest
-from shared.engine_model.scheduler import SchedulerConfig, SimScheduler
+from shared.engine_model.scheduler import SimScheduler
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared/data/traces/sharegpt_val_10k_llama2.csv"
 

@@ -34,7 +34,7 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=10.0)
     args = parser.parse_args()
 
-    config = SimConfig(num_instances=args.instances, step_mode=args.step_mode)
+    config = SimConfig(num_instances=args.instances).with_scheduler(step_mode=args.step_mode)
     spec = WorkloadSpec(args.dataset, num_requests=args.requests, rate=args.rate,
                         priority_fraction=args.priority_fraction)
     workload = build_workload(spec, config.max_seq_len)

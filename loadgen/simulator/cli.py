@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, replace
 
 from loadgen.datasets import SPEC_HELP
@@ -15,7 +16,8 @@ from loadgen.errors import LoadgenError
 from loadgen.simulator.config import AutoscaleModel, MigrationModel, SimConfig
 from loadgen.simulator.report import format_table, results_document, write_json, write_plots
 from loadgen.simulator.sweep import run_sweep
-from loadgen.simulator.workload import WorkloadSpec
+from loadgen.simulator.workload import Workload, WorkloadSpec
+from shared.engine_model.config import STEP_MODES, SchedulerConfig
 from shared.policy.baselines import POLICIES, POLICY_NAMES, SchedulingPolicy, get_policy
 from shared.policy.config import HIGH_PRIORITY, PolicyConfig, ScalingConfig
 from shared.policy.migration import DEFAULT_GUARD
@@ -49,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults_policy, defaults_sim = PolicyConfig(), SimConfig()
+    defaults_policy, defaults_sim, engine = PolicyConfig(), SimConfig(), SchedulerConfig()
     work = parser.add_argument_group("workload")
     work.add_argument("--dataset", required=True, metavar="SPEC", help="see 'dataset SPEC' below")
     work.add_argument("--num-requests", type=int, metavar="N",
@@ -73,11 +75,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--instances", type=int, default=defaults_sim.num_instances)
     cluster.add_argument("--gpu", default=defaults_sim.gpu, help="latency profile: A10 (default), A100, H100")
     cluster.add_argument("--fine-latency", action="store_true", help="the operator-level A10 latency form")
-    cluster.add_argument("--step-mode", choices=("v1", "v0"), default=defaults_sim.step_mode,
+    cluster.add_argument("--step-mode", choices=STEP_MODES, default=engine.step_mode,
                          help="v1: mixed token-budget steps (default); v0: the paper's testbed, prefill stalls decode")
-    cluster.add_argument("--num-blocks", type=int, default=defaults_sim.num_blocks, help="KV blocks per instance")
-    cluster.add_argument("--block-size", type=int, default=defaults_sim.block_size)
-    cluster.add_argument("--max-model-len", type=int, default=defaults_sim.max_model_len)
+    cluster.add_argument("--num-blocks", type=int, default=engine.num_blocks, help="KV blocks per instance")
+    cluster.add_argument("--block-size", type=int, default=engine.block_size)
+    cluster.add_argument("--max-model-len", type=int, default=engine.max_model_len,
+                         help="longer prompts are cut to fit (a warning says how many)")
+    cluster.add_argument("--max-num-batched-tokens", type=int, default=engine.max_num_batched_tokens, metavar="N",
+                         help=f"token budget of a step: prefill chunks and decodes (default {engine.max_num_batched_tokens})")
     cluster.add_argument("--kv-bytes-per-token", type=int, default=defaults_sim.kv_bytes_per_token,
                          help="KV bytes per token (default 0.5 MiB: LLaMA-7B fp16)")
 
@@ -133,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
             point = f" at {record.rate:g} req/s" if record.rate is not None else ""
             print(f"simulated {m.policy}{point}: {m.completed} requests in {m.wall_s:.1f} s", file=sys.stderr)
 
-    records = run_sweep(config, policies, spec, rates, on_record=progress)
+    records = run_sweep(config, policies, spec, rates, on_record=progress, on_workload=_truncation_warning(config))
     print(format_table(records))
     if args.out:
         settings = {"workload": asdict(spec), "rates": rates, "policies": [p.name for p in policies],
@@ -172,10 +177,9 @@ def build_config(args: argparse.Namespace) -> SimConfig:
             num_instances=args.instances,
             gpu=args.gpu,
             fine_latency=args.fine_latency,
-            step_mode=args.step_mode,
-            num_blocks=args.num_blocks,
-            block_size=args.block_size,
-            max_model_len=args.max_model_len,
+            scheduler=SchedulerConfig(num_blocks=args.num_blocks, block_size=args.block_size,
+                                      max_model_len=args.max_model_len,
+                                      max_num_batched_tokens=args.max_num_batched_tokens, step_mode=args.step_mode),
             kv_bytes_per_token=args.kv_bytes_per_token,
             report_interval_s=args.report_interval_s,
             migration_interval_s=args.migration_interval_s,
@@ -186,6 +190,22 @@ def build_config(args: argparse.Namespace) -> SimConfig:
         )
     except ValueError as exc:
         raise LoadgenError(str(exc)) from None
+
+
+def _truncation_warning(config: SimConfig) -> Callable[[Workload], None]:
+    """Warns once (every load point replays the same prompts) when prompts were cut to fit."""
+    warned = False
+
+    def check(workload: Workload) -> None:
+        nonlocal warned
+        if workload.num_truncated and not warned:
+            warned = True
+            engine = config.scheduler
+            print(f"warning: {workload.num_truncated} of {len(workload.arrivals)} prompts do not fit an instance "
+                  f"(--max-model-len {engine.max_model_len}, KV capacity {engine.num_blocks * engine.block_size} "
+                  f"tokens) and were cut to {config.max_seq_len - 1} tokens", file=sys.stderr)
+
+    return check
 
 
 def _policies(text: str) -> list[SchedulingPolicy]:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shared.engine_model.latency import SIMPLE_MODELS
-from shared.engine_model.scheduler import STEP_MODES, SchedulerConfig
+from shared.engine_model.config import SchedulerConfig
 from shared.policy.config import PolicyConfig, ScalingConfig
 from shared.policy.migration import DEFAULT_GUARD, DEFAULT_STAGES, MigrationGuard, StageRule
 
@@ -58,12 +58,9 @@ class SimConfig:
     num_instances: int = 16
     gpu: str = "A10"
     fine_latency: bool = False
-    step_mode: str = "v1"
-    num_blocks: int = 851
-    block_size: int = 16
-    max_model_len: int = 8192
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
+    # Every instance's local scheduler, as a llumlet's simulated engine runs it (the queue policy
+    # is the scheduling policy's own: `scheduler_config`).
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_bytes_per_token: int = KV_BYTES_PER_TOKEN_LLAMA_7B
     report_interval_s: float = 0.05  # a policy sees reports at most this old (+ its own dispatches)
     migration_interval_s: float = 0.1
@@ -80,8 +77,6 @@ class SimConfig:
             raise ValueError("the cluster needs at least one instance")
         if self.gpu not in SIMPLE_MODELS:
             raise ValueError(f"unknown GPU {self.gpu!r}; expected one of {', '.join(sorted(SIMPLE_MODELS))}")
-        if self.step_mode not in STEP_MODES:
-            raise ValueError(f"step mode must be one of {', '.join(STEP_MODES)}")
         if self.kv_bytes_per_token < 1:
             raise ValueError("KV bytes per token must be positive")
         for name in ("report_interval_s", "migration_interval_s", "timeline_interval_s"):
@@ -91,24 +86,19 @@ class SimConfig:
             s = self.autoscale.scaling
             if not s.min_instances <= self.num_instances <= s.max_instances:
                 raise ValueError("the initial instance count must lie within the autoscale min/max")
-        self.scheduler_config("fcfs")  # validates the engine fields
+
+    def with_scheduler(self, **changes) -> SimConfig:
+        """This cluster with these local-scheduler settings changed (`step_mode="v0"`, ...)."""
+        return replace(self, scheduler=replace(self.scheduler, **changes))
 
     @property
     def block_bytes(self) -> int:
-        return self.block_size * self.kv_bytes_per_token
+        return self.scheduler.block_size * self.kv_bytes_per_token
 
     def scheduler_config(self, queue_policy: str) -> SchedulerConfig:
-        return SchedulerConfig(
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            max_model_len=self.max_model_len,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
-            queue_policy=queue_policy,
-            step_mode=self.step_mode,
-        )
+        return replace(self.scheduler, queue_policy=queue_policy)
 
     @property
     def max_seq_len(self) -> int:
-        """Longest sequence an instance can hold (as SimScheduler computes it)."""
-        return min(self.max_model_len, self.num_blocks * self.block_size)
+        """Longest sequence an instance can hold."""
+        return self.scheduler.max_seq_len

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from shared.engine_model.latency import LatencyModel
-from shared.engine_model.scheduler import SchedulerOutput, SimScheduler
+from shared.engine_model.load_report import build_load_report
+from shared.engine_model.scheduler import SimScheduler
+from shared.engine_model.step import SchedulerOutput
 from shared.messages import LoadReport
 
 
@@ -68,29 +71,25 @@ class SimInstance:
             and self.scheduler.block_manager.num_reserved == 0
         )
 
-    def build_report(self, now: float, max_model_len: int) -> LoadReport:
-        """What the llumlet would publish now: the aggregates `build_load_report` computes from
-        request views, from the scheduler's incrementally kept counts (O(priority levels))."""
+    def build_report(self, now: float, max_model_len: int, headroom_blocks: Mapping[int, int]) -> LoadReport:
+        """What the llumlet would publish now, by its own builder, from the scheduler's
+        incrementally kept counts (O(priority levels)) instead of request views."""
         scheduler = self.scheduler
         self._seq += 1
-        load = scheduler.load()
         blocks = scheduler.block_manager
-        self.report = LoadReport(
+        self.report = build_load_report(
             instance_id=self.instance_id,
             seq=self._seq,
             sent_at=now,
+            requests=scheduler.load(),
             num_blocks_total=scheduler.config.num_blocks,
             num_blocks_free=blocks.num_free,
             block_size=scheduler.block_size,
-            num_running=load.num_running,
-            num_waiting=load.num_waiting,
-            head_demand_blocks=load.head_demand_blocks,
-            waiting_demand_blocks=load.waiting_demand_blocks,
             num_preemptions_total=scheduler.num_preemptions_total,
-            by_priority=load.by_priority,
-            num_migrating=self.migrations_in + self.migrations_out,
-            reserved_blocks=blocks.num_reserved,
+            headroom_blocks=headroom_blocks,
             draining=self.state is InstanceState.DRAINING,
+            reserved_blocks=blocks.num_reserved,
+            num_migrating=self.migrations_in + self.migrations_out,
             max_model_len=max_model_len,
             engine="sim",
         )

@@ -9,7 +9,7 @@ from loadgen.simulator.cluster import ClusterSimulator
 from loadgen.simulator.config import SimConfig
 from loadgen.simulator.metrics import RequestLatencies, summarize
 from loadgen.simulator.report import RunRecord
-from loadgen.simulator.workload import WorkloadSpec, build_workload
+from loadgen.simulator.workload import Workload, WorkloadSpec, build_workload
 from shared.policy.baselines import SchedulingPolicy
 
 
@@ -24,11 +24,14 @@ def run_sweep(
     spec: WorkloadSpec,
     rates: Sequence[float | None],
     on_record: Callable[[RunRecord], None] | None = None,
+    on_workload: Callable[[Workload], None] | None = None,
 ) -> list[RunRecord]:
     records = []
     for rate in rates:
         point = spec if rate is None else spec.with_rate(rate)
         workload = build_workload(point, config.max_seq_len)
+        if on_workload is not None:
+            on_workload(workload)
         for policy in policies:
             record = _record(config, policy, workload, point.rate)
             records.append(record)

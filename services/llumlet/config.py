@@ -5,25 +5,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from services.llumlet.engines.sim.config import SimEngineConfig
 from services.llumlet.migration.protocol import MigrationLimits
 from shared import subjects
 from shared.config import add_nats_argument, env, short_id
+from shared.engine_model.config import QUEUE_POLICIES, STEP_MODES, SchedulerConfig
+from shared.engine_model.latency import SIMPLE_MODELS
 from shared.policy.config import PolicyConfig
-
-
-@dataclass
-class SimSettings:
-    num_blocks: int = 851
-    block_size: int = 16
-    gpu: str = "A10"
-    time_scale: float = 1.0
-    queue_policy: str = "fcfs"
-    step_mode: str = "v1"
-    kv_bytes_per_token: int = 64
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    reserve_full_sequence: bool = True  # vLLM 0.32's admission (`scheduler_reserve_full_isl`)
-    preempt_for_priority: bool = True  # vLLM V0's priority preemption (v1 lacks it)
 
 
 @dataclass
@@ -53,7 +41,9 @@ class LlumletConfig:
     kv_port: int = 0
     kv_advertise_host: str | None = None
     migration: MigrationLimits = field(default_factory=MigrationLimits)
-    sim: SimSettings = field(default_factory=SimSettings)
+    # The simulated engine; its scheduler's max_model_len and its seed are the llumlet's own
+    # (above), which `create_engine` puts in, as the model's vocabulary.
+    sim: SimEngineConfig = field(default_factory=SimEngineConfig)
     vllm: VllmSettings = field(default_factory=VllmSettings)
 
 
@@ -110,19 +100,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mig.add_argument("--migration-bandwidth-mib-s", type=float, default=env("MIGRATION_BANDWIDTH_MIB_S", 0.0),
                      help="cap on the KV data plane's rate in MiB/s (0: none)")
     sim = parser.add_argument_group("simulated engine")
-    sim.add_argument("--sim-num-blocks", type=int, default=env("SIM_NUM_BLOCKS", 851))
-    sim.add_argument("--sim-block-size", type=int, default=env("SIM_BLOCK_SIZE", 16))
-    sim.add_argument("--sim-gpu", choices=["A10", "A100", "H100"], default=env("SIM_GPU", "A10"))
-    sim.add_argument("--sim-time-scale", type=float, default=env("SIM_TIME_SCALE", 1.0),
+    engine, scheduler = SimEngineConfig(), SchedulerConfig()
+    sim.add_argument("--sim-num-blocks", type=int, default=env("SIM_NUM_BLOCKS", scheduler.num_blocks))
+    sim.add_argument("--sim-block-size", type=int, default=env("SIM_BLOCK_SIZE", scheduler.block_size))
+    sim.add_argument("--sim-gpu", choices=sorted(SIMPLE_MODELS), default=env("SIM_GPU", engine.gpu))
+    sim.add_argument("--sim-time-scale", type=float, default=env("SIM_TIME_SCALE", engine.time_scale),
                      help="multiply simulated step times (0.01 = 100x faster than the modelled GPU)")
-    sim.add_argument("--sim-queue-policy", choices=["fcfs", "priority", "sjf"], default=env("SIM_QUEUE_POLICY", "fcfs"))
-    sim.add_argument("--sim-step-mode", choices=["v1", "v0"], default=env("SIM_STEP_MODE", "v1"))
-    sim.add_argument("--sim-kv-bytes-per-token", type=int, default=env("SIM_KV_BYTES_PER_TOKEN", 64))
+    sim.add_argument("--sim-queue-policy", choices=QUEUE_POLICIES,
+                     default=env("SIM_QUEUE_POLICY", scheduler.queue_policy))
+    sim.add_argument("--sim-step-mode", choices=STEP_MODES, default=env("SIM_STEP_MODE", scheduler.step_mode))
+    sim.add_argument("--sim-kv-bytes-per-token", type=int,
+                     default=env("SIM_KV_BYTES_PER_TOKEN", engine.kv_bytes_per_token))
     sim.add_argument("--sim-reserve-full-sequence", action=argparse.BooleanOptionalAction,
-                     default=env("SIM_RESERVE_FULL_SEQUENCE", True),
+                     default=env("SIM_RESERVE_FULL_SEQUENCE", scheduler.reserve_full_sequence),
                      help="admit a waiting request only when its whole prompt fits (vLLM 0.32's default)")
     sim.add_argument("--sim-preempt-for-priority", action=argparse.BooleanOptionalAction,
-                     default=env("SIM_PREEMPT_FOR_PRIORITY", True),
+                     default=env("SIM_PREEMPT_FOR_PRIORITY", scheduler.preempt_for_priority),
                      help="with --sim-queue-policy priority, a waiting request preempts less important "
                           "running ones (vLLM V0; vLLM v1 does not)")
     vl = parser.add_argument_group("vLLM engine")
@@ -149,20 +142,26 @@ def config_from_args(args: argparse.Namespace) -> LlumletConfig:
         kv_port=args.kv_port,
         kv_advertise_host=args.kv_advertise_host,
         migration=migration_limits_from_args(args),
-        sim=SimSettings(
-            num_blocks=args.sim_num_blocks,
-            block_size=args.sim_block_size,
-            gpu=args.sim_gpu,
-            time_scale=args.sim_time_scale,
-            queue_policy=args.sim_queue_policy,
-            step_mode=args.sim_step_mode,
-            kv_bytes_per_token=args.sim_kv_bytes_per_token,
-            reserve_full_sequence=args.sim_reserve_full_sequence,
-            preempt_for_priority=args.sim_preempt_for_priority,
-        ),
+        sim=sim_engine_from_args(args),
         vllm=VllmSettings(kv_cache_space_gib=args.vllm_kv_cache_gib, max_num_seqs=args.vllm_max_num_seqs,
                           cpu_threads=args.vllm_cpu_threads),
     )
+
+
+def sim_engine_from_args(args: argparse.Namespace) -> SimEngineConfig:
+    try:
+        scheduler = SchedulerConfig(
+            num_blocks=args.sim_num_blocks,
+            block_size=args.sim_block_size,
+            queue_policy=args.sim_queue_policy,
+            step_mode=args.sim_step_mode,
+            reserve_full_sequence=args.sim_reserve_full_sequence,
+            preempt_for_priority=args.sim_preempt_for_priority,
+        )
+        return SimEngineConfig(scheduler=scheduler, gpu=args.sim_gpu, time_scale=args.sim_time_scale,
+                               kv_bytes_per_token=args.sim_kv_bytes_per_token)
+    except ValueError as exc:
+        raise SystemExit(f"bad sim engine settings: {exc}") from exc
 
 
 def migration_limits_from_args(args: argparse.Namespace) -> MigrationLimits:

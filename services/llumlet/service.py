@@ -13,7 +13,7 @@ from nats.errors import Error as NatsError
 from services.llumlet.config import LlumletConfig
 from services.llumlet.engine import Engine
 from shared.engine_model.views import EngineError, StepOutput
-from shared.engine_model.load_report import build_load_report
+from shared.engine_model.load_report import aggregate_views, build_load_report
 from services.llumlet.metrics import LlumletMetrics
 from services.llumlet.tracing import RequestSpans, trace_context_of
 from shared.metrics_server import serve_metrics
@@ -262,7 +262,7 @@ class Llumlet:
             instance_id=self.instance_id,
             seq=self._seq,
             sent_at=time.time(),
-            views=self.engine.request_views(),
+            requests=aggregate_views(self.engine.request_views()),
             num_blocks_total=self.engine.num_blocks_total,
             num_blocks_free=self.engine.num_free_blocks(),
             block_size=self.engine.block_size,

@@ -1,16 +1,38 @@
-"""Turn an engine's live requests into a load report (pure: also used by the simulator)."""
+"""An engine's load report, built one way for the llumlets and the simulator.
+
+`build_load_report` takes the request aggregates; a llumlet gets them from its engine's request
+views (`aggregate_views`, O(requests)), the simulator from the counts its scheduler keeps up to
+date as requests move (`RequestCounts` via `SimScheduler.load`, O(priority levels)).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
+from shared.engine_model.block_manager import blocks_for_tokens
 from shared.engine_model.views import RequestPhase, RequestView
 from shared.messages import LoadReport, PriorityLoad
 from shared.policy.freeness import QueueDemand, freeness
 
 
-def aggregate_by_priority(views: Sequence[RequestView]) -> list[PriorityLoad]:
+@dataclass(slots=True)  # (not frozen: a frozen dataclass costs 5x as much to build, per report)
+class RequestAggregates:
+    """What a load report says about an instance's requests."""
+
+    num_running: int  # suspended ones (out of the batch for a migration's last stage) included
+    num_waiting: int
+    head_demand_blocks: int  # of the head of the waiting queue
+    waiting_demand_blocks: int
+    by_priority: list[PriorityLoad]  # ascending priority
+
+
+def aggregate_views(views: Sequence[RequestView]) -> RequestAggregates:
+    """`views` lists waiting requests first, in scheduling order: the first is the head of line."""
     levels: dict[int, PriorityLoad] = {}
+    num_waiting = waiting_demand = 0
+    head_demand = None
     for view in views:
         level = levels.get(view.priority)
         if level is None:
@@ -21,7 +43,62 @@ def aggregate_by_priority(views: Sequence[RequestView]) -> list[PriorityLoad]:
         else:
             level.num_waiting += 1
             level.waiting_demand_blocks += view.demand_blocks
-    return sorted(levels.values(), key=lambda level: level.priority)
+            num_waiting += 1
+            waiting_demand += view.demand_blocks
+            if head_demand is None:
+                head_demand = view.demand_blocks
+    by_priority = sorted(levels.values(), key=lambda level: level.priority)
+    return RequestAggregates(len(views) - num_waiting, num_waiting, head_demand or 0, waiting_demand, by_priority)
+
+
+class _Queued(Protocol):
+    priority: int
+    num_tokens: int
+
+
+class RequestCounts:
+    """Live and waiting requests per priority, and the waiting ones' demand, kept up to date by a
+    scheduler as its requests arrive, queue, run and end."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.live: dict[int, int] = {}  # priority -> live requests (waiting, running or suspended)
+        self.waiting_levels: dict[int, list[int]] = {}  # priority -> [count, demand blocks]
+        self.waiting_demand_blocks = 0
+
+    def demand_blocks(self, request: _Queued) -> int:
+        """Blocks a queued request needs to be (re)scheduled: its whole sequence plus the next token."""
+        return blocks_for_tokens(request.num_tokens + 1, self.block_size)
+
+    def count_live(self, request: _Queued, sign: int) -> None:
+        count = self.live.get(request.priority, 0) + sign
+        if count:
+            self.live[request.priority] = count
+        else:
+            del self.live[request.priority]
+
+    def count_waiting(self, request: _Queued, sign: int) -> None:
+        demand = sign * self.demand_blocks(request)
+        self.waiting_demand_blocks += demand
+        level = self.waiting_levels.get(request.priority)
+        if level is None:
+            level = self.waiting_levels[request.priority] = [0, 0]
+        level[0] += sign
+        level[1] += demand
+
+    def aggregates(self, num_running: int, num_waiting: int, head: _Queued | None,
+                   running_blocks: Mapping[int, int]) -> RequestAggregates:
+        """In O(priority levels); `running_blocks`: blocks held per priority."""
+        waiting_levels, live = self.waiting_levels, self.live
+        by_priority = []
+        for priority in sorted(live) if len(live) > 1 else live:
+            level_waiting, demand = waiting_levels.get(priority) or (0, 0)
+            # PriorityLoad(priority, num_running, running_blocks, num_waiting, waiting_demand_blocks)
+            by_priority.append(PriorityLoad(
+                priority, live[priority] - level_waiting, running_blocks.get(priority, 0), level_waiting, demand
+            ))
+        head_demand = self.demand_blocks(head) if head is not None else 0
+        return RequestAggregates(num_running, num_waiting, head_demand, self.waiting_demand_blocks, by_priority)
 
 
 def build_load_report(
@@ -29,7 +106,7 @@ def build_load_report(
     instance_id: str,
     seq: int,
     sent_at: float,
-    views: Sequence[RequestView],
+    requests: RequestAggregates,
     num_blocks_total: int,
     num_blocks_free: int,
     block_size: int,
@@ -43,8 +120,6 @@ def build_load_report(
     model: str = "",
     engine: str = "",
 ) -> LoadReport:
-    """`views` lists waiting requests first, in scheduling order: the first is the head of line."""
-    waiting = [v for v in views if v.phase is RequestPhase.WAITING]
     report = LoadReport(
         instance_id=instance_id,
         seq=seq,
@@ -52,12 +127,12 @@ def build_load_report(
         num_blocks_total=num_blocks_total,
         num_blocks_free=num_blocks_free,
         block_size=block_size,
-        num_running=len(views) - len(waiting),
-        num_waiting=len(waiting),
-        head_demand_blocks=waiting[0].demand_blocks if waiting else 0,
-        waiting_demand_blocks=sum(v.demand_blocks for v in waiting),
+        num_running=requests.num_running,
+        num_waiting=requests.num_waiting,
+        head_demand_blocks=requests.head_demand_blocks,
+        waiting_demand_blocks=requests.waiting_demand_blocks,
         num_preemptions_total=num_preemptions_total,
-        by_priority=aggregate_by_priority(views),
+        by_priority=requests.by_priority,
         num_migrating=num_migrating,
         reserved_blocks=reserved_blocks,
         draining=draining,
@@ -69,4 +144,3 @@ def build_load_report(
     report.freeness = freeness(report, headroom_blocks, QueueDemand.HEAD)
     report.dispatch_freeness = freeness(report, headroom_blocks, QueueDemand.ALL)
     return report
-

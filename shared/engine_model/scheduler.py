@@ -19,95 +19,16 @@ priority only when a running request needs a block).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from shared.engine_model.views import EngineError, RequestPhase, RequestView
 from shared.engine_model.block_manager import BlockManager, blocks_for_tokens
-from shared.engine_model.queues import QUEUE_POLICIES, create_request_queue, priority_key, select_victim
+from shared.engine_model.config import SchedulerConfig
+from shared.engine_model.load_report import RequestAggregates, RequestCounts
+from shared.engine_model.queues import create_request_queue, priority_key, select_victim
 from shared.engine_model.request import RequestStatus, SimRequest
-from shared.messages import PriorityLoad, Refusal
+from shared.engine_model.step import SchedulerOutput, StepEvents
+from shared.engine_model.views import EngineError, RequestPhase, RequestView
+from shared.messages import Refusal
 
-STEP_MODES = ("v1", "v0")
 _RUNNING = RequestStatus.RUNNING
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    num_blocks: int = 851  # A10 with LLaMA-7B at gpu_memory_utilization 0.9
-    block_size: int = 16
-    max_model_len: int = 8192
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    queue_policy: str = "fcfs"
-    step_mode: str = "v1"
-    enable_chunked_prefill: bool = True  # v1 only; v0 always prefills whole prompts
-    # Kept free when admitting next to requests already running (vLLM v0 used 1 % of the blocks).
-    watermark_blocks: int = 0
-    # Admit a waiting request only when its whole sequence fits the free blocks, not just its
-    # first chunk (vLLM v1's `scheduler_reserve_full_isl`, on by default): without it a long
-    # prompt is admitted chunk by chunk, the growing decodes preempt it half-prefilled (it is
-    # the newest), it is readmitted, and the instance thrashes on its recompute for minutes.
-    reserve_full_sequence: bool = True
-    # Priority queue only: when the head of the waiting queue cannot be admitted, preempt
-    # running requests of strictly lower priority until it can (vLLM V0's priority preemption).
-    preempt_for_priority: bool = True
-
-    def __post_init__(self) -> None:
-        if self.queue_policy not in QUEUE_POLICIES:
-            raise ValueError(f"queue_policy must be one of {QUEUE_POLICIES}, not {self.queue_policy!r}")
-        if self.step_mode not in STEP_MODES:
-            raise ValueError(f"step_mode must be one of {STEP_MODES}, not {self.step_mode!r}")
-        for name in ("num_blocks", "block_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive")
-        unchunked_v1 = self.step_mode == "v1" and not self.enable_chunked_prefill
-        if unchunked_v1 and self.max_num_batched_tokens < self.max_model_len:
-            # As vLLM: without chunking a long prompt must fit the budget, or decodes starve it.
-            raise ValueError("v1 without chunked prefill needs max_num_batched_tokens >= max_model_len")
-        if not 0 <= self.watermark_blocks < self.num_blocks:
-            raise ValueError("watermark_blocks must be in [0, num_blocks)")
-
-
-@dataclass(slots=True, eq=False)
-class SchedulerOutput:
-    """One step's plan: parallel lists of scheduled requests and their new token counts, plus
-    the aggregates the latency model needs."""
-
-    requests: list[SimRequest] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    preempted: list[SimRequest] = field(default_factory=list)
-    num_scheduled_tokens: int = 0
-    prefill_tokens: int = 0
-    prefill_chunks: list[tuple[int, int]] = field(default_factory=list)  # (tokens, context before)
-    decode_batch_size: int = 0
-    decode_context_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.requests
-
-
-@dataclass(slots=True)
-class StepEvents:
-    """What a step produced: each request in `new_token` sampled exactly one token (its index is
-    `num_output_tokens - 1`); `finished` ones are done and hold no blocks any more."""
-
-    new_token: list[SimRequest]
-    finished: list[SimRequest]
-
-
-@dataclass(slots=True)  # (not frozen: a frozen dataclass costs 5x as much to build, per report)
-class SchedulerLoad:
-    """Aggregates for a load report, without building a view per request."""
-
-    num_running: int  # includes the suspended ones
-    num_waiting: int
-    num_suspended: int
-    num_free_blocks: int
-    num_reserved_blocks: int
-    head_demand_blocks: int
-    waiting_demand_blocks: int
-    by_priority: list[PriorityLoad]
 
 
 class SimScheduler:
@@ -115,17 +36,14 @@ class SimScheduler:
         self.config = config = config or SchedulerConfig()
         self.block_size = config.block_size
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
-        # Longest sequence that can ever run here: generation stops (LENGTH) at this many tokens.
-        self.max_seq_len = min(config.max_model_len, config.num_blocks * config.block_size)
+        self.max_seq_len = config.max_seq_len
         self.waiting = create_request_queue(config.queue_policy)
         self.running: list[SimRequest] = []
         self.suspended: dict[str, SimRequest] = {}
         self.requests: dict[str, SimRequest] = {}  # every live request: waiting, running, suspended
         self.num_preemptions_total = 0
-        self._waiting_demand_blocks = 0
-        self._waiting_levels: dict[int, list[int]] = {}  # priority -> [count, demand blocks]
+        self.counts = RequestCounts(config.block_size)
         self._priority_preemption = config.queue_policy == "priority" and config.preempt_for_priority
-        self._live_priorities: dict[int, int] = {}  # priority -> live requests (cheap inversion check)
 
     # -- intake --------------------------------------------------------------------------------
 
@@ -140,7 +58,7 @@ class SimScheduler:
         assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 0
         request.set_stop(self.max_seq_len)
         self.requests[request.request_id] = request
-        self._count_live(request, +1)
+        self.counts.count_live(request, +1)
         self._push_waiting(request, front=False)
 
     def abort_request(self, request_id: str, now: float = 0.0) -> SimRequest | None:
@@ -156,7 +74,7 @@ class SimScheduler:
             self.block_manager.free(request_id)
         else:
             self.waiting.remove(request)
-            self._count_waiting(request, -1)
+            self.counts.count_waiting(request, -1)
         self._finish(request, RequestStatus.FINISHED_ABORTED, now)
         return request
 
@@ -250,7 +168,7 @@ class SimScheduler:
         self.block_manager.adopt(lease_id, request.request_id, group=request.priority)
         request.start_migrated_in()
         self.requests[request.request_id] = request
-        self._count_live(request, +1)
+        self.counts.count_live(request, +1)
         self.running.append(request)
 
     def block_ids_of(self, request_id: str) -> list[int]:
@@ -264,14 +182,11 @@ class SimScheduler:
 
     # -- load ----------------------------------------------------------------------------------
 
-    def demand_blocks(self, request: SimRequest) -> int:
-        return self._demand_blocks(request)
-
     def request_views(self) -> list[RequestView]:
         """Waiting requests in scheduling order, then running, then suspended ones."""
         waiting, running = RequestPhase.WAITING, RequestPhase.RUNNING
         views = [
-            RequestView(r.request_id, r.priority, waiting, 0, self._demand_blocks(r), r.num_tokens, r.num_preemptions)
+            RequestView(r.request_id, r.priority, waiting, 0, self.counts.demand_blocks(r), r.num_tokens, r.num_preemptions)
             for r in self.waiting
         ]
         num_blocks_of = self.block_manager.num_blocks_of
@@ -280,30 +195,14 @@ class SimScheduler:
             views.append(RequestView(r.request_id, r.priority, running, blocks, 0, r.num_tokens, r.num_preemptions))
         return views
 
-    def load(self) -> SchedulerLoad:
-        """Aggregates for a load report in O(priority levels): every count is kept up to date as
-        requests move (live and waiting requests per priority here, blocks per priority in the
-        block manager). Suspended requests count as running, as in `request_views`: they hold
-        their blocks and are out of the batch only briefly."""
-        waiting_levels, live = self._waiting_levels, self._live_priorities
-        running_blocks = self.block_manager.group_blocks()
-        by_priority = []
-        for priority in sorted(live) if len(live) > 1 else live:
-            num_waiting, demand = waiting_levels.get(priority) or (0, 0)
-            # PriorityLoad(priority, num_running, running_blocks, num_waiting, waiting_demand_blocks)
-            by_priority.append(PriorityLoad(
-                priority, live[priority] - num_waiting, running_blocks.get(priority, 0), num_waiting, demand
-            ))
-        return SchedulerLoad(
-            num_running=len(self.running) + len(self.suspended),
-            num_waiting=len(self.waiting),
-            num_suspended=len(self.suspended),
-            num_free_blocks=self.block_manager.num_free,
-            num_reserved_blocks=self.block_manager.num_reserved,
-            head_demand_blocks=self._demand_blocks(self.waiting.peek()) if self.waiting else 0,
-            waiting_demand_blocks=self._waiting_demand_blocks,
-            by_priority=by_priority,
-        )
+    def load(self) -> RequestAggregates:
+        """The aggregates of `request_views`, from counts kept up to date as requests move (per
+        priority here, blocks per priority in the block manager): O(priority levels). Suspended
+        requests count as running, as in `request_views`: they hold their blocks and are out of
+        the batch only briefly."""
+        head = self.waiting.peek() if self.waiting else None
+        return self.counts.aggregates(len(self.running) + len(self.suspended), len(self.waiting), head,
+                                      self.block_manager.group_blocks())
 
     def check_invariants(self) -> None:
         bm = self.block_manager
@@ -318,12 +217,13 @@ class SimScheduler:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and r.num_computed_tokens == 0
             assert not bm.has_owner(r.request_id)
         assert len(self.requests) == len(waiting) + len(self.running) + len(self.suspended)
-        assert self._waiting_demand_blocks == sum(self._demand_blocks(r) for r in waiting)
-        assert sum(level[0] for level in self._waiting_levels.values()) == len(waiting)
+        counts = self.counts
+        assert counts.waiting_demand_blocks == sum(counts.demand_blocks(r) for r in waiting)
+        assert sum(level[0] for level in counts.waiting_levels.values()) == len(waiting)
         live: dict[int, int] = {}
         for r in self.requests.values():
             live[r.priority] = live.get(r.priority, 0) + 1
-        assert live == self._live_priorities, (live, self._live_priorities)
+        assert live == counts.live, (live, counts.live)
         owners = {r.request_id for r in self.running} | set(self.suspended)
         assert bm.num_used == sum(bm.num_blocks_of(o) for o in owners)
 
@@ -397,11 +297,11 @@ class SimScheduler:
             if gate + watermark > bm.num_free:
                 break
             waiting.pop()
-            self._count_waiting(request, -1)
+            self.counts.count_waiting(request, -1)
             bm.allocate(request.request_id, num_blocks, group=request.priority)
             request.start_running(now)
             running.append(request)
-            self._record(out, request, num_new, 0)
+            out.record(request, num_new, 0)
             admitted = True
         return admitted
 
@@ -422,7 +322,7 @@ class SimScheduler:
         priorities never preempt each other (no ping-pong). Unlike V0, nothing is preempted when
         even all the lower-priority requests together would not make room."""
         head = self.waiting.peek()
-        if head.priority >= max(self._live_priorities):
+        if head.priority >= max(self.counts.live):
             return  # nothing alive is less important (the common case: one priority)
         running, bm, config = self.running, self.block_manager, self.config
         need = self._admission_blocks(head)
@@ -443,30 +343,6 @@ class SimScheduler:
             if admissible():
                 return
 
-    def _record(self, out: SchedulerOutput, request: SimRequest, num_new: int, computed: int) -> None:
-        out.requests.append(request)
-        out.num_new_tokens.append(num_new)
-        out.num_scheduled_tokens += num_new
-        if num_new == 1 and computed >= request.prompt_len:
-            out.decode_batch_size += 1
-            out.decode_context_tokens += computed + 1
-        else:
-            out.prefill_tokens += num_new
-            out.prefill_chunks.append((num_new, computed))
-
-    def _unrecord(self, out: SchedulerOutput, request: SimRequest) -> None:
-        k = len(out.requests) - 1 - out.requests[::-1].index(request)
-        num_new = out.num_new_tokens[k]
-        computed = request.num_computed_tokens
-        del out.requests[k], out.num_new_tokens[k]
-        out.num_scheduled_tokens -= num_new
-        if num_new == 1 and computed >= request.prompt_len:
-            out.decode_batch_size -= 1
-            out.decode_context_tokens -= computed + 1
-        else:
-            out.prefill_tokens -= num_new
-            out.prefill_chunks.remove((num_new, computed))
-
     def _make_room(self, request: SimRequest, num_tokens: int, index: int, out: SchedulerOutput, now: float) -> int:
         """Preempt victims until `request` can hold `num_tokens`, then grow its table. Returns
         the request's index in `running` (victims before it shift it), or -1 if it was itself
@@ -478,7 +354,7 @@ class SimScheduler:
             victim_index = len(running) - 1 if victim is running[-1] else running.index(victim)
             del running[victim_index]
             if victim_index < index:  # already scheduled in this step: take it back out
-                self._unrecord(out, victim)
+                out.unrecord(victim)
                 index -= 1
             self._preempt(victim, out, now)
             if victim is request:
@@ -505,34 +381,14 @@ class SimScheduler:
         if request.target_output_len is not None and request.target_output_len < 1:
             raise EngineError(f"request {request.request_id}: target_output_len must be at least 1")
 
-    def _demand_blocks(self, request: SimRequest) -> int:
-        """Blocks a queued request needs to be (re)scheduled: its whole sequence plus the next token."""
-        return blocks_for_tokens(request.num_tokens + 1, self.block_size)
-
     def _push_waiting(self, request: SimRequest, front: bool) -> None:
         if front:
             self.waiting.add_front(request)
         else:
             self.waiting.add(request)
-        self._count_waiting(request, +1)
+        self.counts.count_waiting(request, +1)
 
     def _finish(self, request: SimRequest, status: RequestStatus, now: float) -> None:
         request.finish(status, now)
         del self.requests[request.request_id]
-        self._count_live(request, -1)
-
-    def _count_live(self, request: SimRequest, sign: int) -> None:
-        count = self._live_priorities.get(request.priority, 0) + sign
-        if count:
-            self._live_priorities[request.priority] = count
-        else:
-            del self._live_priorities[request.priority]
-
-    def _count_waiting(self, request: SimRequest, sign: int) -> None:
-        demand = sign * self._demand_blocks(request)
-        self._waiting_demand_blocks += demand
-        level = self._waiting_levels.get(request.priority)
-        if level is None:
-            level = self._waiting_levels[request.priority] = [0, 0]
-        level[0] += sign
-        level[1] += demand
+        self.counts.count_live(request, -1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -10,11 +10,13 @@ import pytest
 from loadgen.simulator.cluster import ClusterSimulator, SimResult
 from loadgen.simulator.config import SimConfig
 from loadgen.simulator.workload import SimArrival, Workload, WorkloadSpec, build_workload
+from shared.engine_model.config import SchedulerConfig
 from shared.policy.baselines import get_policy
 
+SCHEDULER_FIELDS = {f.name for f in fields(SchedulerConfig)}
 TRACES_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
 
-SMALL = SimConfig(num_instances=4, num_blocks=200, max_model_len=3200, step_mode="v0")
+SMALL = SimConfig(num_instances=4, scheduler=SchedulerConfig(num_blocks=200, max_model_len=3200, step_mode="v0"))
 
 
 def workload_of(rows: list[tuple[float, int, int, int]]) -> Workload:
@@ -32,7 +34,9 @@ def simulate(config: SimConfig, policy: str, workload: Workload, **kwargs) -> Si
 
 
 def small(**changes) -> SimConfig:
-    return replace(SMALL, **changes)
+    """SMALL with these changes; local-scheduler settings (num_blocks=...) go to its scheduler."""
+    engine = {name: changes.pop(name) for name in list(changes) if name in SCHEDULER_FIELDS}
+    return replace(SMALL.with_scheduler(**engine), **changes)
 
 
 def trace_path(name: str) -> Path:

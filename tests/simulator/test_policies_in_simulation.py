@@ -11,38 +11,38 @@ from loadgen.simulator.cluster import ClusterSimulator
 from loadgen.simulator.config import AutoscaleModel, SimConfig
 from loadgen.simulator.instance import SimInstance
 from loadgen.simulator.metrics import summarize
-from shared.engine_model.load_report import build_load_report
+from shared.engine_model.config import SchedulerConfig
+from shared.engine_model.load_report import aggregate_views
 from shared.policy.baselines import DispatchRule, choose_least_loaded, get_policy
 from shared.policy.config import HIGH_PRIORITY, ScalingConfig
 from shared.policy.dispatch import choose_instance
 from tests.simulator.helpers import SMALL, simulate, small, synthetic, workload_of
 
 
-def test_reports_equal_build_load_report_from_request_views(monkeypatch):
-    """The simulator's incremental report carries what the llumlet's report from request views does."""
+def test_incremental_report_counts_equal_the_request_views_through_a_run(monkeypatch):
+    """The simulator's reports come from counts its schedulers keep up to date as requests
+    arrive, queue, run, are preempted, migrate and end; at every report of a busy run (queues,
+    priorities, migrations) they equal the aggregates of the request views a llumlet builds from."""
     checked = []
     original = SimInstance.build_report
 
-    def checking(self, now, max_model_len):
-        report = original(self, now, max_model_len)
-        reference = build_load_report(
-            instance_id=self.instance_id, seq=report.seq, sent_at=now, views=self.scheduler.request_views(),
-            num_blocks_total=self.scheduler.config.num_blocks, num_blocks_free=self.scheduler.block_manager.num_free,
-            block_size=self.scheduler.block_size, num_preemptions_total=self.scheduler.num_preemptions_total,
-            headroom_blocks={}, draining=report.draining, reserved_blocks=report.reserved_blocks,
-            num_migrating=report.num_migrating, max_model_len=max_model_len, engine="sim",
-        )
-        reference.freeness = reference.dispatch_freeness = 0.0
-        assert report == reference
+    def checking(self, now, max_model_len, headroom_blocks):
+        report = original(self, now, max_model_len, headroom_blocks)
+        from_views = aggregate_views(self.scheduler.request_views())
+        assert self.scheduler.load() == from_views
+        assert (report.num_running, report.num_waiting, report.by_priority) == (
+            from_views.num_running, from_views.num_waiting, from_views.by_priority)
         prioritized = sum(level.num_running for level in report.by_priority if level.priority != 0)
-        checked.append((report.num_running, report.num_waiting, prioritized))
+        checked.append((report.num_running, report.num_waiting, prioritized, self.migrations_in))
         return report
 
     monkeypatch.setattr(SimInstance, "build_report", checking)
-    simulate(SMALL, "corral", synthetic("synthetic:L-L", 120, rate=5.0, priority_fraction=0.3, seed=2))
-    # Reports with a queue, and without one but with prioritized requests running, were checked.
-    assert any(waiting > 0 for _, waiting, _ in checked)
-    assert any(waiting == 0 and running > prioritized > 0 for running, waiting, prioritized in checked)
+    result = simulate(SMALL, "corral", synthetic("synthetic:L-L", 120, rate=5.0, priority_fraction=0.3, seed=2))
+    # Reports with a queue, without one but with prioritized requests running, and during an
+    # incoming migration were checked.
+    assert any(waiting > 0 for _, waiting, _, _ in checked)
+    assert any(waiting == 0 and running > prioritized > 0 for running, waiting, prioritized, _ in checked)
+    assert result.migrations.committed > 0 and any(incoming for *_, incoming in checked)
 
 
 @pytest.mark.parametrize("policy", ["corral", "llumnix-base", "infaas++"])
@@ -110,7 +110,7 @@ def test_high_priority_gets_lower_tpot_when_admitted_requests_outgrow_memory():
     for k in range(10):
         order.insert(20 + k * 5, HIGH_PRIORITY)
     workload = workload_of([(i * 0.02 / 0.3, 100, 300, p) for i, p in enumerate(order)])
-    config = SimConfig(num_instances=2, num_blocks=160, max_model_len=2048, step_mode="v1")
+    config = SimConfig(num_instances=2, scheduler=SchedulerConfig(num_blocks=160, max_model_len=2048, step_mode="v1"))
     metrics = summarize(simulate(config, "corral", workload), config.block_bytes)
     high, normal = metrics.by_class["high"], metrics.by_class["normal"]
     assert metrics.num_preemptions > 0 and high.num_preempted == 0

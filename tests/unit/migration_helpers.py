@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from services.llumlet.engines.sim.engine import SimEngine, SimEngineConfig
+from shared.engine_model.config import SchedulerConfig
 from shared.messages import GenerateRequest, SamplingParams
 
 BLOCK_SIZE = 4
 KV_BYTES_PER_TOKEN = 64
+_SCHEDULER_FIELDS = {f.name for f in fields(SchedulerConfig)}
 
 
 def sim_config(**overrides) -> SimEngineConfig:
-    base = dict(time_scale=1e-5, num_blocks=64, block_size=BLOCK_SIZE, max_model_len=512,
-                kv_bytes_per_token=KV_BYTES_PER_TOKEN)
-    return SimEngineConfig(**{**base, **overrides})
+    """A small, fast simulated engine; local-scheduler settings (num_blocks=...) go to its scheduler."""
+    settings = {**dict(time_scale=1e-5, num_blocks=64, block_size=BLOCK_SIZE, max_model_len=512,
+                       kv_bytes_per_token=KV_BYTES_PER_TOKEN), **overrides}
+    scheduler = {name: settings.pop(name) for name in list(settings) if name in _SCHEDULER_FIELDS}
+    return SimEngineConfig(SchedulerConfig(**scheduler), **settings)
 
 
 def gen(rid: str, prompt: int, max_tokens: int, reply_subject: str = "out", priority: int = 0) -> GenerateRequest:

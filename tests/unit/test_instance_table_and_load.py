@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shared.engine_model.views import RequestPhase, RequestView
-from shared.engine_model.load_report import build_load_report
+from shared.engine_model.load_report import aggregate_views, build_load_report
 from shared.instance_table import InstanceTable
 from tests.unit.policy_helpers import make_load
 
@@ -50,7 +50,7 @@ def test_load_report_aggregates_per_priority_and_queue():
         view("r2", RequestPhase.RUNNING, blocks=4, priority=-1),
     ]
     report = build_load_report(
-        instance_id="x", seq=1, sent_at=0.0, views=views, num_blocks_total=100, num_blocks_free=86,
+        instance_id="x", seq=1, sent_at=0.0, requests=aggregate_views(views), num_blocks_total=100, num_blocks_free=86,
         block_size=16, num_preemptions_total=3, headroom_blocks={-1: 20},
     )
     assert (report.num_running, report.num_waiting) == (2, 2)

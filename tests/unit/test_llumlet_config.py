@@ -17,7 +17,7 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def test_sim_admission_and_priority_preemption_default_to_vllms_behaviour():
-    sim = config_from_args(parse()).sim
+    sim = config_from_args(parse()).sim.scheduler
     assert sim.reserve_full_sequence and sim.preempt_for_priority
 
 
@@ -25,14 +25,14 @@ def test_sim_admission_and_priority_preemption_can_be_turned_off(tmp_path):
     (tmp_path / "config.json").write_text('{"vocab_size": 100, "eos_token_id": 2}')
     config = config_from_args(parse("--no-sim-reserve-full-sequence", "--no-sim-preempt-for-priority",
                                     "--model", str(tmp_path)))
-    assert not config.sim.reserve_full_sequence and not config.sim.preempt_for_priority
-    engine_config = create_engine(config).config
+    assert not config.sim.scheduler.reserve_full_sequence and not config.sim.scheduler.preempt_for_priority
+    engine_config = create_engine(config).config.scheduler
     assert not engine_config.reserve_full_sequence and not engine_config.preempt_for_priority
 
 
 def test_sim_flags_read_the_environment(monkeypatch):
     monkeypatch.setenv("CORRAL_SIM_RESERVE_FULL_SEQUENCE", "0")
-    assert config_from_args(parse()).sim.reserve_full_sequence is False
+    assert config_from_args(parse()).sim.scheduler.reserve_full_sequence is False
 
 
 def test_a_bad_sim_flag_is_a_usage_error():

@@ -30,7 +30,7 @@ def simulated(rule: StageRule) -> tuple[list[tuple[int, bool]], list[int]]:
     """The simulator's stages, and the request's computed tokens at each stage decision."""
     config = SimConfig(num_instances=2, guard=None,  # (nothing pairs by itself: one light request)
                        migration=MigrationModel(bandwidth_gbps=0.05, stages=rule))
-    assert config.block_size == BLOCK_SIZE
+    assert config.scheduler.block_size == BLOCK_SIZE
     sim = ClusterSimulator(config, get_policy("llumnix-base"), workload_of([(0.0, PROMPT, MAX_TOKENS, 0)]))
     migrator, instances = sim.migrator, list(sim.instances.values())
     src = dst = None

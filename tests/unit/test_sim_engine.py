@@ -7,8 +7,10 @@ import pytest
 from services.llumlet.engine import Engine
 from shared.engine_model.views import EngineError, StepOutput
 from services.llumlet.engines.sim.engine import SimEngine, SimEngineConfig
+from shared.engine_model.config import SchedulerConfig
 from shared.engine_model.request import RequestStatus
 from shared.messages import FinishReason, GenerateRequest, SamplingParams
+from tests.unit.migration_helpers import sim_config
 
 FAST = dict(time_scale=1e-5, num_blocks=64, block_size=4, max_model_len=512)
 
@@ -34,13 +36,13 @@ def tokens_of(stream: list[StepOutput]) -> list[int]:
 
 
 def test_sim_engine_satisfies_the_engine_protocol() -> None:
-    engine = SimEngine(SimEngineConfig(**FAST))
+    engine = SimEngine(sim_config(**FAST))
     assert isinstance(engine, Engine) and engine.kind == "sim"
     assert engine.num_blocks_total == 64 and engine.block_size == 4 and engine.max_model_len == 512
 
 
 async def test_fifty_requests_finish_with_max_tokens_and_blocks_return() -> None:
-    engine = SimEngine(SimEngineConfig(**FAST, max_num_batched_tokens=128))
+    engine = SimEngine(sim_config(**FAST, max_num_batched_tokens=128))
     await engine.start()
     baseline = engine.num_free_blocks()
     rng = random.Random(7)
@@ -59,7 +61,7 @@ async def test_fifty_requests_finish_with_max_tokens_and_blocks_return() -> None
 
 
 async def test_trace_target_length_stops_with_stop_reason() -> None:
-    engine = SimEngine(SimEngineConfig(**FAST))
+    engine = SimEngine(sim_config(**FAST))
     engine.add_request(gen("r", 10, 50, target_output_len=7))
     streams = await drain(engine)
     assert len(tokens_of(streams["r"])) == 7 and streams["r"][-1].finish_reason is FinishReason.STOP
@@ -67,7 +69,7 @@ async def test_trace_target_length_stops_with_stop_reason() -> None:
 
 
 async def test_tokens_are_deterministic_and_never_eos() -> None:
-    config = SimEngineConfig(**FAST, vocab_size=5, eos_token_id=2, seed=3)
+    config = sim_config(**FAST, vocab_size=5, eos_token_id=2, seed=3)
     runs = []
     for _ in range(2):
         engine = SimEngine(config)
@@ -75,13 +77,13 @@ async def test_tokens_are_deterministic_and_never_eos() -> None:
         runs.append(tokens_of((await drain(engine))["r"]))
     assert runs[0] == runs[1]
     assert 2 not in runs[0] and set(runs[0]) == {0, 1, 3, 4}
-    other_seed = SimEngine(SimEngineConfig(**{**FAST, "seed": 4}))
+    other_seed = SimEngine(sim_config(**{**FAST, "seed": 4}))
     other_seed.add_request(gen("r", 4, 200))
     assert tokens_of((await drain(other_seed))["r"]) != runs[0]
 
 
 def test_bad_requests_raise_engine_error() -> None:
-    engine = SimEngine(SimEngineConfig(**FAST))
+    engine = SimEngine(sim_config(**FAST))
     with pytest.raises(EngineError):
         engine.add_request(gen("empty", 0, 5))
     with pytest.raises(EngineError):
@@ -94,7 +96,7 @@ def test_bad_requests_raise_engine_error() -> None:
 
 
 async def test_abort_is_idempotent_and_frees_blocks() -> None:
-    engine = SimEngine(SimEngineConfig(**FAST, max_num_seqs=2))
+    engine = SimEngine(sim_config(**FAST, max_num_seqs=2))
     for rid in ("a", "b", "c"):
         engine.add_request(gen(rid, 10, 20))
     await engine.step()
@@ -105,7 +107,7 @@ async def test_abort_is_idempotent_and_frees_blocks() -> None:
 
 
 async def test_migration_moves_kv_and_continues_the_same_token_stream() -> None:
-    config = SimEngineConfig(**FAST, kv_bytes_per_token=32)
+    config = sim_config(**FAST, kv_bytes_per_token=32)
     reference = SimEngine(config)
     reference.add_request(gen("r", 30, 40))
     expected = tokens_of((await drain(reference))["r"])
@@ -137,7 +139,7 @@ async def test_migration_moves_kv_and_continues_the_same_token_stream() -> None:
 
 
 async def test_corrupted_migration_fails_verification() -> None:
-    config = SimEngineConfig(**FAST, kv_bytes_per_token=16)
+    config = sim_config(**FAST, kv_bytes_per_token=16)
     src, dst = SimEngine(config), SimEngine(config)
     src.add_request(gen("r", 20, 40))
     for _ in range(3):
@@ -152,7 +154,7 @@ async def test_corrupted_migration_fails_verification() -> None:
 
 
 async def test_aborted_migration_resumes_on_the_source() -> None:
-    engine = SimEngine(SimEngineConfig(**FAST))
+    engine = SimEngine(sim_config(**FAST))
     engine.add_request(gen("r", 10, 12))
     await engine.step()
     assert engine.suspend("r")
@@ -164,7 +166,7 @@ async def test_aborted_migration_resumes_on_the_source() -> None:
 
 
 def test_simulator_mode_has_no_kv_pool() -> None:
-    engine = SimEngine(SimEngineConfig(**{**FAST, "kv_bytes_per_token": 0}))
+    engine = SimEngine(sim_config(**{**FAST, "kv_bytes_per_token": 0}))
     assert engine.kv_pool is None
     assert engine.export_kv([1, 2]).nbytes == 0 and engine.kv_block_bytes == 0
 
@@ -175,4 +177,4 @@ def test_bad_config_is_rejected() -> None:
     with pytest.raises(ValueError):
         SimEngineConfig(eos_token_id=40_000)
     with pytest.raises(ValueError):
-        SimEngineConfig(queue_policy="random")
+        SimEngineConfig(SchedulerConfig(queue_policy="random"))

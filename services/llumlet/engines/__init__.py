@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from services.llumlet.config import LlumletConfig
-from services.llumlet.engine import Engine
+if TYPE_CHECKING:  # (the config imports the sim engine's settings from under this package)
+    from services.llumlet.config import LlumletConfig
+    from services.llumlet.engine import Engine
 
 
 def model_vocabulary(model_dir: str | None) -> tuple[int, int | None, str]:
@@ -35,34 +38,17 @@ def create_engine(config: LlumletConfig) -> Engine:
 
 def _create_engine(config: LlumletConfig) -> Engine:
     if config.engine == "sim":
-        from services.llumlet.engines.sim.engine import SimEngine, SimEngineConfig
+        from services.llumlet.engines.sim.engine import SimEngine
 
         vocab_size, eos, name = model_vocabulary(config.model_dir)
         sim = config.sim
-        return SimEngine(
-            SimEngineConfig(
-                num_blocks=sim.num_blocks,
-                block_size=sim.block_size,
-                max_model_len=config.max_model_len,
-                max_num_batched_tokens=sim.max_num_batched_tokens,
-                max_num_seqs=sim.max_num_seqs,
-                queue_policy=sim.queue_policy,
-                step_mode=sim.step_mode,
-                gpu=sim.gpu,
-                time_scale=sim.time_scale,
-                kv_bytes_per_token=sim.kv_bytes_per_token,
-                reserve_full_sequence=sim.reserve_full_sequence,
-                preempt_for_priority=sim.preempt_for_priority,
-                vocab_size=vocab_size,
-                eos_token_id=eos,
-                seed=config.seed,
-                model_name=name,
-            )
-        )
+        scheduler = replace(sim.scheduler, max_model_len=config.max_model_len)
+        return SimEngine(replace(sim, scheduler=scheduler, vocab_size=vocab_size, eos_token_id=eos, seed=config.seed,
+                                 model_name=name))
     if config.engine == "vllm":
         if config.model_dir is None:
             raise SystemExit("--engine vllm needs --model DIR")
-        from services.llumlet.engines.vllm_engine import VllmEngine, VllmEngineConfig
+        from services.llumlet.engines.vllm.engine import VllmEngine, VllmEngineConfig
 
         return VllmEngine(
             VllmEngineConfig(

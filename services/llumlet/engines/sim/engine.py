@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,61 +18,13 @@ from shared.engine_model.views import EngineError, RequestView, StepOutput
 from shared.engine_model.kv_pool import KVPool, request_key
 from shared.engine_model.latency import LatencyModel
 from shared.engine_model.request import RequestStatus, SimRequest
-from shared.engine_model.scheduler import SchedulerConfig, SchedulerLoad, SimScheduler
+from services.llumlet.engines.sim.config import SimEngineConfig  # (its home; imported from here too)
+from shared.engine_model.scheduler import SimScheduler
 from shared.messages import GenerateRequest, MigrationCommit
 
 _MASK64 = (1 << 64) - 1
 _IDLE_STEP_S = 0.005  # unscaled pause of a step that could schedule nothing (e.g. blocks reserved)
 _MIN_IDLE_SLEEP_S = 0.001  # never spin, whatever the time scale
-
-
-@dataclass(frozen=True)
-class SimEngineConfig:
-    num_blocks: int = 851  # A10 (24 GB) with LLaMA-7B at gpu_memory_utilization 0.9
-    block_size: int = 16
-    max_model_len: int = 8192
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    queue_policy: str = "fcfs"  # "fcfs" | "priority" | "sjf"
-    step_mode: str = "v1"  # "v1" (chunked prefill, mixed steps) | "v0" (vLLM 0.2, prefill stalls decode)
-    enable_chunked_prefill: bool = True
-    watermark_blocks: int = 0
-    reserve_full_sequence: bool = True  # admit only when the whole sequence fits (vLLM v1's default)
-    preempt_for_priority: bool = True  # "priority" queue: a waiting request preempts less important ones
-    gpu: str = "A10"  # "A10" | "A100" | "H100"
-    fine_latency: bool = False  # the operator-level A10 form
-    time_scale: float = 1.0  # real seconds slept per simulated second (0.01: 100x faster)
-    kv_bytes_per_token: int = 64  # bytes of fake KV per token (multiple of 8); 0: no KV bytes at all
-    vocab_size: int = 32000
-    eos_token_id: int | None = None
-    seed: int = 0
-    model_name: str = "sim-llama-7b"
-
-    def __post_init__(self) -> None:
-        if self.time_scale < 0:
-            raise ValueError("time_scale must be >= 0")
-        if self.vocab_size < 2:
-            raise ValueError("vocab_size must be at least 2")
-        if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
-            raise ValueError("eos_token_id must be inside the vocabulary")
-        if self.kv_bytes_per_token < 0 or self.kv_bytes_per_token % 8:
-            raise ValueError("kv_bytes_per_token must be 0 or a positive multiple of 8")
-        self.scheduler_config()  # validates the scheduling fields
-
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            max_model_len=self.max_model_len,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
-            queue_policy=self.queue_policy,
-            step_mode=self.step_mode,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            watermark_blocks=self.watermark_blocks,
-            reserve_full_sequence=self.reserve_full_sequence,
-            preempt_for_priority=self.preempt_for_priority,
-        )
 
 
 class SyntheticTokens:
@@ -106,14 +57,14 @@ class SimEngine:
     def __init__(self, config: SimEngineConfig | None = None, clock: Callable[[], float] = time.time) -> None:
         self.config = config = config or SimEngineConfig()
         self.model_name = config.model_name
-        self.block_size = config.block_size
-        self.num_blocks_total = config.num_blocks
-        self.max_model_len = config.max_model_len
-        self.scheduler = SimScheduler(config.scheduler_config())
+        self.block_size = config.scheduler.block_size
+        self.num_blocks_total = config.scheduler.num_blocks
+        self.max_model_len = config.scheduler.max_model_len
+        self.scheduler = SimScheduler(config.scheduler)
         self.latency = LatencyModel(config.gpu, fine=config.fine_latency)
         self.kv_pool: KVPool | None = None
         if config.kv_bytes_per_token:
-            self.kv_pool = KVPool(config.num_blocks, config.block_size, config.kv_bytes_per_token)
+            self.kv_pool = KVPool(config.scheduler.num_blocks, config.scheduler.block_size, config.kv_bytes_per_token)
         self.tokens = SyntheticTokens(config.vocab_size, config.eos_token_id, config.seed)
         self._clock = clock
         self._inputs: dict[str, GenerateRequest] = {}  # live requests as they came in
@@ -163,9 +114,6 @@ class SimEngine:
         return self.scheduler.request_views()
 
     # -- extras for load reports and the migration coordinator ---------------------------------
-
-    def load(self) -> SchedulerLoad:
-        return self.scheduler.load()
 
     def num_reserved_blocks(self) -> int:
         return self.scheduler.block_manager.num_reserved
