@@ -8,7 +8,6 @@ log lines (each child's output goes through us: forwarded as it comes, the tail 
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import signal
 import subprocess
@@ -21,32 +20,12 @@ from dataclasses import dataclass, field
 import httpx
 
 from services.cpu_layout import CpuLayout, format_cpus, keep_to
+from services.process_helpers import child_setup
 from shared.embedded_nats import EmbeddedNats, start_nats
 
 log = logging.getLogger("corral.up")
 
-_PR_SET_PDEATHSIG = 1
 TAIL_LINES = 20  # of a dead child's output, shown when it dies
-
-
-def die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
-def child_setup(cpus: frozenset[int] | None) -> Callable[[], None]:
-    """Between fork and exec: die with the parent, and keep to `cpus` (None: wherever)."""
-
-    keep = keep_to(cpus)
-
-    def setup() -> None:
-        die_with_parent()
-        if keep is not None:
-            keep()
-
-    return setup
 
 
 def say(message: str) -> None:

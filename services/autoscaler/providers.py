@@ -11,7 +11,7 @@ import subprocess
 import sys
 from typing import Protocol
 
-from services.supervisor import die_with_parent
+from services.process_helpers import die_with_parent
 from shared.config import env
 
 log = logging.getLogger(__name__)

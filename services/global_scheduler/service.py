@@ -38,7 +38,6 @@ class GlobalScheduler:
         self.table = InstanceTable(config.instance_timeout_s)
         self.nc: Client | None = None
         self._tasks: list[asyncio.Task] = []
-        self.dispatched: dict[str, int] = {}
         self.migration_loop: MigrationLoop | None = None
         self.metrics = SchedulerMetrics(self.table.live, self._standing_pairs)
 
@@ -83,7 +82,6 @@ class GlobalScheduler:
             return DispatchReply(rejected=decision.rejected, reason=decision.reason)
         chosen = self.table.get(decision.instance_id)
         self.table.replace_load(account_dispatch(chosen, request))
-        self.dispatched[decision.instance_id] = self.dispatched.get(decision.instance_id, 0) + 1
         return DispatchReply(instance_id=decision.instance_id)
 
     async def _on_dispatch(self, msg: Msg) -> None:

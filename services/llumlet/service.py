@@ -18,6 +18,7 @@ from services.llumlet.metrics import LlumletMetrics
 from services.llumlet.tracing import RequestSpans, trace_context_of
 from shared.metrics_server import serve_metrics
 from services.llumlet.readiness import not_ready_reason
+from services.llumlet.routes import OutputRoutes
 from services.llumlet.migration.ops import migration_ops_for
 from services.llumlet.migration.runtime import LlumletMigration
 from shared import subjects, tracing
@@ -49,7 +50,7 @@ class Llumlet:
         self.nc: Client | None = None
         self.draining = False
         self.leaving = False  # stopping: new requests are refused (DRAINING) so the gateway tries another
-        self._reply_subjects: dict[str, str] = {}  # request id → gateway output subject
+        self.routes = OutputRoutes()  # where each request's output goes
         self._work = asyncio.Event()
         self._report_now = asyncio.Event()
         self._seq = 0
@@ -145,7 +146,7 @@ class Llumlet:
             request = decode(msg.data, GenerateRequest)
             if self.leaving:
                 raise EngineError(f"instance {self.instance_id} is shutting down", Refusal.DRAINING)
-            if request.request_id in self._reply_subjects:
+            if request.request_id in self.routes:
                 raise EngineError(f"request {request.request_id} is already running here", Refusal.DUPLICATE)
             request.trace_context = trace_context_of(msg.headers) or request.trace_context
             self.engine.add_request(request)
@@ -155,7 +156,7 @@ class Llumlet:
         except EngineError as exc:
             await msg.respond(encode(Ack(ok=False, error=str(exc), reason=exc.reason)))
             return
-        self._reply_subjects[request.request_id] = request.reply_subject
+        self.routes.open(request.request_id, request.reply_subject)
         self.metrics.request_arrived(request.request_id, time.monotonic())
         self.spans.started(request)
         self._work.set()
@@ -168,7 +169,7 @@ class Llumlet:
             return
         if self.migration is not None:
             self.migration.on_request_aborted(order.request_id)
-        if self._reply_subjects.pop(order.request_id, None) is not None:
+        if self.routes.close(order.request_id) is not None:
             self.engine.abort_request(order.request_id)
             self.metrics.request_left(order.request_id)
             self.spans.ended(order.request_id, "aborted")
@@ -207,11 +208,11 @@ class Llumlet:
                 self._maybe_report_now()
 
     async def _publish_output(self, output: StepOutput) -> None:
-        subject = self._reply_subjects.get(output.request_id)
+        subject = self.routes.subject(output.request_id)
         if subject is None:
             return  # aborted meanwhile
         if output.finish_reason is not None:
-            del self._reply_subjects[output.request_id]
+            self.routes.close(output.request_id)
         self.spans.output(output)
         chunk = TokenChunk(
             request_id=output.request_id,
@@ -225,7 +226,7 @@ class Llumlet:
         await self.nc.publish(subject, encode(chunk))
 
     async def fail_request(self, request_id: str, reason: str) -> None:
-        subject = self._reply_subjects.pop(request_id, None)
+        subject = self.routes.close(request_id)
         self.engine.abort_request(request_id)
         self.metrics.request_left(request_id)
         self.spans.ended(request_id, "failed", error=reason)
@@ -238,7 +239,7 @@ class Llumlet:
         """Every request this instance holds ends with an error, never silence."""
         if self.nc is None or self.nc.is_closed:
             return
-        for request_id, subject in list(self._reply_subjects.items()):
+        for request_id, subject in self.routes.close_all():
             chunk = TokenChunk(
                 request_id=request_id,
                 instance_id=self.instance_id,
@@ -249,7 +250,6 @@ class Llumlet:
             )
             await self.nc.publish(subject, encode(chunk))
             self.engine.abort_request(request_id)
-        self._reply_subjects.clear()
         self.spans.end_all("failed", error=reason)
         await self.nc.flush()
 
@@ -283,6 +283,14 @@ class Llumlet:
         self.metrics.observe_report(report)
         await self.nc.publish(subjects.load_report(self.instance_id), encode(report))
 
+    def wake_engine(self) -> None:
+        """There is work for the engine loop (a request arrived, migrated in or resumed)."""
+        self._work.set()
+
+    def report_soon(self) -> None:
+        """Publish a load report now rather than at the next interval."""
+        self._report_now.set()
+
     def _maybe_report_now(self) -> None:
         last = self._last_report
         threshold = max(1, int(self.engine.num_blocks_total * self.config.report_change_fraction))
@@ -309,16 +317,16 @@ class _MigrationHooks:
         return "draining" if self.llumlet.draining else None
 
     def migrated_out(self, request_id: str) -> None:
-        self.llumlet._reply_subjects.pop(request_id, None)  # the destination publishes from now on
+        self.llumlet.routes.close(request_id)  # the destination publishes from now on
         self.llumlet.metrics.request_left(request_id)
         self.llumlet.metrics.migrated("out")
         self.llumlet.spans.ended(request_id, "migrated_out")
 
     def resumed(self) -> None:
-        self.llumlet._work.set()
+        self.llumlet.wake_engine()
 
     def changed(self) -> None:
-        self.llumlet._report_now.set()
+        self.llumlet.report_soon()
 
     async def fail_request(self, request_id: str, reason: str) -> None:
         await self.llumlet.fail_request(request_id, reason)
@@ -327,11 +335,11 @@ class _MigrationHooks:
         """Publish from now on; first, everything output so far: the source may not have
         published its last token before it stopped (the gateway drops what it has seen)."""
         llumlet, request = self.llumlet, commit.request
-        llumlet._reply_subjects[request.request_id] = request.reply_subject
+        llumlet.routes.open(request.request_id, request.reply_subject)
         llumlet.metrics.migrated("in")
         llumlet.spans.started(request, migrated_in=True, num_output_tokens=len(commit.output_token_ids))
-        llumlet._work.set()
-        llumlet._report_now.set()
+        llumlet.wake_engine()
+        llumlet.report_soon()
         catch_up = TokenChunk(
             request_id=request.request_id,
             instance_id=llumlet.instance_id,

@@ -12,7 +12,7 @@ import pytest
 from services.cpu_layout import (
     CpuLayout, cpu_layout_decision, format_cpus, keep_to, plan_cpu_layout, resolve_engine,
 )
-from services.supervisor import child_setup
+from services.process_helpers import child_setup
 from shared.embedded_nats import start_nats
 
 

@@ -14,7 +14,7 @@ from services.llumlet.config import LlumletConfig
 from services.llumlet.engines.sim.engine import SimEngine
 from services.llumlet.service import Llumlet
 from shared import subjects
-from shared.messages import Ack, FinishReason, TokenChunk, decode, encode
+from shared.messages import Ack, FinishReason, Refusal, TokenChunk, decode, encode
 from tests.unit.migration_helpers import expected_tokens, gen, sim_config
 
 
@@ -75,7 +75,7 @@ async def test_a_request_id_already_running_here_is_refused_and_the_first_goes_o
     assert (await stream.submit(llumlet, "dup", prompt=40, max_tokens=600)).ok
     await stream.wait(lambda: len(stream.tokens("dup")) >= 5)
     again = await stream.submit(llumlet, "dup", prompt=10, max_tokens=5)
-    assert not again.ok and "already running" in again.error
+    assert not again.ok and again.reason is Refusal.DUPLICATE and "already running" in again.error
     await stream.wait(lambda: stream.finished("dup"))
     assert stream.of("dup")[-1].finish_reason is FinishReason.LENGTH
     assert stream.tokens("dup") == expected_tokens(llumlet.engine, "dup", 600)  # one stream, not restarted
