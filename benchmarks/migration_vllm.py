@@ -100,7 +100,7 @@ class Settings:
 
 def timed_engine(config):
     """A VllmEngine that logs its steps: (start, wall seconds). Built lazily: vLLM imports late."""
-    from services.llumlet.engines.vllm_engine import VllmEngine
+    from services.llumlet.engines.vllm.engine import VllmEngine
 
     class TimedVllmEngine(VllmEngine):
         def __init__(self, engine_config) -> None:
@@ -288,7 +288,7 @@ async def wait_for_destination(reports: DestinationReports, timeout_s: float = 2
 
 
 async def run(s: Settings) -> dict:
-    from services.llumlet.engines.vllm_engine import VllmEngineConfig
+    from services.llumlet.engines.vllm.engine import VllmEngineConfig
     from services.llumlet.service import Llumlet
     from shared.embedded_nats import start_nats
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from services.llumlet.migration.ops import MigratableEngine
 from shared.engine_model.views import RequestView, StepOutput
 from shared.messages import GenerateRequest
 
@@ -41,3 +42,7 @@ class Engine(Protocol):
 
     def request_views(self) -> list[RequestView]:
         """Live requests: waiting ones first, in the order the local scheduler will take them."""
+
+    def migration_ops(self) -> MigratableEngine | None:
+        """This engine's migration verbs (one object for its lifetime), or None when it cannot
+        migrate requests. Ask after `start()`: some engines learn their KV layout only then."""

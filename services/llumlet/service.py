@@ -19,7 +19,6 @@ from services.llumlet.tracing import RequestSpans, trace_context_of
 from shared.metrics_server import serve_metrics
 from services.llumlet.readiness import not_ready_reason
 from services.llumlet.routes import OutputRoutes
-from services.llumlet.migration.ops import migration_ops_for
 from services.llumlet.migration.runtime import LlumletMigration
 from shared import subjects, tracing
 from shared.messages import (
@@ -62,7 +61,7 @@ class Llumlet:
 
     def _build_migration(self) -> LlumletMigration | None:
         """After the engine started: its KV tensors (what the copier moves) exist only then."""
-        ops = migration_ops_for(self.engine) if self.config.enable_migration else None
+        ops = self.engine.migration_ops() if self.config.enable_migration else None
         if ops is None:
             if self.config.enable_migration:
                 log.warning("engine %s cannot migrate requests: migration off", self.engine.kind)

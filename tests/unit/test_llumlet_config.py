@@ -53,7 +53,7 @@ def test_vllm_cpu_threads_reach_the_engine_settings(monkeypatch, tmp_path):
 
 
 def test_vllm_cpu_threads_below_one_is_refused():
-    from services.llumlet.engines.vllm_engine import VllmEngineConfig  # (does not import vLLM)
+    from services.llumlet.engines.vllm.engine import VllmEngineConfig  # (does not import vLLM)
 
     with pytest.raises(ValueError, match="cpu_threads must be at least 1"):
         VllmEngineConfig(model_dir="unused", cpu_threads=0)

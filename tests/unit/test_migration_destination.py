@@ -14,7 +14,6 @@ from services.llumlet.migration.destination import IncomingMigrations
 from services.llumlet.migration.kv_receiver import KVReceiver
 from services.llumlet.migration.kv_sender import KVSenderPool
 from services.llumlet.migration.kv_wire import AckStatus, FrameHeader
-from services.llumlet.migration.ops import migration_ops_for
 from services.llumlet.migration.protocol import ALREADY_COMMITTED, MigrationLimits, MigrationStatus, new_migration_id
 from services.llumlet.migration.protocol import DestinationRefused
 from shared.messages import MigrationAbort, PreAlloc, encode
@@ -26,7 +25,7 @@ LIMITS = MigrationLimits(lease_s=2.0, max_in=2)
 class Setup:
     def __init__(self, refusal: str | None = None, limits: MigrationLimits = LIMITS) -> None:
         self.engine = SimEngine(sim_config())
-        self.ops = migration_ops_for(self.engine)
+        self.ops = self.engine.migration_ops()
         self.copier = BlockCopier(self.ops.kv_regions())
         self.clock = FakeClock()
         self.changes = 0
@@ -37,8 +36,8 @@ class Setup:
     def _changed(self) -> None:
         self.changes += 1
 
-    def prealloc(self, mid: str, stage: int, num_blocks: int, request_id: str = "r"):
-        return self.incoming.handle_prealloc(PreAlloc(mid, request_id, num_blocks, LIMITS.lease_s, stage))
+    async def prealloc(self, mid: str, stage: int, num_blocks: int, request_id: str = "r"):
+        return await self.incoming.handle_prealloc(PreAlloc(mid, request_id, num_blocks, LIMITS.lease_s, stage))
 
     def frame(self, mid: str, offset: int, num_blocks: int) -> FrameHeader:
         return FrameHeader(mid, 0, offset, num_blocks, num_blocks * self.copier.block_bytes, 0)
@@ -55,66 +54,66 @@ def setup():
     s.copier.close()
 
 
-def test_prealloc_grows_one_lease_stage_by_stage(setup) -> None:
+async def test_prealloc_grows_one_lease_stage_by_stage(setup) -> None:
     mid = new_migration_id()
-    first, second = setup.prealloc(mid, 0, 5), setup.prealloc(mid, 1, 2)
+    first, second = await setup.prealloc(mid, 0, 5), await setup.prealloc(mid, 1, 2)
     assert first.ok and second.ok and first.kv_address == "127.0.0.1:9"
     assert len(first.block_ids) == 5 and len(second.block_ids) == 2
     assert setup.incoming.get(mid).block_ids == first.block_ids + second.block_ids
     assert setup.engine.num_reserved_blocks() == 7 and setup.engine.num_free_blocks() == 57
 
 
-def test_repeated_prealloc_of_a_stage_reserves_once(setup) -> None:
+async def test_repeated_prealloc_of_a_stage_reserves_once(setup) -> None:
     mid = new_migration_id()
-    first, again = setup.prealloc(mid, 0, 5), setup.prealloc(mid, 0, 5)
+    first, again = await setup.prealloc(mid, 0, 5), await setup.prealloc(mid, 0, 5)
     assert again.ok and again.block_ids == first.block_ids
     assert setup.engine.num_reserved_blocks() == 5
 
 
-def test_stage_out_of_order_is_refused(setup) -> None:
+async def test_stage_out_of_order_is_refused(setup) -> None:
     mid = new_migration_id()
-    assert not setup.prealloc(mid, 1, 5).ok  # unknown migration past stage 0
-    setup.prealloc(mid, 0, 1)
-    assert not setup.prealloc(mid, 2, 1).ok
+    assert not (await setup.prealloc(mid, 1, 5)).ok  # unknown migration past stage 0
+    await setup.prealloc(mid, 0, 1)
+    assert not (await setup.prealloc(mid, 2, 1)).ok
     assert setup.engine.num_reserved_blocks() == 1
 
 
-def test_no_room_refuses_and_ends_the_migration(setup) -> None:
+async def test_no_room_refuses_and_ends_the_migration(setup) -> None:
     mid = new_migration_id()
-    assert setup.prealloc(mid, 0, 10).ok
-    refused = setup.prealloc(mid, 1, 100)
+    assert (await setup.prealloc(mid, 0, 10)).ok
+    refused = await setup.prealloc(mid, 1, 100)
     assert not refused.ok and "no room" in refused.reason
     assert setup.incoming.get(mid).status is MigrationStatus.ABORTED_DST
     assert setup.engine.num_reserved_blocks() == 0 and setup.engine.num_free_blocks() == 64
 
 
-def test_concurrent_incoming_migrations_are_bounded(setup) -> None:
-    assert setup.prealloc(new_migration_id(), 0, 1, "a").ok
-    assert setup.prealloc(new_migration_id(), 0, 1, "b").ok
-    busy = setup.prealloc(new_migration_id(), 0, 1, "c")
+async def test_concurrent_incoming_migrations_are_bounded(setup) -> None:
+    assert (await setup.prealloc(new_migration_id(), 0, 1, "a")).ok
+    assert (await setup.prealloc(new_migration_id(), 0, 1, "b")).ok
+    busy = await setup.prealloc(new_migration_id(), 0, 1, "c")
     assert not busy.ok and "busy" in busy.reason
 
 
-def test_a_draining_instance_takes_no_migration() -> None:
+async def test_a_draining_instance_takes_no_migration() -> None:
     s = Setup(refusal="draining")
-    reply = s.prealloc(new_migration_id(), 0, 1)
+    reply = await s.prealloc(new_migration_id(), 0, 1)
     assert not reply.ok and reply.reason == "draining"
     s.copier.close()
 
 
-def test_abort_releases_and_is_idempotent(setup) -> None:
+async def test_abort_releases_and_is_idempotent(setup) -> None:
     mid = new_migration_id()
-    setup.prealloc(mid, 0, 6)
+    await setup.prealloc(mid, 0, 6)
     assert setup.incoming.handle_abort(MigrationAbort(mid, "request finished")).ok
     assert setup.incoming.handle_abort(MigrationAbort(mid)).ok
     assert setup.engine.num_free_blocks() == 64 and setup.engine.num_reserved_blocks() == 0
     assert setup.incoming.get(mid).status is MigrationStatus.ABORTED_SRC
 
 
-def test_abort_before_prealloc_refuses_a_late_prealloc(setup) -> None:
+async def test_abort_before_prealloc_refuses_a_late_prealloc(setup) -> None:
     mid = new_migration_id()
     assert setup.incoming.handle_abort(MigrationAbort(mid)).ok
-    assert not setup.prealloc(mid, 0, 1).ok
+    assert not (await setup.prealloc(mid, 0, 1)).ok
     assert setup.engine.num_reserved_blocks() == 0
 
 
@@ -123,12 +122,12 @@ async def committable(setup: Setup, request_id: str = "r"):
     src = SimEngine(sim_config())
     src.add_request(gen(request_id, 10, 40))
     await decode_steps(src, 6)
-    src.suspend(request_id)
+    await src.migration_ops().suspend(request_id)
     blocks = src.block_ids_of(request_id)
     mid = new_migration_id()
-    lease = setup.prealloc(mid, 0, len(blocks), request_id).block_ids
+    lease = (await setup.prealloc(mid, 0, len(blocks), request_id)).block_ids
     setup.engine.import_kv(lease, src.export_kv(blocks))
-    return mid, src.migration_commit(request_id, mid), len(blocks)
+    return mid, src.migration_ops().migration_commit(request_id, mid), len(blocks)
 
 
 async def test_commit_needs_every_block_written(setup) -> None:
@@ -158,12 +157,12 @@ async def test_commit_after_abort_is_refused(setup) -> None:
     assert not ack.ok and not committed and setup.engine.get_request("r") is None
 
 
-def test_lease_expires_without_renewal(setup) -> None:
+async def test_lease_expires_without_renewal(setup) -> None:
     mid = new_migration_id()
-    setup.prealloc(mid, 0, 8)
+    await setup.prealloc(mid, 0, 8)
     setup.clock.advance(1.5)
     assert setup.incoming.expire() == []
-    setup.prealloc(mid, 1, 1)  # renews
+    await setup.prealloc(mid, 1, 1)  # renews
     setup.clock.advance(1.5)
     assert setup.incoming.expire() == []
     setup.clock.advance(1.0)
@@ -177,7 +176,7 @@ def test_lease_expires_without_renewal(setup) -> None:
 async def test_watchdog_task_frees_expired_leases() -> None:
     s = Setup(limits=MigrationLimits(lease_s=0.05, watchdog_interval_s=0.01))
     s.incoming._clock = asyncio.get_running_loop().time  # real time for the real loop
-    s.incoming.handle_prealloc(PreAlloc(new_migration_id(), "r", 4, 0.05, 0))
+    await s.incoming.handle_prealloc(PreAlloc(new_migration_id(), "r", 4, 0.05, 0))
     watchdog = asyncio.create_task(s.incoming.run_watchdog())
     try:
         async with asyncio.timeout(2):
@@ -191,7 +190,7 @@ async def test_watchdog_task_frees_expired_leases() -> None:
 
 async def test_frames_must_continue_the_lease_in_order(setup) -> None:
     mid = new_migration_id()
-    setup.prealloc(mid, 0, 4)
+    await setup.prealloc(mid, 0, 4)
     assert setup.incoming.admit(setup.frame(mid, 1, 2)) is AckStatus.BAD_RANGE  # skips block 0
     assert setup.incoming.admit(setup.frame(mid, 0, 5)) is AckStatus.BAD_RANGE  # past the lease
     bad_size = FrameHeader(mid, 0, 0, 2, 7, 0)
@@ -204,7 +203,7 @@ async def test_frames_must_continue_the_lease_in_order(setup) -> None:
 
 async def test_release_waits_for_a_scatter_in_flight(setup) -> None:
     mid = new_migration_id()
-    setup.prealloc(mid, 0, 4)
+    await setup.prealloc(mid, 0, 4)
     started, proceed = asyncio.Event(), asyncio.Event()
     real_scatter = setup.copier.scatter
 
@@ -223,33 +222,33 @@ async def test_release_waits_for_a_scatter_in_flight(setup) -> None:
     assert setup.engine.num_reserved_blocks() == 0 and setup.engine.num_free_blocks() == 64
 
 
-def test_a_failed_frame_aborts_its_migration(setup) -> None:
+async def test_a_failed_frame_aborts_its_migration(setup) -> None:
     mid = new_migration_id()
-    setup.prealloc(mid, 0, 4)
+    await setup.prealloc(mid, 0, 4)
     setup.incoming.frame_failed(setup.frame(mid, 0, 4), AckStatus.BAD_CHECKSUM)
     assert setup.incoming.get(mid).status is MigrationStatus.ABORTED_DST
     assert setup.engine.num_reserved_blocks() == 0
 
 
-def test_client_abort_drops_an_incoming_migration_of_the_request(setup) -> None:
+async def test_client_abort_drops_an_incoming_migration_of_the_request(setup) -> None:
     mid = new_migration_id()
-    setup.prealloc(mid, 0, 4, request_id="r7")
+    await setup.prealloc(mid, 0, 4, request_id="r7")
     setup.incoming.abort_request("other")
     assert setup.engine.num_reserved_blocks() == 4
     setup.incoming.abort_request("r7")
     assert setup.engine.num_reserved_blocks() == 0
 
 
-def test_stop_releases_every_lease(setup) -> None:
-    setup.prealloc(new_migration_id(), 0, 3, "a")
-    setup.prealloc(new_migration_id(), 0, 5, "b")
+async def test_stop_releases_every_lease(setup) -> None:
+    await setup.prealloc(new_migration_id(), 0, 3, "a")
+    await setup.prealloc(new_migration_id(), 0, 5, "b")
     setup.incoming.stop()
     assert setup.engine.num_reserved_blocks() == 0 and setup.incoming.num_active == 0
 
 
-def test_status_transitions_assert_the_starting_state(setup) -> None:
+async def test_status_transitions_assert_the_starting_state(setup) -> None:
     mid = new_migration_id()
-    setup.prealloc(mid, 0, 1)
+    await setup.prealloc(mid, 0, 1)
     m = setup.incoming.get(mid)
     m.abort(MigrationStatus.ABORTED_SRC, "test", 0.0)
     with pytest.raises(AssertionError):
@@ -263,9 +262,9 @@ async def test_a_corrupt_frame_on_the_wire_aborts_and_nothing_is_committed(setup
     src = SimEngine(sim_config())
     src.add_request(gen("r", 30, 60))
     await decode_steps(src, 4)
-    src.suspend("r")
+    await src.migration_ops().suspend("r")
     blocks = src.block_ids_of("r")
-    src_copier = BlockCopier(migration_ops_for(src).kv_regions())
+    src_copier = BlockCopier(src.migration_ops().kv_regions())
     receiver = KVReceiver(setup.incoming, LIMITS, setup.copier.new_host_buffer)
     address = await receiver.start()
     senders = KVSenderPool(LIMITS)
@@ -275,7 +274,7 @@ async def test_a_corrupt_frame_on_the_wire_aborts_and_nothing_is_committed(setup
 
     monkeypatch.setattr(senders, "checksum", corrupt)
     mid = new_migration_id()
-    setup.prealloc(mid, 0, len(blocks))
+    await setup.prealloc(mid, 0, len(blocks))
     try:
         with pytest.raises(DestinationRefused, match="BAD_CHECKSUM"):
             await senders.send_stage(address, mid, 0, 0, blocks, src_copier)
@@ -285,7 +284,7 @@ async def test_a_corrupt_frame_on_the_wire_aborts_and_nothing_is_committed(setup
         src_copier.close()
     assert setup.incoming.get(mid).status is MigrationStatus.ABORTED_DST
     assert setup.engine.num_reserved_blocks() == 0 and setup.engine.num_free_blocks() == 64
-    ack, committed = setup.incoming.handle_commit(src.migration_commit("r", mid))
+    ack, committed = setup.incoming.handle_commit(src.migration_ops().migration_commit("r", mid))
     assert not ack.ok and not committed and setup.engine.get_request("r") is None
 
 

@@ -17,7 +17,7 @@ from services.llumlet.migration.destination import IncomingMigrations, IntakeLoa
 from services.llumlet.migration.kv_receiver import KVReceiver
 from services.llumlet.migration.kv_sender import KVSenderPool
 from services.llumlet.migration.kv_wire import AckStatus, FrameHeader
-from services.llumlet.migration.ops import LivePhase, MigrationSnapshot, migration_ops_for
+from services.llumlet.migration.ops import LivePhase, MigrationSnapshot
 from services.llumlet.migration.protocol import MigrationLimits, MigrationStatus, PreAllocGrant, new_migration_id
 from services.llumlet.migration.source import MigrationCoordinator
 from shared.messages import Ack, MigrateOrder, MigrationAbort, MigrationCommit, PreAlloc
@@ -101,15 +101,15 @@ async def test_a_request_of_unknown_residence_is_not_picked() -> None:
 
 async def test_sim_residence_counts_from_arrival_or_from_migrating_in() -> None:
     engine, other = SimEngine(sim_config()), SimEngine(sim_config())
-    ops, other_ops = migration_ops_for(engine), migration_ops_for(other)
+    ops, other_ops = engine.migration_ops(), other.migration_ops()
     request = gen("r", 20, 100)
     request.arrival_time = time.time() - 5.0  # (as the gateway stamps it)
     other.add_request(request)
     await decode_steps(other, 3)
     assert 4.9 < other_ops.residence_s("r") < 6.0
-    assert other.suspend("r")
-    commit = other.migration_commit("r", "m1")
-    engine.reserve_blocks("m1", len(other.block_ids_of("r")))
+    assert await other_ops.suspend("r")
+    commit = other_ops.migration_commit("r", "m1")
+    await ops.reserve_blocks("m1", len(other.block_ids_of("r")))
     ops.add_migrated(commit, "m1")
     assert 0.0 <= ops.residence_s("r") < 0.5  # since it migrated in, not since it arrived
     assert ops.residence_s("gone") is None
@@ -131,46 +131,46 @@ def test_guard_refusal_is_the_simulators_rule() -> None:
 class Intake:
     def __init__(self, load: IntakeLoad, limits: MigrationLimits = MigrationLimits(max_in=4)) -> None:
         self.engine = SimEngine(sim_config())  # 64 blocks
-        self.ops = migration_ops_for(self.engine)
+        self.ops = self.engine.migration_ops()
         self.copier = BlockCopier(self.ops.kv_regions())
         self.load = load
         self.incoming = IncomingMigrations(self.ops, self.copier, limits, clock=FakeClock(),
                                            intake_load=lambda: self.load)
         self.incoming.kv_address = "127.0.0.1:9"
 
-    def prealloc(self, mid: str, stage: int, num_blocks: int) -> PreAllocGrant:
-        return self.incoming.handle_prealloc(PreAlloc(mid, "r", num_blocks, 2.0, stage))
+    async def prealloc(self, mid: str, stage: int, num_blocks: int) -> PreAllocGrant:
+        return await self.incoming.handle_prealloc(PreAlloc(mid, "r", num_blocks, 2.0, stage))
 
 
-def test_the_first_prealloc_is_refused_when_the_request_would_leave_too_little_free() -> None:
+async def test_the_first_prealloc_is_refused_when_the_request_would_leave_too_little_free() -> None:
     intake = Intake(IntakeLoad(num_blocks_free=30, num_blocks_total=100, num_waiting=0))
-    refused = intake.prealloc(new_migration_id(), 0, 21)
+    refused = await intake.prealloc(new_migration_id(), 0, 21)
     assert not refused.ok and refused.reason.startswith("no room")
-    assert intake.prealloc(new_migration_id(), 0, 20).ok
+    assert (await intake.prealloc(new_migration_id(), 0, 20)).ok
     assert intake.engine.num_reserved_blocks() == 20
     intake.copier.close()
 
 
-def test_the_first_prealloc_is_refused_while_requests_wait_here() -> None:
+async def test_the_first_prealloc_is_refused_while_requests_wait_here() -> None:
     intake = Intake(IntakeLoad(num_blocks_free=90, num_blocks_total=100, num_waiting=1))
-    refused = intake.prealloc(new_migration_id(), 0, 1)
+    refused = await intake.prealloc(new_migration_id(), 0, 1)
     assert not refused.ok and refused.reason.startswith("busy")
     assert intake.engine.num_reserved_blocks() == 0
     intake.copier.close()
 
 
-def test_later_stages_of_an_admitted_migration_are_not_guarded() -> None:
+async def test_later_stages_of_an_admitted_migration_are_not_guarded() -> None:
     intake = Intake(IntakeLoad(num_blocks_free=90, num_blocks_total=100, num_waiting=0))
     mid = new_migration_id()
-    assert intake.prealloc(mid, 0, 5).ok
+    assert (await intake.prealloc(mid, 0, 5)).ok
     intake.load = IntakeLoad(num_blocks_free=5, num_blocks_total=100, num_waiting=3)  # since then
-    assert intake.prealloc(mid, 1, 2).ok  # the request is on its way: refusing now wastes the copy
+    assert (await intake.prealloc(mid, 1, 2)).ok  # the request is on its way: refusing now wastes the copy
     intake.copier.close()
 
 
 def test_adapters_report_their_intake_load() -> None:
     engine = SimEngine(sim_config(num_blocks=64, max_num_seqs=1))
-    ops = migration_ops_for(engine)
+    ops = engine.migration_ops()
     engine.add_request(gen("a", 20, 50))
     engine.add_request(gen("b", 20, 50))  # waits: one sequence at a time
     engine.scheduler.schedule()
@@ -181,17 +181,17 @@ def test_adapters_report_their_intake_load() -> None:
 # -- the last stage: reserved before the suspend, topped up, committed in its frame ------------
 
 
-def test_a_repeated_prealloc_with_more_blocks_tops_up_its_stage() -> None:
+async def test_a_repeated_prealloc_with_more_blocks_tops_up_its_stage() -> None:
     intake = Intake(IntakeLoad(64, 64, 0))
     mid = new_migration_id()
-    first = intake.prealloc(mid, 0, 3)
-    again = intake.prealloc(mid, 0, 3)
-    topped = intake.prealloc(mid, 0, 5)
+    first = await intake.prealloc(mid, 0, 3)
+    again = await intake.prealloc(mid, 0, 3)
+    topped = await intake.prealloc(mid, 0, 5)
     assert first.ok and again.block_ids == first.block_ids
     assert topped.ok and topped.block_ids[:3] == first.block_ids and len(topped.block_ids) == 5
     assert intake.incoming.get(mid).block_ids == topped.block_ids
-    assert intake.prealloc(mid, 1, 0).ok
-    late = intake.prealloc(mid, 0, 6)  # stage 0 is over
+    assert (await intake.prealloc(mid, 1, 0)).ok
+    late = await intake.prealloc(mid, 0, 6)  # stage 0 is over
     assert not late.ok and intake.engine.num_reserved_blocks() == 5
     intake.copier.close()
 
@@ -204,11 +204,11 @@ async def test_a_nats_commit_before_the_lease_is_filled_is_refused_and_ends_the_
     source = SimEngine(sim_config())
     source.add_request(gen("r", 10, 100))
     await decode_steps(source, 4)
-    assert source.suspend("r")
+    assert await source.migration_ops().suspend("r")
     blocks = source.block_ids_of("r")
     mid = new_migration_id()
-    assert intake.prealloc(mid, 0, len(blocks)).ok
-    ack, committed = intake.incoming.handle_commit(source.migration_commit("r", mid))
+    assert (await intake.prealloc(mid, 0, len(blocks))).ok
+    ack, committed = intake.incoming.handle_commit(source.migration_ops().migration_commit("r", mid))
     assert not ack.ok and "KV incomplete" in ack.error and not committed
     assert intake.engine.num_reserved_blocks() == 0
     payload = source.export_kv(blocks).reshape(-1)
@@ -226,12 +226,12 @@ class RecordingLink:
         self.events: list[tuple[str, LivePhase | None]] = []
 
     def _phase(self) -> LivePhase | None:
-        snapshot = migration_ops_for(self.src).migration_snapshot(self.request_id)
+        snapshot = self.src.migration_ops().migration_snapshot(self.request_id)
         return snapshot.phase if snapshot else None
 
     async def prealloc(self, dst: str, msg: PreAlloc) -> PreAllocGrant:
         self.events.append(("prealloc", self._phase()))
-        return self.incoming.handle_prealloc(msg)
+        return await self.incoming.handle_prealloc(msg)
 
     async def abort(self, dst: str, msg: MigrationAbort) -> Ack:
         return self.incoming.handle_abort(msg)
@@ -247,7 +247,7 @@ async def pair():
     background like a llumlet's engine loop."""
     config = sim_config(time_scale=0.01, num_blocks=256, max_model_len=2048)
     src, dst = SimEngine(config), SimEngine(config)
-    src_ops, dst_ops = migration_ops_for(src), migration_ops_for(dst)
+    src_ops, dst_ops = src.migration_ops(), dst.migration_ops()
     limits = MigrationLimits(last_stage_blocks=0)
     src_copier, dst_copier = BlockCopier(src_ops.kv_regions()), BlockCopier(dst_ops.kv_regions())
     incoming = IncomingMigrations(dst_ops, dst_copier, limits)

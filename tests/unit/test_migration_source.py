@@ -18,7 +18,7 @@ from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.destination import IncomingMigrations
 from services.llumlet.migration.kv_receiver import KVReceiver
 from services.llumlet.migration.kv_sender import KVSenderPool
-from services.llumlet.migration.ops import LivePhase, migration_ops_for
+from services.llumlet.migration.ops import LivePhase
 from services.llumlet.migration.protocol import (
     DestinationGone,
     DestinationSlow,
@@ -50,7 +50,7 @@ class DirectLink:
 
     async def prealloc(self, dst: str, msg: PreAlloc) -> PreAllocGrant:
         await self._enter("prealloc", msg)
-        return self.incoming.handle_prealloc(msg)
+        return await self.incoming.handle_prealloc(msg)
 
     async def abort(self, dst: str, msg: MigrationAbort) -> Ack:
         await self._enter("abort", msg)
@@ -90,7 +90,7 @@ class Harness:
         self.limits = limits
         config = sim_config(time_scale=TIME_SCALE, num_blocks=256, max_model_len=2048, **engine_overrides)
         self.src, self.dst = SimEngine(config), SimEngine(config)
-        self.src_ops, self.dst_ops = migration_ops_for(self.src), migration_ops_for(self.dst)
+        self.src_ops, self.dst_ops = self.src.migration_ops(), self.dst.migration_ops()
         self.src_copier, self.dst_copier = BlockCopier(self.src_ops.kv_regions()), BlockCopier(self.dst_ops.kv_regions())
         self.incoming = IncomingMigrations(self.dst_ops, self.dst_copier, limits)
         self.receiver = KVReceiver(self.incoming, limits, self.dst_copier.new_host_buffer)
@@ -288,7 +288,7 @@ async def test_request_finishing_during_a_stage_aborts_the_migration(make_harnes
 
 async def test_destination_without_room_leaves_the_request_here(make_harness) -> None:
     h = await make_harness()
-    filler = h.dst_ops.reserve_blocks("someone-else", 250)  # 6 blocks left on the destination
+    filler = await h.dst_ops.reserve_blocks("someone-else", 250)  # 6 blocks left on the destination
     await h.decoding("r", prompt=100, max_tokens=200)
     m = await h.coordinator.migrate("r", "dst")
     assert m.status is MigrationStatus.ABORTED_DST and "no room" in m.reason

@@ -5,6 +5,7 @@ import random
 import pytest
 
 from services.llumlet.engine import Engine
+from services.llumlet.migration.ops import MigratableEngine
 from shared.engine_model.views import EngineError, StepOutput
 from services.llumlet.engines.sim.engine import SimEngine, SimEngineConfig
 from shared.engine_model.config import SchedulerConfig
@@ -38,6 +39,7 @@ def tokens_of(stream: list[StepOutput]) -> list[int]:
 def test_sim_engine_satisfies_the_engine_protocol() -> None:
     engine = SimEngine(sim_config(**FAST))
     assert isinstance(engine, Engine) and engine.kind == "sim"
+    assert isinstance(engine.migration_ops(), MigratableEngine) and engine.migration_ops() is engine.migration_ops()
     assert engine.num_blocks_total == 64 and engine.block_size == 4 and engine.max_model_len == 512
 
 
@@ -100,7 +102,7 @@ async def test_abort_is_idempotent_and_frees_blocks() -> None:
     for rid in ("a", "b", "c"):
         engine.add_request(gen(rid, 10, 20))
     await engine.step()
-    assert engine.suspend("b")
+    assert await engine.migration_ops().suspend("b")
     assert [engine.abort_request(rid) for rid in ("a", "b", "c")] == [True, True, True]  # running, suspended, waiting
     assert not engine.abort_request("a")
     assert engine.num_free_blocks() == 64 and not engine.has_work()
@@ -113,25 +115,26 @@ async def test_migration_moves_kv_and_continues_the_same_token_stream() -> None:
     expected = tokens_of((await drain(reference))["r"])
 
     src, dst = SimEngine(config), SimEngine(config)
+    src_ops, dst_ops = src.migration_ops(), dst.migration_ops()
     src.add_request(gen("r", 30, 40))
     outputs = [o for _ in range(5) for o in await src.step()]
     # Stage 1 copies what exists while the request keeps decoding.
     stage1 = src.block_ids_of("r")
-    dst_blocks = dst.reserve_blocks("mig", len(stage1))
+    dst_blocks = await dst_ops.reserve_blocks("mig", len(stage1))
     fused = src.export_kv(stage1).tobytes()
     assert len(fused) == len(stage1) * src.kv_block_bytes == len(stage1) * 4 * 32
     dst.import_kv(dst_blocks, fused)
     outputs += [o for _ in range(6) for o in await src.step()]
     # Last stage: out of the batch, copy the last partial block again plus the new ones.
-    assert src.suspend("r")
+    assert await src_ops.suspend("r")
     blocks = src.block_ids_of("r")
     resend = blocks[len(stage1) - 1 :]
-    new_dst = dst.reserve_blocks("mig", len(blocks) - len(stage1))
+    new_dst = await dst_ops.reserve_blocks("mig", len(blocks) - len(stage1))
     dst.import_kv([dst_blocks[-1], *new_dst], src.export_kv(resend))
-    commit = src.migration_commit("r", "mig")
-    dst.add_migrated(commit)
+    commit = src_ops.migration_commit("r", "mig")
+    dst_ops.add_migrated(commit, "mig")
     assert dst.verify_kv("r")
-    assert src.release_migrated("r") and src.num_free_blocks() == 64
+    assert await src_ops.release_migrated("r") and src.num_free_blocks() == 64
     assert not src.has_work() and await src.step() == []
     outputs += [o for s in (await drain(dst)).values() for o in s]
     assert tokens_of(outputs) == expected and outputs[-1].finish_reason is FinishReason.LENGTH
@@ -144,12 +147,12 @@ async def test_corrupted_migration_fails_verification() -> None:
     src.add_request(gen("r", 20, 40))
     for _ in range(3):
         await src.step()
-    src.suspend("r")
+    await src.migration_ops().suspend("r")
     blocks = src.block_ids_of("r")
     fused = src.export_kv(blocks).copy()
     fused[0, 0] ^= 0xFF
-    dst.import_kv(dst.reserve_blocks("m", len(blocks)), fused)
-    dst.add_migrated(src.migration_commit("r", "m"))
+    dst.import_kv(await dst.migration_ops().reserve_blocks("m", len(blocks)), fused)
+    dst.migration_ops().add_migrated(src.migration_ops().migration_commit("r", "m"), "m")
     assert src.verify_kv("r") and not dst.verify_kv("r")
 
 
@@ -157,10 +160,11 @@ async def test_aborted_migration_resumes_on_the_source() -> None:
     engine = SimEngine(sim_config(**FAST))
     engine.add_request(gen("r", 10, 12))
     await engine.step()
-    assert engine.suspend("r")
+    ops = engine.migration_ops()
+    assert await ops.suspend("r")
     assert await engine.step() == []  # out of the batch
     assert engine.get_request("r").status == RequestStatus.SUSPENDED
-    assert engine.resume("r")
+    assert await ops.resume("r")
     streams = await drain(engine)
     assert len(streams["r"]) == 11  # the first token came from the step before the suspension
 

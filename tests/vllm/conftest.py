@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from services.llumlet.engines.vllm_engine import VllmEngine, VllmEngineConfig
+from services.llumlet.engines.vllm.engine import VllmEngine, VllmEngineConfig
 from tests.vllm.helpers import small_engine_config_for
 
 

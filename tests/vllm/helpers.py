@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.llumlet.engines.vllm_engine import VllmEngineConfig
+from services.llumlet.engines.vllm.engine import VllmEngineConfig
 
 # The tiny model holds 1 KiB of KV per token (2 layers x 2 KV heads x 32 dims x K,V x 4 bytes).
 KV_BYTES_PER_TOKEN = 1024

@@ -164,7 +164,7 @@ def test_adapter_moves_resumes_and_frees_on_one_engine(tiny_model_dir):
 
 
 async def _self_check(model_dir: str) -> dict:
-    from services.llumlet.engines.vllm_engine import VllmEngine, VllmEngineConfig
+    from services.llumlet.engines.vllm.engine import VllmEngine, VllmEngineConfig
     from services.llumlet.migration.copier import BlockCopier
     from shared.messages import GenerateRequest, SamplingParams
 
@@ -173,7 +173,8 @@ async def _self_check(model_dir: str) -> dict:
                                          kv_cache_space_gib=64 * block_size * 1024 / (1 << 30),
                                          enable_prefix_caching=False))
     await engine.start()
-    copier = BlockCopier(engine.kv_regions())  # the KV tensors exist once the engine started
+    ops = engine.migration_ops()
+    copier = BlockCopier(ops.kv_regions())  # the KV tensors exist once the engine started
     tokens: dict[str, dict[int, int]] = defaultdict(dict)
     finished: set[str] = set()
 
@@ -195,19 +196,19 @@ async def _self_check(model_dir: str) -> dict:
         """Two stages into a lease on the same engine, then commit there."""
         lease = f"lease-{request_id}"
         await step_until(lambda: len(tokens[request_id]) >= 20)
-        full = engine.migration_snapshot(request_id).num_computed_tokens // block_size
-        await copier.scatter(engine.reserve_blocks(lease, full),
-                             await copier.gather(engine.block_ids_of(request_id)[:full], 0))
+        full = ops.migration_snapshot(request_id).num_computed_tokens // block_size
+        await copier.scatter(await ops.reserve_blocks(lease, full),
+                             await copier.gather(ops.block_ids_of(request_id)[:full], 0))
         await step_until(lambda: len(tokens[request_id]) >= 30)
-        assert engine.suspend(request_id)
-        rest = engine.block_ids_of(request_id)[full:]
+        assert await ops.suspend(request_id)
+        rest = ops.block_ids_of(request_id)[full:]
         payload = await copier.gather(rest, 0)
         if corrupt:
             payload = bytes(len(payload))
-        await copier.scatter(engine.reserve_blocks(lease, len(rest)), payload)
-        commit = engine.migration_commit(request_id, f"m-{request_id}")
-        assert engine.release_migrated(request_id)
-        engine.add_migrated(commit, lease)
+        await copier.scatter(await ops.reserve_blocks(lease, len(rest)), payload)
+        commit = ops.migration_commit(request_id, f"m-{request_id}")
+        assert await ops.release_migrated(request_id)
+        ops.add_migrated(commit, lease)
 
     prompt = [(7 * i) % 300 + 3 for i in range(70)]
     add("reference")
@@ -219,13 +220,14 @@ async def _self_check(model_dir: str) -> dict:
     await self_migrate("corrupted", corrupt=True)
     add("resumed")
     await step_until(lambda: len(tokens["resumed"]) >= 25)
-    assert engine.suspend("resumed")
-    assert engine.resume("resumed")
+    assert await ops.suspend("resumed")
+    assert await ops.resume("resumed")
     await step_until(lambda: {"migrated", "corrupted", "resumed"} <= finished)
-    short = engine.reserve_blocks("too-many", engine.num_blocks_total + 1)
-    engine.reserve_blocks("dropped", 3)
-    engine.release_reservation("dropped")
+    short = await ops.reserve_blocks("too-many", engine.num_blocks_total + 1)
+    await ops.reserve_blocks("dropped", 3)
+    assert ops.release_reservation("dropped") == 3  # (returns at once: the engine thread frees them next)
     await step_until(lambda: not engine.has_work())
+    await engine.on_engine_thread(lambda driver: None)  # behind the release
     result = {
         "migrated_matches": output("migrated") == output("reference"),
         "corrupted_matches": output("corrupted") == output("reference"),
@@ -233,7 +235,7 @@ async def _self_check(model_dir: str) -> dict:
         "short_reservation": short,
         "free_before": free_before,
         "free_after": engine.num_free_blocks(),
-        "reserved_after": engine.num_reserved_blocks(),
+        "reserved_after": ops.num_reserved_blocks(),
     }
     await engine.stop()
     return result

@@ -75,6 +75,7 @@ class IncomingMigration(MigrationLifecycle):
     writers: int = 0  # scatters in flight: the lease must not be released under them
     release_pending: bool = False
     ended_at: float | None = None
+    prealloc_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # a reservation may await the engine
 
     @property
     def kv_complete(self) -> bool:
@@ -115,14 +116,22 @@ class IncomingMigrations:
 
     # -- handshake -----------------------------------------------------------------------------
 
-    def handle_prealloc(self, msg: PreAlloc) -> PreAllocGrant:
+    async def handle_prealloc(self, msg: PreAlloc) -> PreAllocGrant:
+        """Grant (or refuse) a stage's blocks. Reserving may wait for the engine (a step in
+        progress): one PRE-ALLOC of a migration at a time, and the migration re-checked after."""
         m = self._migrations.get(msg.migration_id)
-        if m is None:
-            refusal = self._refuse_new(msg)
-            if refusal is not None:
-                return PreAllocGrant(ok=False, reason=refusal)
-            m = self._migrations[msg.migration_id] = IncomingMigration(msg.migration_id, msg.request_id, 0.0)
-        elif m.status.is_over:
+        if m is not None:
+            async with m.prealloc_lock:
+                return await self._prealloc(m, msg)
+        refusal = self._refuse_new(msg)
+        if refusal is not None:
+            return PreAllocGrant(ok=False, reason=refusal)
+        m = self._migrations[msg.migration_id] = IncomingMigration(msg.migration_id, msg.request_id, 0.0)
+        async with m.prealloc_lock:
+            return await self._prealloc(m, msg)
+
+    async def _prealloc(self, m: IncomingMigration, msg: PreAlloc) -> PreAllocGrant:
+        if m.status.is_over:
             return PreAllocGrant(ok=False, reason=f"migration {m.status.value}")
         if msg.request_id != m.request_id or msg.num_blocks < 0:
             return PreAllocGrant(ok=False, reason="pre-alloc does not match the migration")
@@ -135,7 +144,11 @@ class IncomingMigrations:
         if more > 0 or msg.stage not in m.granted:
             if msg.stage != len(m.granted) and msg.stage != len(m.granted) - 1:
                 return PreAllocGrant(ok=False, reason=f"stage {msg.stage} is over: no top-up")
-            added = self.ops.reserve_blocks(m.migration_id, max(0, more))
+            self._renew(m, msg)  # (first: the watchdog must not expire it while the engine reserves)
+            added = await self.ops.reserve_blocks(m.migration_id, max(0, more))
+            if m.status.is_over:  # ended meanwhile (ABORT, client abort, stop): its release ran already
+                self.ops.release_reservation(m.migration_id)
+                return PreAllocGrant(ok=False, reason=f"migration {m.status.value}")
             if added is None:
                 self._end(m, MigrationStatus.ABORTED_DST, "no room")
                 return PreAllocGrant(ok=False, reason=f"no room for {more} more blocks")
@@ -143,8 +156,11 @@ class IncomingMigrations:
             granted = m.granted[msg.stage] = granted + added
             if added:
                 self._on_change()
-        m.expires_at = self._clock() + min(max(msg.lease_s, self.limits.watchdog_interval_s), self.limits.lease_s)
+        self._renew(m, msg)
         return PreAllocGrant(ok=True, block_ids=list(granted), kv_address=self.kv_address)
+
+    def _renew(self, m: IncomingMigration, msg: PreAlloc) -> None:
+        m.expires_at = self._clock() + min(max(msg.lease_s, self.limits.watchdog_interval_s), self.limits.lease_s)
 
     def _refuse_new(self, msg: PreAlloc) -> str | None:
         if msg.stage != 0:

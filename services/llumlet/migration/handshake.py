@@ -66,8 +66,8 @@ class NatsDestinationLink:
 
 
 class HandshakeServer:
-    """The destination's three subjects; each handler decodes, decides (no await in between, so
-    decisions never interleave) and replies."""
+    """The destination's three subjects; each handler decodes, decides and replies (a PRE-ALLOC
+    may wait for the engine to reserve blocks; `IncomingMigrations` keeps its decisions apart)."""
 
     def __init__(self, incoming: IncomingMigrations) -> None:
         self.incoming = incoming  # (its `commit` hands a committed request to the llumlet)
@@ -79,7 +79,7 @@ class HandshakeServer:
 
     async def _on_prealloc(self, msg: Msg) -> None:
         try:
-            reply = self.incoming.handle_prealloc(decode(msg.data, PreAlloc))
+            reply = await self.incoming.handle_prealloc(decode(msg.data, PreAlloc))
         except WireError as exc:
             reply = PreAllocGrant(ok=False, reason=str(exc))
         await self._respond(msg, reply)

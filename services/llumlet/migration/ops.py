@@ -1,5 +1,7 @@
-"""What the migration coordinator needs from an engine (`MigratableEngine`). The simulated engine
-gets that shape from `sim_ops.SimMigrationAdapter`; vLLM from `vllm_ops.VllmMigrationMixin`.
+"""What the migration coordinator needs from an engine (`MigratableEngine`): the engine-neutral
+contract. Each engine implements it in its own package (`engines/sim/migration.py`,
+`engines/vllm/migration.py`) and hands it out from `Engine.migration_ops()`; nothing here knows
+an engine.
 
 Contract an engine must keep:
 - A request's block table is append-only while it runs: blocks that are full (all their token
@@ -11,6 +13,8 @@ Contract an engine must keep:
 - Destination blocks reserved under a lease are invisible to the scheduler until the commit;
   lease block i (in reservation order, over all stages) holds the request's block i, and
   `add_migrated` makes them the request's KV (adopting them, or copying them into its own).
+- Verbs that may wait for the engine (a step in progress on vLLM's engine thread) are coroutines,
+  so the llumlet's event loop keeps serving meanwhile; the coordinator re-checks after them.
 """
 
 from __future__ import annotations
@@ -79,14 +83,16 @@ class MigratableEngine(Protocol):
 
     def block_ids_of(self, request_id: str) -> list[int]: ...
 
-    def suspend(self, request_id: str) -> bool: ...
+    async def suspend(self, request_id: str) -> bool:
+        """Out of the batch, blocks kept; False if it was not running (the request left)."""
 
-    def resume(self, request_id: str) -> bool: ...
+    async def resume(self, request_id: str) -> bool:
+        """Back into the batch after a failed last stage; False if it was not suspended."""
 
     def migration_commit(self, request_id: str, migration_id: str) -> MigrationCommit:
         """What the destination needs to continue the suspended request."""
 
-    def release_migrated(self, request_id: str) -> bool:
+    async def release_migrated(self, request_id: str) -> bool:
         """The destination committed: free the blocks; the request produces nothing more here."""
 
     def residence_s(self, request_id: str) -> float | None:
@@ -97,24 +103,15 @@ class MigratableEngine(Protocol):
     def intake_load(self) -> IntakeLoad:
         """Free and total blocks and the waiting queue: may this instance take a new request?"""
 
-    def reserve_blocks(self, lease_id: str, num_blocks: int) -> list[int] | None:
+    async def reserve_blocks(self, lease_id: str, num_blocks: int) -> list[int] | None:
         """Hold `num_blocks` more free blocks under the lease; None (nothing taken) if short.
         (A stage's PRE-ALLOC asks for its total; a repeat with more tops the lease up.)"""
 
     def release_reservation(self, lease_id: str) -> int:
-        """Return the lease's blocks to the free pool; idempotent."""
+        """Return the lease's blocks to the free pool (the engine may do it a moment later: no
+        wait); how many it held. Idempotent."""
 
     def add_migrated(self, commit: MigrationCommit, lease_id: str) -> None:
         """Adopt the lease's blocks and put the request in the running batch; EngineError if
         the commit does not fit the lease."""
 
-
-def migration_ops_for(engine: Any) -> MigratableEngine | None:
-    """The engine's migration interface, or None when it cannot migrate (yet)."""
-    if isinstance(engine, MigratableEngine):
-        return engine
-    if getattr(engine, "kind", None) == "sim":
-        from services.llumlet.migration.sim_ops import SimMigrationAdapter
-
-        return SimMigrationAdapter(engine)
-    return None

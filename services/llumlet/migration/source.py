@@ -283,7 +283,7 @@ class MigrationCoordinator:
             await self._copy(m, m.blocks_sent + num_blocks, LivePhase.RUNNING, prealloc_s, final=False)
         await self._prealloc(m, snapshot.num_blocks)  # (off the downtime)
         self._check(m, LivePhase.RUNNING)
-        self._suspend(m)
+        await self._suspend(m)
         upto = self._check(m, LivePhase.SUSPENDED).num_blocks  # everything, the partial block too
         if upto < m.lease_blocks:
             raise SourceAborted(f"request holds {upto} blocks, fewer than the {m.lease_blocks} reserved")
@@ -293,9 +293,9 @@ class MigrationCoordinator:
             self._check(m, LivePhase.SUSPENDED)
         await self._last_stage(m, upto, prealloc_s)
 
-    def _suspend(self, m: OutgoingMigration) -> None:
+    async def _suspend(self, m: OutgoingMigration) -> None:
         asked = self._clock()
-        if not self.ops.suspend(m.request_id):
+        if not await self.ops.suspend(m.request_id):
             raise SourceAborted("request left the batch before the last stage")
         m.suspended_at = self._clock()
         m.suspend_s = m.suspended_at - asked
@@ -384,7 +384,7 @@ class MigrationCoordinator:
             m.abort(MigrationStatus.ABORTED_DST, "commit outcome unknown", self._clock())
             await self.hooks.fail_request(m.request_id, "migration outcome unknown")
             return
-        self.ops.release_migrated(m.request_id)  # (False if the client aborted it meanwhile)
+        await self.ops.release_migrated(m.request_id)  # (False if the client aborted it meanwhile)
         m.release_s = self._clock() - now
         m.finish(self._clock())
         log.info("migrated %s to %s in %d stages (downtime %.1f ms), commit via %s", m.request_id, m.dst, m.stage,
@@ -435,7 +435,7 @@ class MigrationCoordinator:
         m.abort(exc.status, str(exc), self._clock())
         log.info("migration of %s to %s aborted (%s): %s", m.request_id, m.dst, m.status.value, exc)
         snapshot = self.ops.migration_snapshot(m.request_id)
-        if snapshot is not None and snapshot.phase is LivePhase.SUSPENDED and self.ops.resume(m.request_id):
+        if snapshot is not None and snapshot.phase is LivePhase.SUSPENDED and await self.ops.resume(m.request_id):
             self.hooks.resumed()  # the request goes on here as if nothing happened
         if m.status is MigrationStatus.ABORTED_DST and self._pair is not None and self._pair.dst == m.dst:
             self._pair.backoff_until = self._clock() + self.limits.refused_backoff_s

@@ -2,8 +2,8 @@
 
 A thin asyncio wrapper around the synchronous `SimScheduler`: each step schedules, sleeps for
 the latency model's step time × `time_scale`, applies the step, writes the computed tokens' KV
-pattern (when a pool is configured) and returns the new synthetic tokens. Migration verbs
-(reserve / export / import / suspend / commit) are exposed for the llumlet's coordinator.
+pattern (when a pool is configured) and returns the new synthetic tokens. Its migration verbs
+live in `migration.py` (`migration_ops()`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from shared.engine_model.latency import LatencyModel
 from shared.engine_model.request import RequestStatus, SimRequest
 from services.llumlet.engines.sim.config import SimEngineConfig  # (its home; imported from here too)
 from shared.engine_model.scheduler import SimScheduler
-from shared.messages import GenerateRequest, MigrationCommit
+from services.llumlet.engines.sim.migration import SimMigration
+from shared.messages import GenerateRequest
 
 _MASK64 = (1 << 64) - 1
 _IDLE_STEP_S = 0.005  # unscaled pause of a step that could schedule nothing (e.g. blocks reserved)
@@ -69,6 +70,7 @@ class SimEngine:
         self._clock = clock
         self._inputs: dict[str, GenerateRequest] = {}  # live requests as they came in
         self._keys: dict[str, int] = {}
+        self._migration = SimMigration(self)
 
     # -- Engine protocol -----------------------------------------------------------------------
 
@@ -79,11 +81,11 @@ class SimEngine:
         return None
 
     def add_request(self, request: GenerateRequest) -> None:
-        self._admit(request, self._to_sim(request), migrated_lease=None)
+        self.admit(request, self.to_sim(request))
 
     def abort_request(self, request_id: str) -> bool:
         aborted = self.scheduler.abort_request(request_id, self._clock())
-        self._forget(request_id)
+        self.forget(request_id)
         return aborted is not None
 
     def has_work(self) -> bool:
@@ -101,7 +103,7 @@ class SimEngine:
         events = self.scheduler.update_from_output(out, self._clock())
         outputs = [self._emit(request) for request in events.new_token]
         for request in events.finished:
-            self._forget(request.request_id)
+            self.forget(request.request_id)
         return outputs
 
     def num_free_blocks(self) -> int:
@@ -113,7 +115,10 @@ class SimEngine:
     def request_views(self) -> list[RequestView]:
         return self.scheduler.request_views()
 
-    # -- extras for load reports and the migration coordinator ---------------------------------
+    def migration_ops(self) -> SimMigration:
+        return self._migration
+
+    # -- views for tests and the migration verbs ------------------------------------------------
 
     def num_reserved_blocks(self) -> int:
         return self.scheduler.block_manager.num_reserved
@@ -123,14 +128,6 @@ class SimEngine:
 
     def block_ids_of(self, request_id: str) -> list[int]:
         return self.scheduler.block_ids_of(request_id)
-
-    def reserve_blocks(self, lease_id: str, num_blocks: int) -> list[int] | None:
-        """Destination: hold `num_blocks` more blocks under a lease; None if they are not free."""
-        return self.scheduler.reserve(lease_id, num_blocks)
-
-    def release_reservation(self, lease_id: str) -> int:
-        """Destination: drop a lease (abort or expiry); idempotent."""
-        return self.scheduler.release(lease_id)
 
     @property
     def kv_block_bytes(self) -> int:
@@ -158,45 +155,15 @@ class SimEngine:
         key = self._keys[request_id]
         return self.kv_pool.verify(key, self.scheduler.block_ids_of(request_id), request.num_computed_tokens)
 
-    def suspend(self, request_id: str) -> bool:
-        return self.scheduler.suspend(request_id)
+    # -- what the migration verbs use (`SimEngineParts`) -----------------------------------------
 
-    def resume(self, request_id: str) -> bool:
-        return self.scheduler.resume(request_id)
+    def now(self) -> float:
+        return self._clock()
 
-    def migration_commit(self, request_id: str, migration_id: str) -> MigrationCommit:
-        """Source: what the destination needs to continue a suspended request."""
-        request = self.scheduler.get(request_id)
-        if request is None or request.status != RequestStatus.SUSPENDED:
-            raise EngineError(f"request {request_id} is not suspended for migration")
-        return MigrationCommit(
-            migration_id=migration_id,
-            request=self._inputs[request_id],
-            output_token_ids=list(request.output_token_ids),
-            num_computed_tokens=request.num_computed_tokens,
-            num_preemptions=request.num_preemptions,
-        )
+    def input_of(self, request_id: str) -> GenerateRequest:
+        return self._inputs[request_id]
 
-    def release_migrated(self, request_id: str) -> bool:
-        """Source, after the destination committed: free the blocks; no more output here."""
-        released = self.scheduler.release_migrated(request_id, self._clock())
-        if released:
-            self._forget(request_id)
-        return released
-
-    def add_migrated(self, commit: MigrationCommit, lease_id: str | None = None) -> None:
-        """Destination commit: the request resumes here on the blocks reserved under the lease
-        (default: the migration id), continuing its output from the next token index."""
-        request = self._to_sim(commit.request)
-        request.output_token_ids = list(commit.output_token_ids)
-        request.num_output_tokens = len(commit.output_token_ids)
-        request.num_computed_tokens = commit.num_computed_tokens
-        request.num_preemptions = commit.num_preemptions
-        self._admit(commit.request, request, migrated_lease=lease_id or commit.migration_id)
-
-    # -- internals -----------------------------------------------------------------------------
-
-    def _to_sim(self, request: GenerateRequest) -> SimRequest:
+    def to_sim(self, request: GenerateRequest) -> SimRequest:
         sampling = request.sampling
         if not request.prompt_token_ids:
             raise EngineError(f"request {request.request_id}: empty prompt")
@@ -214,7 +181,8 @@ class SimEngine:
             arrival_time=request.arrival_time or self._clock(),
         )
 
-    def _admit(self, request: GenerateRequest, sim: SimRequest, migrated_lease: str | None) -> None:
+    def admit(self, request: GenerateRequest, sim: SimRequest, migrated_lease: str | None = None) -> None:
+        """Into the scheduler: a new request, or a migrated one on the lease's blocks."""
         if migrated_lease is None:
             self.scheduler.add_request(sim)
         else:
@@ -222,9 +190,11 @@ class SimEngine:
         self._inputs[request.request_id] = request
         self._keys[request.request_id] = self.tokens.key(request.request_id)
 
-    def _forget(self, request_id: str) -> None:
+    def forget(self, request_id: str) -> None:
         self._inputs.pop(request_id, None)
         self._keys.pop(request_id, None)
+
+    # -- internals -----------------------------------------------------------------------------
 
     def _write_kv(self, requests: list[SimRequest], num_new_tokens: list[int]) -> None:
         assert self.kv_pool is not None

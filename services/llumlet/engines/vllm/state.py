@@ -6,6 +6,7 @@ and writes outputs and snapshots. Everything in `SharedState` is read and writte
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from dataclasses import dataclass, field
@@ -14,11 +15,35 @@ from typing import Any
 from shared.engine_model.views import RequestView, StepOutput
 
 
+class TrackedStatus(enum.Enum):
+    """Where one of our requests is, as the adapter sees it (vLLM's own status says more while
+    it is IN_VLLM: waiting, running, preempted)."""
+
+    QUEUED = "queued"  # its add command waits for the engine thread
+    IN_VLLM = "in_vllm"  # added to vLLM: waiting, running or preempted there
+    SUSPENDED = "suspended"  # aborted in vLLM with its blocks held: a migration's last stage
+    GONE = "gone"  # finished, failed, aborted or migrated away: nothing more here
+
+    @property
+    def next(self) -> frozenset[TrackedStatus]:
+        return _NEXT[self]
+
+
+_NEXT = {
+    TrackedStatus.QUEUED: frozenset({TrackedStatus.IN_VLLM, TrackedStatus.GONE}),
+    TrackedStatus.IN_VLLM: frozenset({TrackedStatus.SUSPENDED, TrackedStatus.GONE}),
+    # (resumed after a failed last stage: re-added with its output as prompt)
+    TrackedStatus.SUSPENDED: frozenset({TrackedStatus.QUEUED, TrackedStatus.GONE}),
+    TrackedStatus.GONE: frozenset(),
+}
+
+
 @dataclass(eq=False)
 class Tracked:
     """One of our requests, from `add_request` until it finishes or is aborted.
 
-    The fields after `num_prompt_tokens` are touched only on the engine thread.
+    The fields after `num_prompt_tokens` are touched only on the engine thread (`status` and
+    `suspended` also under the shared lock, since the event loop reads them).
     """
 
     request_id: str
@@ -32,8 +57,15 @@ class Tracked:
     # Tokens generated before this engine took the request (a migrated request, or one resumed
     # after a failed migration): vLLM sees them as prompt.
     prior_output_token_ids: list[int] = field(default_factory=list)
-    suspended: Suspended | None = None  # out of the batch for a migration's last stage
+    status: TrackedStatus = TrackedStatus.QUEUED
+    suspended: Suspended | None = None  # what it was when suspended (status SUSPENDED only)
     placed_at: float = field(default_factory=time.monotonic)  # arrived or migrated in here
+
+    def move(self, to: TrackedStatus, suspended: Suspended | None = None) -> None:
+        """The one way status changes: asserts the transition (and a record with SUSPENDED)."""
+        assert to in self.status.next, f"{self.request_id}: {self.status.value} -> {to.value}"
+        assert (to is TrackedStatus.SUSPENDED) == (suspended is not None), (to, suspended)
+        self.status, self.suspended = to, suspended
 
     @property
     def num_preemptions(self) -> int:

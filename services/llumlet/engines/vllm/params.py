@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shared.engine_model.views import EngineError
-from shared.messages import FinishReason, GenerateRequest
+from shared.messages import FinishReason, GenerateRequest, Refusal
 
 if TYPE_CHECKING:
     import vllm
@@ -47,7 +47,7 @@ def check_request(request: GenerateRequest, *, max_model_len: int, vocab_size: i
     if len(prompt) + max_tokens > max_model_len:
         raise EngineError(
             f"request {request.request_id}: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) "
-            f"exceeds max_model_len {max_model_len}"
+            f"exceeds max_model_len {max_model_len}", Refusal.TOO_LONG
         )
 
 

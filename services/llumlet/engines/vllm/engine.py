@@ -7,9 +7,10 @@ adapter has two halves:
 - `VllmEngine` (this module) is what the llumlet calls on the event loop. `add_request` and
   `abort_request` validate and queue a command; `request_views()` and the block counts read the
   last snapshot. None of them touches vLLM.
-- `VllmDriver` (`vllm_driver.py`) runs on the engine thread, a single-thread executor: it applies
+- `VllmDriver` (`driver.py`) runs on the engine thread, a single-thread executor: it applies
   queued commands (before each step, and right away when no step is running), steps vLLM, and
   leaves outputs and a fresh snapshot behind.
+- `VllmMigration` (`migration.py`), its migration verbs, uses both through `VllmEngineParts`.
 
 In-process mode (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) keeps vLLM's engine core in this process:
 no child process is spawned, and the scheduler's state is directly readable. vLLM keeps some
@@ -20,54 +21,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from shared.engine_model.views import EngineError, RequestPhase, RequestView, StepOutput
-from services.llumlet.engines.vllm_driver import VllmDriver, blocks_for
-from services.llumlet.engines.vllm_params import check_request, to_vllm_sampling_params
-from services.llumlet.engines.vllm_state import AbortCommand, AddCommand, SharedState, Tracked
-from services.llumlet.migration.vllm_ops import VllmMigrationMixin
-from shared.messages import GenerateRequest
+from services.llumlet.engines.vllm.config import VllmEngineConfig
+from services.llumlet.engines.vllm.driver import VllmDriver, blocks_for
+from services.llumlet.engines.vllm.params import check_request, to_vllm_sampling_params
+from services.llumlet.engines.vllm.migration import VllmMigration
+from services.llumlet.engines.vllm.state import AbortCommand, AddCommand, SharedState, Tracked, TrackedStatus
+from shared.messages import GenerateRequest, Refusal
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class VllmEngineConfig:
-    model_dir: str
-    model_name: str | None = None  # default: the model directory's name
-    dtype: str | None = None  # None: float32 on CPU, vLLM's choice ("auto") elsewhere
-    max_model_len: int = 2048
-    # KV cache size; None leaves it to vLLM (VLLM_CPU_KVCACHE_SPACE, or the GPU memory fraction).
-    kv_cache_space_gib: float | None = 1.0
-    block_size: int | None = None  # None: vLLM's default (128 on CPU, 16 on a GPU)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # None: vLLM's default
-    enforce_eager: bool = True
-    seed: int = 0
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"  # or "priority": lower value first, as Corral's priorities
-    # Torch (OpenMP) threads for the model on a CPU host. vLLM's own server runs its worker with
-    # OMP_NUM_THREADS=1; in process, vLLM's later "reduce to 1 thread" call is a no-op, and a
-    # second busy OpenMP thread took a whole core from the llumlet (0.4x vLLM's throughput).
-    cpu_threads: int = 1
-    # Corral's KV connector (`vllm_connector.py`): what live migration needs inside vLLM.
-    kv_connector: bool = True
-
-    def __post_init__(self) -> None:
-        if self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.cpu_threads < 1:
-            raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
-        if self.kv_cache_space_gib is not None and self.kv_cache_space_gib <= 0:
-            raise ValueError(f"kv_cache_space_gib must be positive, got {self.kv_cache_space_gib}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+T = TypeVar("T")
 
 
-class VllmEngine(VllmMigrationMixin):
+class VllmEngine:
     kind = "vllm"
 
     def __init__(self, config: VllmEngineConfig) -> None:
@@ -79,7 +51,7 @@ class VllmEngine(VllmMigrationMixin):
         self._shared = SharedState()
         self._executor: ThreadPoolExecutor | None = None
         self._driver: VllmDriver | None = None  # used on the engine thread only
-        self._init_migration()
+        self._migration = VllmMigration(self)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -120,14 +92,14 @@ class VllmEngine(VllmMigrationMixin):
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request: GenerateRequest) -> None:
-        driver = self._running_driver()
+        driver = self.running_driver()
         check_request(request, max_model_len=self.max_model_len, vocab_size=driver.vocab_size)
         params = to_vllm_sampling_params(request)
         tracked = Tracked(request.request_id, request.priority, len(request.prompt_token_ids), request=request)
         shared = self._shared
         with shared.lock:
             if request.request_id in shared.requests:
-                raise EngineError(f"request {request.request_id} is already on this engine")
+                raise EngineError(f"request {request.request_id} is already on this engine", Refusal.DUPLICATE)
             shared.requests[request.request_id] = tracked
             shared.commands.append(AddCommand(tracked, list(request.prompt_token_ids), params))
         self._apply_soon()
@@ -143,6 +115,7 @@ class VllmEngine(VllmMigrationMixin):
             # must go back to vLLM's pool, on the engine thread: add it, then abort it).
             if queued is not None and queued.load is None:
                 shared.commands.remove(queued)
+                tracked.move(TrackedStatus.GONE)
                 return True
             shared.commands.append(AbortCommand(tracked))
         self._apply_soon()
@@ -152,17 +125,19 @@ class VllmEngine(VllmMigrationMixin):
         shared = self._shared
         with shared.lock:
             # A request suspended for migration does not step.
-            active = any(t.suspended is None for t in shared.requests.values())
+            active = any(t.status is not TrackedStatus.SUSPENDED for t in shared.requests.values())
             return active or bool(shared.commands or shared.outbox)
 
     # ------------------------------------------------------------------ engine-thread calls
 
-    def call_on_engine_thread(self, fn, *args):
-        """Run `fn(driver, *args)` on the engine thread and wait for it: at most one step in
-        progress (a few ms with the tiny model) blocks the caller. For migration verbs whose
-        protocol is synchronous (suspend, reserve)."""
-        driver = self._running_driver()
-        return self._executor.submit(fn, driver, *args).result()
+    def on_engine_thread(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Submit `fn(driver, *args)` to the engine thread (after the step in progress: a few ms
+        with the tiny model); await the future on the event loop, which keeps serving meanwhile."""
+        driver = self.running_driver()
+        return asyncio.wrap_future(self._executor.submit(fn, driver, *args))
+
+    def migration_ops(self) -> VllmMigration:
+        return self._migration
 
     @property
     def shared(self) -> SharedState:
@@ -173,13 +148,13 @@ class VllmEngine(VllmMigrationMixin):
         shared = self._shared
         with shared.lock:
             if tracked.request_id in shared.requests:
-                raise EngineError(f"request {tracked.request_id} is already on this engine")
+                raise EngineError(f"request {tracked.request_id} is already on this engine", Refusal.DUPLICATE)
             shared.requests[tracked.request_id] = tracked
             shared.commands.append(command)
         self._apply_soon()
 
     async def step(self) -> list[StepOutput]:
-        driver = self._running_driver()
+        driver = self.running_driver()
         # Outputs land in the outbox on the engine thread: if this await is cancelled, the next
         # step() still returns them, so no token is lost.
         await asyncio.wrap_future(self._executor.submit(driver.step))
@@ -219,9 +194,9 @@ class VllmEngine(VllmMigrationMixin):
 
     # ------------------------------------------------------------------ engine thread
 
-    def _running_driver(self) -> VllmDriver:
+    def running_driver(self) -> VllmDriver:
         if self._driver is None:
-            raise EngineError("the vLLM engine is not running")
+            raise EngineError("the vLLM engine is not running", Refusal.ENGINE_FAILED)
         return self._driver
 
     def _apply_soon(self) -> None:

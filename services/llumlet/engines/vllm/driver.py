@@ -11,12 +11,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import msgspec
 
 from shared.engine_model.views import RequestPhase, RequestView, StepOutput
-from services.llumlet.engines.vllm_params import finish_reason_of
-from services.llumlet.engines.vllm_probe import SchedulerProbe
-from services.llumlet.engines.vllm_state import (
+from services.llumlet.engines.vllm.config import VllmEngineConfig
+from services.llumlet.engines.vllm.params import finish_reason_of, to_vllm_sampling_params
+from services.llumlet.engines.vllm.probe import SchedulerProbe
+from services.llumlet.engines.vllm.state import (
     AbortCommand,
     AddCommand,
     MigrationView,
@@ -24,11 +27,9 @@ from services.llumlet.engines.vllm_state import (
     Snapshot,
     Suspended,
     Tracked,
+    TrackedStatus,
 )
 from shared.messages import FinishReason
-
-if TYPE_CHECKING:
-    from services.llumlet.engines.vllm_engine import VllmEngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +45,6 @@ def continuation(tracked: Tracked, request: Any, output_token_ids: list[int], lo
     failed migration): vLLM gets them as prompt, and a budget reduced by as many tokens.
     (Exact for greedy sampling; a seeded sampler or a repetition penalty sees a different
     history split.)"""
-    import msgspec
-
-    from services.llumlet.engines.vllm_params import to_vllm_sampling_params
-
     sampling, done = request.sampling, len(output_token_ids)
     rest = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - done,
                                    min_tokens=max(0, sampling.min_tokens - done))
@@ -81,7 +78,7 @@ def engine_kwargs(config: VllmEngineConfig, served_model_name: str) -> dict[str,
     if config.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
     if config.kv_connector:
-        from services.llumlet.engines.vllm_connector import kv_transfer_config
+        from services.llumlet.engines.vllm.connector import kv_transfer_config
 
         kwargs["kv_transfer_config"] = kv_transfer_config()
     return kwargs
@@ -100,7 +97,7 @@ class VllmDriver:
         self._leases: dict[str, list[Any]] = {}  # lease id → vLLM blocks taken from the pool
         self._adopted: dict[str, str] = {}  # internal id → lease holding its migrated KV
         self._adopted_at: dict[str, tuple[float, float]] = {}  # internal id → (committed, added to vLLM)
-        from services.llumlet.engines.vllm_connector import MIGRATION_STATE
+        from services.llumlet.engines.vllm.connector import MIGRATION_STATE
 
         self.kv_state = MIGRATION_STATE
 
@@ -170,6 +167,7 @@ class VllmDriver:
             return
         tracked.internal_id = internal_id
         tracked.vllm_request = self.probe.request(internal_id)
+        self._move(tracked, TrackedStatus.IN_VLLM)
         self._by_internal_id[internal_id] = tracked
         self._by_request_id[tracked.request_id] = tracked
         if command.load is not None:
@@ -177,14 +175,15 @@ class VllmDriver:
 
     def _abort(self, command: AbortCommand) -> None:
         tracked = command.tracked
-        if tracked.suspended is not None:  # aborted in vLLM already: hand its held blocks back
+        if tracked.status is TrackedStatus.SUSPENDED:  # aborted in vLLM already: hand its held blocks back
             self._free_held(tracked)
             return
-        if tracked.internal_id is None or self._by_internal_id.get(tracked.internal_id) is not tracked:
+        if tracked.status is not TrackedStatus.IN_VLLM:
             return  # refused when added, or finished / migrated away since the abort was queued
         self.llm_engine.abort_request([tracked.internal_id], internal=True)
         self._release_adopted(tracked)
         self._forget(tracked)
+        self._move(tracked, TrackedStatus.GONE)
 
     def _fail(self, tracked: Tracked) -> None:
         output = StepOutput(
@@ -195,13 +194,19 @@ class VllmDriver:
             num_prompt_tokens=tracked.num_prompt_tokens,
         )
         with self.shared.lock:
+            tracked.move(TrackedStatus.GONE)
             if self.shared.is_live(tracked):
                 del self.shared.requests[tracked.request_id]
                 self.shared.outbox.append(output)
 
     def _forget(self, tracked: Tracked) -> None:
+        """Out of vLLM (finished, aborted or suspended): no longer in our vLLM indexes."""
         del self._by_internal_id[tracked.internal_id]
         del self._by_request_id[tracked.request_id]
+
+    def _move(self, tracked: Tracked, to: TrackedStatus, suspended: Suspended | None = None) -> None:
+        with self.shared.lock:  # (the event loop reads status)
+            tracked.move(to, suspended)
 
     # ------------------------------------------------------------------ migration (engine thread)
 
@@ -224,7 +229,7 @@ class VllmDriver:
         self.llm_engine.abort_request([internal_id], internal=True)
         assert internal_id in self.probe.scheduler.requests, "the connector did not hold the blocks"
         self._forget(tracked)
-        tracked.suspended = suspended
+        self._move(tracked, TrackedStatus.SUSPENDED, suspended)
         self._suspended[request_id] = tracked
         self.take_snapshot()
         return True
@@ -237,7 +242,7 @@ class VllmDriver:
             return False
         suspended = tracked.suspended
         request = tracked.request
-        tracked.suspended = None
+        self._move(tracked, TrackedStatus.QUEUED)
         del self._suspended[request_id]
         command = continuation(tracked, request, list(suspended.output_token_ids))
         tracked.prior_output_token_ids = list(suspended.output_token_ids)
@@ -279,7 +284,7 @@ class VllmDriver:
         return len(blocks)
 
     def _adopt_lease(self, internal_id: str, load: Any) -> None:
-        from services.llumlet.engines.vllm_connector import LoadPlan
+        from services.llumlet.engines.vllm.connector import LoadPlan
 
         blocks = self._leases.get(load.lease_id, [])
         self.kv_state.loads[internal_id] = LoadPlan([b.block_id for b in blocks], load.num_tokens)
@@ -316,7 +321,7 @@ class VllmDriver:
 
     def _free_held(self, tracked: Tracked) -> None:
         suspended = tracked.suspended
-        tracked.suspended = None
+        self._move(tracked, TrackedStatus.GONE)
         self._suspended.pop(tracked.request_id, None)
         self._release_held(suspended.internal_id)
 
@@ -356,6 +361,8 @@ class VllmDriver:
         for tracked in finished:
             self._forget(tracked)
         with self.shared.lock:
+            for tracked in finished:
+                tracked.move(TrackedStatus.GONE)
             # A request aborted while this step ran has its abort queued: drop its outputs.
             self.shared.outbox.extend(output for tracked, output in produced if self.shared.is_live(tracked))
             for tracked in finished:

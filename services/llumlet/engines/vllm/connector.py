@@ -2,7 +2,7 @@
 
 vLLM builds two instances of the class in one engine, a scheduler half and a worker half; with
 the engine core in process (one engine per OS process) both share `MIGRATION_STATE`, which the
-engine thread (`vllm_driver.py`) fills and drains. Everything here runs on that one thread.
+engine thread (`driver.py`) fills and drains. Everything here runs on that one thread.
 
 - Source, last stage: the driver aborts a request whose id is in `held`; `request_finished`
   then keeps its blocks, so they can be copied after the request left the batch. vLLM would free

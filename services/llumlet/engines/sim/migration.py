@@ -1,0 +1,152 @@
+"""The simulated engine's migration verbs, as `MigratableEngine` (`migration/ops.py`).
+
+Composed over the engine: `SimMigration` reaches it only through `SimEngineParts`, so what it
+depends on is declared here. The verbs change the local scheduler at once (no engine thread to
+wait for), but are coroutines like every engine's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+from services.llumlet.migration.ops import IntakeLoad, KVRegion, LivePhase, MigrationSnapshot
+from shared.engine_model.kv_pool import KVPool
+from shared.engine_model.request import RequestStatus, SimRequest
+from shared.engine_model.scheduler import SimScheduler
+from shared.engine_model.views import EngineError
+from shared.messages import GenerateRequest, MigrationCommit
+from shared.policy.migration import MigrationCandidate
+
+_PHASES = {
+    RequestStatus.WAITING: LivePhase.QUEUED,
+    RequestStatus.PREEMPTED: LivePhase.QUEUED,
+    RequestStatus.RUNNING: LivePhase.RUNNING,
+    RequestStatus.SUSPENDED: LivePhase.SUSPENDED,
+}
+
+
+class SimEngineParts(Protocol):
+    """What the migration verbs use of the simulated engine."""
+
+    block_size: int
+    num_blocks_total: int
+    scheduler: SimScheduler
+    kv_pool: KVPool | None
+
+    def num_free_blocks(self) -> int: ...
+
+    def now(self) -> float: ...
+
+    def input_of(self, request_id: str) -> GenerateRequest:
+        """A live request as it came in."""
+
+    def to_sim(self, request: GenerateRequest) -> SimRequest: ...
+
+    def admit(self, request: GenerateRequest, sim: SimRequest, migrated_lease: str | None = None) -> None: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+
+class SimMigration:
+    """`MigratableEngine` for the simulated engine: one per engine (`SimEngine.migration_ops`)."""
+
+    def __init__(self, engine: SimEngineParts) -> None:
+        self.engine = engine
+        self.block_size = engine.block_size
+        pool = engine.kv_pool
+        self._regions = () if pool is None else (KVRegion(pool.data, 0),)
+        self._migrated_in_at: dict[str, float] = {}  # request id → when it was committed here
+
+    @property
+    def _scheduler(self) -> SimScheduler:
+        return self.engine.scheduler
+
+    # -- both sides ----------------------------------------------------------------------------
+
+    def kv_regions(self) -> Sequence[KVRegion]:
+        return self._regions
+
+    def num_reserved_blocks(self) -> int:
+        return self._scheduler.block_manager.num_reserved
+
+    # -- source --------------------------------------------------------------------------------
+
+    def migration_candidates(self) -> list[MigrationCandidate]:
+        return [
+            MigrationCandidate(r.request_id, r.priority, r.num_tokens)
+            for r in self._scheduler.running
+            if r.status is RequestStatus.RUNNING and r.num_output_tokens > 0
+        ]
+
+    def migration_snapshot(self, request_id: str) -> MigrationSnapshot | None:
+        request = self._live(request_id)
+        if request is None:
+            return None
+        blocks = self._scheduler.block_manager.num_blocks_of(request_id)
+        return MigrationSnapshot(_PHASES[request.status], request.num_computed_tokens, request.num_preemptions, blocks)
+
+    def block_ids_of(self, request_id: str) -> list[int]:
+        return self._scheduler.block_ids_of(request_id)
+
+    def residence_s(self, request_id: str) -> float | None:
+        """Since it arrived (its arrival time: the engine's clock, wall time in a llumlet, or the
+        gateway's) or migrated in here; None if it is not here."""
+        request = self._live(request_id)
+        if request is None:
+            return None
+        since = max(request.arrival_time, self._migrated_in_at.get(request_id, 0.0))
+        return time.time() - since
+
+    async def suspend(self, request_id: str) -> bool:
+        return self._scheduler.suspend(request_id)
+
+    async def resume(self, request_id: str) -> bool:
+        return self._scheduler.resume(request_id)
+
+    def migration_commit(self, request_id: str, migration_id: str) -> MigrationCommit:
+        request = self._scheduler.get(request_id)
+        if request is None or request.status is not RequestStatus.SUSPENDED:
+            raise EngineError(f"request {request_id} is not suspended for migration")
+        return MigrationCommit(
+            migration_id=migration_id,
+            request=self.engine.input_of(request_id),
+            output_token_ids=list(request.output_token_ids),
+            num_computed_tokens=request.num_computed_tokens,
+            num_preemptions=request.num_preemptions,
+        )
+
+    async def release_migrated(self, request_id: str) -> bool:
+        released = self._scheduler.release_migrated(request_id, self.engine.now())
+        if released:
+            self.engine.forget(request_id)
+        return released
+
+    # -- destination ---------------------------------------------------------------------------
+
+    def intake_load(self) -> IntakeLoad:
+        return IntakeLoad(self.engine.num_free_blocks(), self.engine.num_blocks_total, len(self._scheduler.waiting))
+
+    async def reserve_blocks(self, lease_id: str, num_blocks: int) -> list[int] | None:
+        return self._scheduler.reserve(lease_id, num_blocks)
+
+    def release_reservation(self, lease_id: str) -> int:
+        return self._scheduler.release(lease_id)
+
+    def add_migrated(self, commit: MigrationCommit, lease_id: str) -> None:
+        """The request resumes here on the lease's blocks, its output continuing from the next
+        token index."""
+        request = self.engine.to_sim(commit.request)
+        request.output_token_ids = list(commit.output_token_ids)
+        request.num_output_tokens = len(commit.output_token_ids)
+        request.num_computed_tokens = commit.num_computed_tokens
+        request.num_preemptions = commit.num_preemptions
+        self.engine.admit(commit.request, request, migrated_lease=lease_id)
+        # (forget the requests that left since: the table holds only live ones)
+        self._migrated_in_at = {rid: t for rid, t in self._migrated_in_at.items() if self._live(rid)}
+        self._migrated_in_at[commit.request.request_id] = time.time()
+
+    def _live(self, request_id: str) -> SimRequest | None:
+        request = self._scheduler.get(request_id)
+        return None if request is None or request.is_finished else request
