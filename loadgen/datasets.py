@@ -11,6 +11,8 @@ SPEC syntax (also in `loadgen run --help`):
   synthetic:IN-OUT     Table 1 length distributions, IN and OUT among S, M, L, sharegpt, burstgpt
                        (`synthetic:S-L`; a single name means the same for both: `synthetic:sharegpt`)
   random:IN:OUT        fixed lengths: every prompt IN tokens, every output OUT tokens
+  conversation:long    seeded long-prompt multi-turn chat: each turn re-sends the conversation
+                       so far (prompts grow past 8k), session arrival times (loadgen/conversation.py)
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from loadgen.conversation import PROFILES, generate_conversations
 from loadgen.errors import LoadgenError
 from loadgen.lengths import DISTRIBUTION_NAMES, distribution
 from loadgen.records import RequestSpec
@@ -36,7 +39,7 @@ DEFAULT_GENERATED_REQUESTS = 1000  # synthetic/random when no count is given (vl
 _CHARS_PER_TOKEN_ESTIMATE = 4  # ShareGPT text without a tokenizer: a rough count for simulation
 
 FILE_KINDS = ("sharegpt", "burstgpt", "mooncake", "azure")
-GENERATED_KINDS = ("synthetic", "random")
+GENERATED_KINDS = ("synthetic", "random", "conversation")
 SPEC_HELP = __doc__.split("SPEC syntax (also in `loadgen run --help`):\n", 1)[1]
 
 
@@ -44,14 +47,14 @@ SPEC_HELP = __doc__.split("SPEC syntax (also in `loadgen run --help`):\n", 1)[1]
 class DatasetSpec:
     kind: str
     path: Path | None = None
-    input_dist: str | None = None  # synthetic
+    input_dist: str | None = None  # synthetic (conversation: the profile)
     output_dist: str | None = None
     fixed_input: int | None = None  # random
     fixed_output: int | None = None
 
     @property
     def has_timestamps(self) -> bool:
-        return self.kind in ("burstgpt", "mooncake", "azure")
+        return self.kind in ("burstgpt", "mooncake", "azure", "conversation")
 
 
 def parse_dataset_spec(text: str) -> DatasetSpec:
@@ -65,6 +68,10 @@ def parse_dataset_spec(text: str) -> DatasetSpec:
         return _parse_synthetic(text, rest)
     if kind == "random":
         return _parse_random(text, rest)
+    if kind == "conversation":
+        if rest.strip().lower() not in PROFILES:
+            raise LoadgenError(f"bad conversation spec {text!r}: profiles: {', '.join(PROFILES)}")
+        return DatasetSpec("conversation", input_dist=rest.strip().lower())
     raise LoadgenError(f"unknown dataset kind {kind!r} in {text!r}; kinds: {_kinds()}")
 
 
@@ -126,6 +133,8 @@ def load_dataset(
 
 
 def _generate(spec: DatasetSpec, n: int, seed: int) -> list[RequestSpec]:
+    if spec.kind == "conversation":
+        return generate_conversations(PROFILES[spec.input_dist], n, seed)
     if spec.kind == "random":
         assert spec.fixed_input and spec.fixed_output
         return [RequestSpec(spec.fixed_input, spec.fixed_output) for _ in range(n)]

@@ -146,6 +146,9 @@ class LoadReport(Struct):
     by_priority: list[PriorityLoad] = []
     num_migrating: int = 0
     reserved_blocks: int = 0
+    # Blocks that admitted prompts still have to claim: admission checked their whole sequence
+    # fits, chunked prefill allocates it chunk by chunk. Spoken for, though still free.
+    committed_blocks: int = 0
     draining: bool = False
     kv_address: str = ""
     max_model_len: int = 0

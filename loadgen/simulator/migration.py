@@ -22,7 +22,10 @@ from shared.engine_model.scheduler import SimScheduler
 from shared.policy.freeness import QueueDemand, freeness
 from shared.policy.migration import (
     MigrationCandidate,
+    MigrationGuard,
+    is_migratable,
     may_migrate_into,
+    may_move,
     next_stage,
     pair_migrations,
     select_request_to_migrate,
@@ -85,25 +88,35 @@ class MigrationStats:
 
 
 def is_decoding(request: SimRequest) -> bool:
-    """Running, past its prefill, and not recovering from a preemption: it has KV to move and
-    nothing half-computed."""
-    return (
-        request.status is RequestStatus.RUNNING
-        and request.num_output_tokens >= 1
-        and request.num_computed_tokens == request.num_tokens - 1
-        and request.preempted_at is None
+    """Running and migratable by the shared rule (`is_migratable`: decoding, never in prefill,
+    not recovering from a preemption): it has KV to move and nothing half-computed."""
+    return request.status is RequestStatus.RUNNING and is_migratable(
+        num_output_tokens=request.num_output_tokens,
+        num_computed_tokens=request.num_computed_tokens,
+        num_tokens=request.num_tokens,
+        recovering=request.preempted_at is not None,
     )
 
 
 def migration_candidates(
-    scheduler: SimScheduler, placed_at: dict[str, float], now: float, min_residence_s: float
+    scheduler: SimScheduler, placed_at: dict[str, float], now: float, guard: MigrationGuard | None,
+    dst: str = "", left_at: dict[str, dict[str, float]] | None = None,
 ) -> list[MigrationCandidate]:
-    """Decoding requests that have stayed at least `min_residence_s` on this instance."""
-    return [
-        MigrationCandidate(r.request_id, r.priority, r.num_tokens)
-        for r in scheduler.running
-        if is_decoding(r) and now - placed_at[r.request_id] >= min_residence_s
-    ]
+    """Decoding requests that may move to `dst` by the live source's per-request limits
+    (`may_move`: residence here, no early return to an instance they left; no limits without a
+    guard). `left_at`: request id -> instance -> when the request last left it."""
+    left_at = left_at or {}
+    candidates = []
+    for r in scheduler.running:
+        if not is_decoding(r):
+            continue
+        if guard is not None:
+            left = left_at.get(r.request_id, {}).get(dst)
+            if not may_move(residence_s=now - placed_at[r.request_id],
+                            left_destination_s_ago=None if left is None else now - left, guard=guard):
+                continue
+        candidates.append(MigrationCandidate(r.request_id, r.priority, r.num_tokens))
+    return candidates
 
 
 def clone_for_destination(request: SimRequest) -> SimRequest:
@@ -136,6 +149,7 @@ class Migrator:
         self.pairs: dict[str, str] = {}  # source -> destination, as of the last round
         self.active: dict[str, Migration] = {}  # migration id -> migration
         self.stats = MigrationStats()
+        self.left_at: dict[str, dict[str, float]] = {}  # request id -> instance -> when it left it
         self._ids = 0
 
     @property
@@ -174,9 +188,9 @@ class Migrator:
         if src.migrations_out >= limit or dst.migrations_in >= limit or not dst.serving:
             return False
         sim = self.sim
-        residence = self.guard.min_residence_s if self.guard else 0.0
         busy = {m.request_id for m in self.active.values()}
-        candidates = migration_candidates(src.scheduler, sim.placed_at, sim.now, residence)
+        candidates = migration_candidates(src.scheduler, sim.placed_at, sim.now, self.guard, dst.instance_id,
+                                          self.left_at)
         candidates = [c for c in candidates if c.request_id not in busy]
         chosen = select_request_to_migrate(candidates)
         if chosen is None:
@@ -186,7 +200,8 @@ class Migrator:
             report = sim.report_of(dst)
             if not may_migrate_into(num_blocks=blocks, num_blocks_free=report.num_blocks_free,
                                     num_blocks_total=report.num_blocks_total, num_waiting=report.num_waiting,
-                                    guard=self.guard, draining=report.draining):
+                                    guard=self.guard, draining=report.draining,
+                                    num_blocks_committed=report.committed_blocks):
                 return False
         self._ids += 1
         migration = Migration(f"m{self._ids}", chosen.request_id, src, dst, started_at=sim.now)
@@ -269,6 +284,7 @@ class Migrator:
         released = src.scheduler.release_migrated(migration.request_id, sim.now)
         assert released, migration
         sim.placed_at[migration.request_id] = sim.now
+        self.left_at.setdefault(migration.request_id, {})[src.instance_id] = sim.now
         migration.status = MigrationStatus.COMMITTED
         self.stats.committed += 1
         self.stats.downtime_s.append(sim.now - migration.suspended_at)

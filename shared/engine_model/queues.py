@@ -125,11 +125,18 @@ def create_request_queue(policy: str) -> RequestQueue:
 def select_victim(policy: str, running: Sequence[SimRequest]) -> SimRequest:
     """The running request to preempt: the least important one under the queue's order.
 
-    FCFS takes the last in running order (vLLM: `running.pop()`); the heap policies take the
-    maximum of their key, as vLLM's priority scheduler does.
+    FCFS takes the last in running order (vLLM: `running.pop()`). Priority takes, among the
+    least important level, the last in running order too: with one level it preempts exactly
+    what FCFS does. (vLLM's priority scheduler breaks the tie by arrival time instead; here that
+    made Corral at 0 % high priority preempt other requests than Llumnix-base with the same
+    requests: a migrated-in request joins the batch last but keeps its older arrival time, so
+    the newest local arrival, often a long prompt mid-prefill, was preempted in its place.)
+    SJF takes the maximum of its key.
     """
     assert running, "no running request to preempt"
     if policy == "fcfs":
         return running[-1]
-    key = priority_key if policy == "priority" else sjf_key
-    return max(running, key=key)
+    if policy == "priority":
+        least = max(r.priority for r in running)
+        return next(r for r in reversed(running) if r.priority == least)
+    return max(running, key=sjf_key)

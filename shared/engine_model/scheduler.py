@@ -44,6 +44,9 @@ class SimScheduler:
         self.num_preemptions_total = 0
         self.counts = RequestCounts(config.block_size)
         self._priority_preemption = config.queue_policy == "priority" and config.preempt_for_priority
+        # Running requests admitted on their whole sequence but allocated chunk by chunk (v1
+        # chunked prefill); entries that finished prefilling or left are dropped when counted.
+        self._prefilling: dict[str, SimRequest] = {}
 
     # -- intake --------------------------------------------------------------------------------
 
@@ -175,7 +178,29 @@ class SimScheduler:
         return self.block_manager.blocks_of(request_id)
 
     def reserve(self, lease_id: str, num_blocks: int) -> list[int] | None:
+        """Blocks for an incoming migration; None when taking them would leave fewer free blocks
+        than admitted prompts still have to claim (the lease would preempt them)."""
+        if num_blocks > self.block_manager.num_free - self.committed_blocks():
+            return None
         return self.block_manager.reserve(lease_id, num_blocks)
+
+    def committed_blocks(self) -> int:
+        """Free blocks already spoken for: what prompts admitted here still have to allocate.
+        Admission checked that each one's whole sequence fits (`reserve_full_sequence`), chunked
+        prefill takes it chunk by chunk; until the last chunk the rest looks free, and neither
+        another admission nor a migration lease may take it (the next chunk would preempt)."""
+        prefilling = self._prefilling
+        if not prefilling:
+            return 0
+        owed = 0
+        num_blocks_of, block_size = self.block_manager.num_blocks_of, self.block_size
+        for request_id, request in list(prefilling.items()):
+            missing = blocks_for_tokens(request.num_tokens, block_size) - num_blocks_of(request_id)
+            if request.status is not _RUNNING or missing <= 0:
+                del prefilling[request_id]  # (a preempted one is registered again when readmitted)
+            else:
+                owed += missing
+        return owed
 
     def release(self, lease_id: str) -> int:
         return self.block_manager.release(lease_id)
@@ -294,11 +319,13 @@ class SimScheduler:
             num_blocks = blocks_for_tokens(num_new, self.block_size)
             gate = self._admission_blocks(request) if config.reserve_full_sequence else num_blocks
             watermark = config.watermark_blocks if running else 0  # (as vLLM: only next to others)
-            if gate + watermark > bm.num_free:
+            if gate + watermark > bm.num_free - self.committed_blocks():
                 break
             waiting.pop()
             self.counts.count_waiting(request, -1)
             bm.allocate(request.request_id, num_blocks, group=request.priority)
+            if config.reserve_full_sequence and num_new < request.num_tokens:
+                self._prefilling[request.request_id] = request
             request.start_running(now)
             running.append(request)
             out.record(request, num_new, 0)
@@ -329,7 +356,7 @@ class SimScheduler:
 
         def admissible() -> bool:
             watermark = config.watermark_blocks if running else 0
-            return need + watermark <= bm.num_free and len(running) < config.max_num_seqs
+            return need + watermark <= bm.num_free - self.committed_blocks() and len(running) < config.max_num_seqs
 
         if admissible():
             return

@@ -55,8 +55,9 @@ def total_virtual_usage(load: LoadReport, headroom_blocks: Mapping[int, int], qu
     running = sum(p.running_blocks for p in load.by_priority)
     headroom = sum(headroom_blocks.get(p.priority, 0) for p in load.by_priority if p.num_running > 0)
     queued = load.head_demand_blocks if queue is QueueDemand.HEAD else load.waiting_demand_blocks
-    # Blocks reserved for incoming migrations are spoken for, like running requests' blocks.
-    return running + headroom + queued + load.reserved_blocks
+    # Blocks reserved for incoming migrations, and those admitted prompts still have to claim
+    # chunk by chunk, are spoken for, like running requests' blocks.
+    return running + headroom + queued + load.reserved_blocks + load.committed_blocks
 
 
 def freeness(load: LoadReport, headroom_blocks: Mapping[int, int], queue: QueueDemand = QueueDemand.HEAD) -> float:

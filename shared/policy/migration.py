@@ -32,10 +32,13 @@ class MigrationGuard:
     # After taking the request, the destination must keep at least this fraction of its blocks
     # free: it must not become the next source.
     dest_min_free_fraction_after: float = 0.1
+    # A request does not move back to an instance it left less than this long ago (the
+    # residence guard alone lets it bounce between two instances once a second).
+    min_return_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.dest_max_waiting < 0 or self.min_residence_s < 0 or self.min_freeness_gap < 0:
-            raise ValueError("dest_max_waiting, min_residence_s and min_freeness_gap must be >= 0")
+        if min(self.dest_max_waiting, self.min_residence_s, self.min_freeness_gap, self.min_return_s) < 0:
+            raise ValueError("dest_max_waiting, min_residence_s, min_freeness_gap and min_return_s must be >= 0")
         if not 0 <= self.dest_min_free_fraction_after < 1:
             raise ValueError("dest_min_free_fraction_after must be in [0, 1)")
 
@@ -80,13 +83,35 @@ def next_stage(rule: StageRule, stages_done: int, full_blocks: int, blocks_sent:
 
 def may_migrate_into(
     *, num_blocks: int, num_blocks_free: int, num_blocks_total: int, num_waiting: int, guard: MigrationGuard,
-    draining: bool = False,
+    draining: bool = False, num_blocks_committed: int = 0,
 ) -> bool:
     """Whether a destination with these numbers can take a request of `num_blocks` and keep
-    its guard margin free (no queue there, enough blocks left afterwards)."""
+    its guard margin free (no queue there, enough blocks left afterwards).
+
+    `num_blocks_committed`: free blocks that prompts admitted there still have to claim (the
+    engine checked their whole sequence fits, and allocates it chunk by chunk). They are not
+    free to take: a migration that took them would preempt the prompt at its next chunk."""
     if draining or num_waiting > guard.dest_max_waiting:
         return False
-    return num_blocks_free - num_blocks >= guard.dest_min_free_fraction_after * num_blocks_total
+    free_after = num_blocks_free - num_blocks_committed - num_blocks
+    return free_after >= guard.dest_min_free_fraction_after * num_blocks_total
+
+
+def is_migratable(*, num_output_tokens: int, num_computed_tokens: int, num_tokens: int, recovering: bool) -> bool:
+    """A request may be picked to migrate only while it decodes: it has sampled a token, its KV
+    covers everything but the last token, and it is not recomputing after a preemption. A
+    request in (chunked) prefill is never a candidate: its blocks are not all there yet, and
+    moving it would carry its unallocated claim onto an instance that never admitted it."""
+    return num_output_tokens >= 1 and num_computed_tokens == num_tokens - 1 and not recovering
+
+
+def may_move(*, residence_s: float, left_destination_s_ago: float | None, guard: MigrationGuard) -> bool:
+    """The per-request limits, shared by the live source and the simulator: it has stayed at
+    least `min_residence_s` where it is (since it arrived or migrated in), and it did not leave
+    the destination less than `min_return_s` ago (None: it was never there)."""
+    if residence_s < guard.min_residence_s:
+        return False
+    return left_destination_s_ago is None or left_destination_s_ago >= guard.min_return_s
 
 
 @dataclass(frozen=True)
