@@ -9,6 +9,9 @@ import pytest
 
 from loadgen.errors import LoadgenError
 from loadgen.simulator import cli
+from loadgen.simulator.cluster import ClusterSimulator
+from loadgen.simulator.workload import WorkloadSpec, build_workload
+from shared.policy.baselines import get_policy
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -60,6 +63,7 @@ def test_autoscale_options_reach_the_simulation(capsys):
         (["--rate", "1", "--migrate-out-freeness", "20"], "must be below --migrate-in-freeness"),
         (["--rate", "1", "--migration-bandwidth-gbps", "0"], "positive number of GB/s"),
         (["--rate", "1", "--trace-timestamps"], "has no timestamps"),
+        (["--rate", "1", "--max-num-batched-tokens", "0"], "max_num_batched_tokens must be positive"),
     ],
 )
 def test_bad_input_is_one_clear_error(argv, message):
@@ -72,3 +76,39 @@ def test_missing_dataset_file_is_a_clear_error(tmp_path):
     args = parse("--dataset", f"burstgpt:{tmp_path / 'absent.csv'}", "--rate", "1", "--quiet")
     with pytest.raises(LoadgenError, match="no such file"):
         cli.run(args)
+
+
+def test_the_step_token_budget_is_a_flag_and_cut_prompts_are_counted_in_a_warning(capsys):
+    args = parse("--dataset", "random:400:20", "--num-requests", "40", "--rate", "2", "--instances", "2",
+                 "--max-model-len", "300", "--max-num-batched-tokens", "128", "--policy", "infaas++", "--quiet")
+    config = cli.build_config(args)
+    assert config.scheduler.max_num_batched_tokens == 128 and config.scheduler.max_model_len == 300
+    assert cli.SimConfig().scheduler.max_num_batched_tokens == 2048  # (the default, from SchedulerConfig)
+    workload = build_workload(WorkloadSpec("random:400:20", num_requests=40, rate=2), config.max_seq_len)
+    assert workload.num_truncated > 0
+    assert cli.run(args) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1
+    assert f"warning: {workload.num_truncated} of 40 prompts do not fit" in err and "cut to 299 tokens" in err
+    args = parse("--dataset", "random:100:20", "--num-requests", "10", "--rate", "2", "--policy", "infaas++", "--quiet")
+    assert cli.run(args) == 0 and "warning" not in capsys.readouterr().err
+
+
+def test_the_step_token_budget_shapes_the_steps():
+    def max_prefill_chunk(budget: str) -> int:
+        args = parse("--dataset", "random:1500:4", "--num-requests", "6", "--rate", "50", "--instances", "1",
+                     "--max-num-batched-tokens", budget, "--policy", "round-robin", "--quiet")
+        sim = ClusterSimulator(cli.build_config(args), get_policy("round-robin"),
+                               build_workload(WorkloadSpec("random:1500:4", num_requests=6, rate=50), 8191))
+        chunks = []
+        original = sim.instances["i000"].latency.step_time_of
+
+        def spy(step):
+            chunks.extend(tokens for tokens, _ in step.prefill_chunks)
+            return original(step)
+
+        sim.instances["i000"].latency = type("Spy", (), {"step_time_of": staticmethod(spy)})()
+        sim.run()
+        return max(chunks)
+
+    assert max_prefill_chunk("256") == 256 and max_prefill_chunk("4096") > 256
