@@ -9,6 +9,7 @@ choices are indexed in order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -71,17 +72,18 @@ class Completion:
         roles_due = {c.index for c in self.choices} if self.formatter.kind is RequestKind.CHAT else set()
         continuous = self.options.continuous_usage_stats
         try:
-            async for index, event in self._merged():
-                if event.text or event.finish_reason:
-                    chunk = sse_event(self.formatter.text_chunk(event.text, event.finish_reason,
-                                                                self.usage() if continuous else None, index))
-                    if index in roles_due:
-                        roles_due.discard(index)
-                        chunk = sse_event(self.formatter.role_chunk(index)) + chunk
-                    yield chunk
-                if event.error is not None:
-                    yield sse_error(event.error)
-                    break  # one failed choice fails the request, as one failed request would
+            async with contextlib.aclosing(self._merged()) as merged:  # a break must stop the pumps too
+                async for index, event in merged:
+                    if event.text or event.finish_reason:
+                        chunk = sse_event(self.formatter.text_chunk(event.text, event.finish_reason,
+                                                                    self.usage() if continuous else None, index))
+                        if index in roles_due:
+                            roles_due.discard(index)
+                            chunk = sse_event(self.formatter.role_chunk(index)) + chunk
+                        yield chunk
+                    if event.error is not None:
+                        yield sse_error(event.error)
+                        break  # one failed choice fails the request, as one failed request would
             error = self.error()
             if error is None and self.options.include_usage:
                 yield sse_event(self.formatter.usage_chunk(self.usage()))
@@ -120,17 +122,23 @@ class Completion:
     # ---- one JSON response -------------------------------------------------------------------
 
     async def respond(self, request: Request) -> Response:
-        async def collect(choice: Choice) -> str:
-            return "".join([event.text async for event in choice.generation.events()])
+        texts = [""] * len(self.choices)
 
-        collecting = asyncio.ensure_future(asyncio.gather(*(collect(c) for c in self.choices)))
+        async def collect() -> None:
+            async with contextlib.aclosing(self._merged()) as merged:
+                async for index, event in merged:
+                    texts[index] += event.text
+                    if event.error is not None:
+                        return  # one failed choice fails the request: the others are not waited for
+
+        collecting = asyncio.create_task(collect())
         disconnect = asyncio.create_task(_wait_for_disconnect(request))
         status = CLIENT_CLOSED
         try:
             await asyncio.wait({collecting, disconnect}, return_when=asyncio.FIRST_COMPLETED)
             if not collecting.done():
                 return Response(status_code=CLIENT_CLOSED)
-            texts = collecting.result()
+            collecting.result()
             error = self.error()
             if error is not None:
                 status = error.status

@@ -263,3 +263,23 @@ async def test_bodies_valid_by_the_schema_are_accepted(client, gateway, tokenize
         gateway.script = chunks_for(token_ids(tokenizer, "ok"))
         response = await client.post(path, json=body)
         assert response.status_code == 200, response.text
+
+
+# ---- n > 1 -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_one_failed_choice_fails_the_request_at_once_and_aborts_the_others(client, gateway, stream):
+    scripts = iter([[4.0], [TokenChunk("?", "inst-a", 0, [], error="the engine failed")], [4.0]])
+    feed = gateway._feed
+    gateway._feed = lambda request_id, script: feed(request_id, next(scripts))
+    started = time.monotonic()
+    response = await client.post(CHAT, json={"messages": HELLO, "n": 3, "stream": stream})
+    assert time.monotonic() - started < 2  # not after the slow choices
+    if stream:
+        events = sse_events(response.text)
+        assert json.loads(events[-2])["error"]["message"] == "the engine failed" and events[-1] == "[DONE]"
+    else:
+        assert response.status_code == 500 and response.json()["error"]["message"] == "the engine failed"
+    slow = {gateway.submitted[0].request_id, gateway.submitted[2].request_id}
+    assert slow <= set(gateway.aborted) and len(gateway.streams) == 0
