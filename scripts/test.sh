@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/install_prometheus.sh || true  # optional: without it the real-Prometheus tests skip
+bash scripts/install_compose.sh || true  # optional: without it the compose tests skip
 exec .venv/bin/python -m pytest -q -ra "$@"

@@ -1,0 +1,194 @@
+"""deploy/kubernetes: every overlay renders with kubectl's kustomize and validates against the
+Kubernetes schemas (kubernetes-validate bundles them: offline); the commands run are `corral`
+entry points with flags that exist; probes, drain and RBAC agree with what the code does."""
+
+from __future__ import annotations
+
+import copy
+import re
+import shutil
+
+import pytest
+import yaml
+
+from tests.deploy.manifests import (
+    KUBERNETES,
+    OVERLAYS,
+    containers,
+    find,
+    parse_corral,
+    render_overlay,
+)
+from tests.support.cluster import REPO
+
+pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
+                                reason="kubectl is not installed: the overlays cannot be rendered")
+
+CORRAL_IMAGE = re.compile(r"^corral(:|$)")
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def rendered(request) -> tuple[str, list[dict]]:
+    return request.param, render_overlay(request.param)
+
+
+def test_the_three_overlays_exist():
+    assert set(OVERLAYS) == {"cpu-sim", "cpu-vllm", "gpu"}
+
+
+def test_every_rendered_object_validates_against_the_kubernetes_schemas(rendered):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    name, docs = rendered
+    version = kubernetes_validate.latest_version()
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+    # The validator does reject what is wrong (a misspelt field), so passing means something.
+    broken = copy.deepcopy(find(docs, "Deployment", "corral-llumlet"))
+    broken["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, version, strict=True)
+
+
+def test_every_corral_container_runs_a_corral_entry_point_that_parses(rendered):
+    _, docs = rendered
+    seen = set()
+    for doc in docs:
+        if doc["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        for container in containers(doc):
+            if not CORRAL_IMAGE.match(container["image"]):
+                continue
+            assert "command" not in container, "the image's entry point is `corral`: set args only"
+            args = parse_corral(container["args"])
+            seen.add(args.command)
+            pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")
+            if pre_stop:
+                assert pre_stop[0] == "corral"
+                seen.add(parse_corral(pre_stop[1:]).command)
+    assert seen == {"scheduler", "gateway", "llumlet", "autoscaler", "drain"}
+
+
+def test_engine_per_overlay(rendered):
+    name, docs = rendered
+    llumlet = containers(find(docs, "Deployment", "corral-llumlet"))[0]
+    args = parse_corral(llumlet["args"])
+    resources = llumlet["resources"]
+    if name == "gpu":
+        assert args.engine == "vllm" and llumlet["image"] == "corral:cuda"
+        assert resources["limits"]["nvidia.com/gpu"] == "1"
+        assert find(docs, "ConfigMap", "corral-env")["data"]["CORRAL_MODEL_DIR"] == "/models/served"
+    else:
+        assert args.engine == ("sim" if name == "cpu-sim" else "vllm") and llumlet["image"] == "corral:cpu"
+        assert "nvidia.com/gpu" not in str(resources)
+
+
+def test_llumlet_probes_drain_and_grace_period_fit_together(rendered):
+    _, docs = rendered
+    deployment = find(docs, "Deployment", "corral-llumlet")
+    pod = deployment["spec"]["template"]
+    llumlet = pod["spec"]["containers"][0]
+    args = parse_corral(llumlet["args"])
+    ports = {p["name"]: p["containerPort"] for p in llumlet["ports"]}
+    assert ports["metrics"] == args.metrics_port and ports["kv"] == args.kv_port
+    assert args.kv_host == "0.0.0.0"
+    assert llumlet["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "metrics"}
+    assert llumlet["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(args.metrics_port)
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in llumlet["env"]}
+    assert env["CORRAL_INSTANCE_ID"] == "metadata.name"  # what `corral drain` in preStop reads
+    assert env["CORRAL_KV_ADVERTISE_HOST"] == "status.podIP"
+    drain = parse_corral(llumlet["lifecycle"]["preStop"]["exec"]["command"][1:])
+    assert drain.command == "drain" and drain.instance_id is None  # from the environment in the pod
+    # The drain's own deadline (plus its NATS allowance) ends before the kubelet's SIGKILL.
+    assert drain.timeout_s + 5 + 30 <= pod["spec"]["terminationGracePeriodSeconds"]
+    pdb = find(docs, "PodDisruptionBudget", "corral-llumlet")
+    assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+
+
+def test_gateway_probes_paths_it_serves(rendered):
+    _, docs = rendered
+    gateway = containers(find(docs, "Deployment", "corral-gateway"))[0]
+    args = parse_corral(gateway["args"])
+    assert gateway["ports"][0]["containerPort"] == args.gateway_port and args.gateway_host == "0.0.0.0"
+    app = (REPO / "services" / "gateway" / "app.py").read_text()
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert f'Route("{gateway[probe]["httpGet"]["path"]}"' in app
+
+
+def test_nats_is_a_three_node_cluster_routing_through_its_headless_service(rendered):
+    _, docs = rendered
+    nats = find(docs, "StatefulSet", "nats")
+    assert nats["spec"]["replicas"] == 3 and nats["spec"]["serviceName"] == "nats-headless"
+    conf = find(docs, "ConfigMap", "nats-config")["data"]["nats.conf"]
+    routes = re.findall(r"nats://(nats-\d)\.nats-headless:6222", conf)
+    assert routes == [f"nats-{i}" for i in range(3)]
+    assert find(docs, "ConfigMap", "corral-env")["data"]["CORRAL_NATS_URL"] == "nats://nats:4222"
+    find(docs, "Service", "nats")
+
+
+def test_schedulers_share_dispatch_and_only_one_pairs(rendered):
+    _, docs = rendered
+    dispatch = find(docs, "Deployment", "corral-scheduler")
+    pairing = find(docs, "Deployment", "corral-scheduler-pairing")
+    assert dispatch["spec"]["replicas"] == 2
+    assert parse_corral(containers(dispatch)[0]["args"]).enable_migration is False
+    assert pairing["spec"]["replicas"] == 1 and pairing["spec"]["strategy"]["type"] == "Recreate"
+    assert parse_corral(containers(pairing)[0]["args"]).enable_migration is True
+    # Dispatch replicas answer as one queue group (what makes two replicas safe).
+    from shared import subjects
+
+    source = (REPO / "services" / "global_scheduler" / "service.py").read_text()
+    assert "queue=subjects.SCHEDULER_QUEUE" in source and subjects.SCHEDULER_QUEUE
+
+
+def test_every_corral_setting_in_the_manifests_is_one_the_code_reads(rendered):
+    _, docs = rendered
+    names = set(find(docs, "ConfigMap", "corral-env")["data"])
+    for doc in docs:
+        if doc["kind"] == "Deployment":
+            for container in containers(doc):
+                names |= {e["name"] for e in container.get("env", [])}
+    code = "\n".join(p.read_text() for p in (REPO / "services").rglob("*.py")) + \
+        "\n".join(p.read_text() for p in (REPO / "shared").rglob("*.py"))
+    for name in sorted(n for n in names if n.startswith("CORRAL_")):
+        short = name.removeprefix("CORRAL_")
+        assert f'env("{short}"' in code or f'"{name}"' in code, f"{name} is read nowhere"
+
+
+def test_autoscaler_role_grants_what_the_provider_uses_and_nothing_else():
+    """The Role, against the API calls the provider makes on the stand-in API server."""
+    pytest.importorskip("kubernetes")
+    from services.autoscaler.kubernetes_provider import KubernetesProvider, KubernetesSettings
+    from tests.deploy.kube_api_standin import KubeApiStandIn
+
+    docs = [d for d in yaml.safe_load_all((KUBERNETES / "base" / "autoscaler.yaml").read_text()) if d]
+    role = find(docs, "Role", "corral-autoscaler")
+    args = parse_corral(containers(find(docs, "Deployment", "corral-autoscaler"))[0]["args"])
+    assert args.provider == "kubernetes"
+    granted = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+               for resource in rule["resources"] for verb in rule["verbs"]}
+    with KubeApiStandIn(deployment=args.k8s_deployment, replicas=2) as api:
+        provider = KubernetesProvider(KubernetesSettings(api.namespace, args.k8s_deployment, api.url))
+        victim = provider.start_instance()
+        provider.stop_instance(victim)
+        provider.managed()
+        used = {_rbac_of(method, path) for method, path, _ in api.requests}
+    assert used == granted
+    scale_rule = next(r for r in role["rules"] if r["resources"] == ["deployments/scale"])
+    assert scale_rule["resourceNames"] == [args.k8s_deployment]
+    llumlets = [d for d in yaml.safe_load_all((KUBERNETES / "base" / "llumlet.yaml").read_text()) if d]
+    find(llumlets, "Deployment", args.k8s_deployment)
+
+
+def _rbac_of(method: str, path: str) -> tuple[str, str, str]:
+    """(API group, resource[/subresource], verb) of a REST call, as RBAC names them."""
+    parts = path.strip("/").split("/")
+    group = "" if parts[0] == "api" else parts[1]
+    rest = parts[2:] if parts[0] == "api" else parts[3:]
+    assert rest[0] == "namespaces"
+    resource_parts = rest[2:]
+    resource = resource_parts[0] + (f"/{resource_parts[2]}" if len(resource_parts) > 2 else "")
+    named = len(resource_parts) > 1
+    verb = {"GET": "get" if named else "list", "PATCH": "patch", "PUT": "update", "POST": "create",
+            "DELETE": "delete"}[method]
+    return group, resource, verb
