@@ -46,7 +46,7 @@ class GlobalScheduler:
 
     async def start(self) -> None:
         tracing.setup_tracing("corral-global-scheduler")
-        serve_metrics(self.metrics.registry, self.config.metrics_port)
+        serve_metrics(self.metrics.registry, self.config.metrics_port, ready=self.not_ready_reason)
         self.nc = await connect(self.config.nats_url, "global-scheduler")
         await self.nc.subscribe(subjects.LOAD_REPORTS_ALL, cb=self._on_report)
         await self.nc.subscribe(subjects.DISPATCH, queue=subjects.SCHEDULER_QUEUE, cb=self._on_dispatch)
@@ -58,6 +58,10 @@ class GlobalScheduler:
                                                 on_order=lambda order: self.metrics.order_sent(order.cancel))
             self._tasks.append(asyncio.create_task(self.migration_loop.run(), name="migration-pairing"))
         log.info("global scheduler up (migration %s)", "on" if self.config.enable_migration else "off")
+
+    def not_ready_reason(self) -> str | None:
+        """The metrics port's `/ready`: it answers dispatch once connected (called from that port's thread)."""
+        return None if self.nc is not None and self.nc.is_connected else "not connected to NATS"
 
     async def stop(self) -> None:
         for task in self._tasks:

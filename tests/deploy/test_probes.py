@@ -54,3 +54,18 @@ def _free() -> int:
     from tests.support.cluster import free_port
 
     return free_port()
+
+
+async def test_the_scheduler_is_ready_once_connected_to_nats(nats_url):
+    from services.global_scheduler.config import SchedulerConfig
+    from services.global_scheduler.service import GlobalScheduler
+
+    scheduler = GlobalScheduler(SchedulerConfig(nats_url, enable_migration=False, metrics_port=_free()))
+    assert scheduler.not_ready_reason() == "not connected to NATS"
+    await scheduler.start()
+    try:
+        assert scheduler.not_ready_reason() is None
+        reply = httpx.get(f"http://127.0.0.1:{scheduler.config.metrics_port}/ready")
+        assert reply.status_code == 200
+    finally:
+        await scheduler.stop()
