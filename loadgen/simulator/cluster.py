@@ -129,7 +129,7 @@ class ClusterSimulator:
     def drain(self, instance: SimInstance) -> None:
         assert instance.state is InstanceState.LIVE, instance.state
         instance.state = InstanceState.DRAINING
-        instance.build_report(self.now, self.config.max_seq_len, self.policy_config.headroom_blocks)
+        instance.build_report(self.now, self.config.max_seq_len)
         self.maybe_stop(instance)
 
     def maybe_stop(self, instance: SimInstance) -> None:
@@ -164,18 +164,17 @@ class ClusterSimulator:
 
     def report_of(self, instance: SimInstance, fresh: bool = False) -> LoadReport:
         if fresh or self.now - instance.report_at >= self.config.report_interval_s or instance.report is None:
-            return instance.build_report(self.now, self.config.max_seq_len, self.policy_config.headroom_blocks)
+            return instance.build_report(self.now, self.config.max_seq_len)
         return instance.report
 
     def loads(self) -> list[LoadReport]:
         """The reports of the serving instances as the global scheduler holds them now."""
         now, interval, max_len = self.now, self.config.report_interval_s, self.config.max_seq_len
-        headroom = self.policy_config.headroom_blocks
         reports = []
         for instance in self.serving:  # report_of, inlined: this runs for every arrival
             report = instance.report
             if report is None or now - instance.report_at >= interval:
-                report = instance.build_report(now, max_len, headroom)
+                report = instance.build_report(now, max_len)
             reports.append(report)
         return reports
 

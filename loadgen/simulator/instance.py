@@ -89,7 +89,6 @@ class SimInstance:
             headroom_blocks=headroom_blocks,
             draining=self.state is InstanceState.DRAINING,
             reserved_blocks=blocks.num_reserved,
-            committed_blocks=scheduler.committed_blocks(),
             num_migrating=self.migrations_in + self.migrations_out,
             max_model_len=max_model_len,
             engine="sim",

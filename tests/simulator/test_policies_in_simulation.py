@@ -26,8 +26,8 @@ def test_incremental_report_counts_equal_the_request_views_through_a_run(monkeyp
     checked = []
     original = SimInstance.build_report
 
-    def checking(self, now, max_model_len, headroom_blocks):
-        report = original(self, now, max_model_len, headroom_blocks)
+    def checking(self, now, max_model_len):
+        report = original(self, now, max_model_len)
         from_views = aggregate_views(self.scheduler.request_views())
         assert self.scheduler.load() == from_views
         assert (report.num_running, report.num_waiting, report.by_priority) == (
