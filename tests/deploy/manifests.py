@@ -8,6 +8,7 @@ import argparse
 import shlex
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -47,15 +48,20 @@ def parse_corral(argv: list[str]) -> argparse.Namespace:
 
 
 def corral_argv_of_shell(script: str, rest: list[str]) -> list[str]:
-    """The corral argv an `sh -c 'exec corral …' name ARGS…` entry point runs: `$(hostname -i)`
-    stands for an address, `"$@"` for the arguments after the script's name."""
+    """The corral argv an `sh -c SCRIPT NAME ARGS…` entry point runs, found by running it with `sh`
+    and stand-ins for `corral` (prints its arguments) and `hostname -i` (prints 10.0.0.7)."""
     script = script.replace("$$", "$")  # compose's escape, kept by some implementations' `config`
-    words = shlex.split(script.replace("$(hostname -i)", "10.0.0.7"))
-    assert words[:2] == ["exec", "corral"], f"{script!r} does not exec corral"
-    argv = []
-    for word in words[2:]:
-        argv.extend(rest if word == "$@" else [word])
-    return argv
+    with tempfile.TemporaryDirectory() as shims:
+        for name, body in (("corral", 'printf "%s\\0" corral "$@"'), ("hostname", "echo 10.0.0.7")):
+            path = Path(shims) / name
+            path.write_text(f"#!/bin/sh\n{body}\n")
+            path.chmod(0o755)
+        done = subprocess.run(["sh", "-c", script, *rest], capture_output=True, text=True, timeout=30,
+                              env={"PATH": f"{shims}:/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    argv = done.stdout.split("\0")[:-1]
+    assert argv[:1] == ["corral"], f"{script!r} does not run corral: {argv}"
+    return argv[1:]
 
 
 def compose_command() -> list[str] | None:

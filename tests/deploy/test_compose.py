@@ -49,7 +49,7 @@ def corral_argv(service: dict) -> list[str]:
     if entrypoint is None:
         return list(command)
     assert entrypoint[:2] == ["sh", "-c"], entrypoint
-    return corral_argv_of_shell(entrypoint[2], list(command))
+    return corral_argv_of_shell(entrypoint[2], [*entrypoint[3:], *command])  # sh -c SCRIPT $0 $@
 
 
 def is_corral(service: dict) -> bool:

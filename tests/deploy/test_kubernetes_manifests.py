@@ -66,6 +66,12 @@ def test_every_corral_container_runs_a_corral_entry_point_that_parses(rendered):
                 assert pre_stop[0] == "corral"
                 seen.add(parse_corral(pre_stop[1:]).command)
     assert seen == {"scheduler", "gateway", "llumlet", "autoscaler", "drain"}
+    # The same entry points `corral up` starts as its children (`python -m services.cli <service>`,
+    # i.e. the `corral` script), besides the preStop's drain.
+    supervisor = (REPO / "services" / "supervisor.py").read_text()
+    assert '"-m", "services.cli"' in supervisor
+    started_by_up = set(re.findall(r'\[\s*"(\w+)", \*common', supervisor))
+    assert started_by_up == seen - {"drain"}, started_by_up
 
 
 def test_engine_per_overlay(rendered):
