@@ -110,18 +110,13 @@ class GatewayState:
 
 
 def gateway_state(port: int) -> GatewayState:
-    """From the gateway's readiness endpoint (its body says whether it is connected to NATS and
-    how many instances are live), or /healthz from a gateway that has none."""
+    """From the gateway's readiness endpoint: 200 or 503, its body says whether it is connected to
+    NATS and how many instances are live."""
     try:
-        reply = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1.0)
-        if reply.status_code == 404:
-            reply = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1.0)  # 503 while not connected
-        body = reply.json()
-        instances = int(body.get("instances", 0))
-    except (httpx.HTTPError, ValueError, TypeError, AttributeError):
+        body = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1.0).json()
+        return GatewayState(answering=True, connected=bool(body["connected"]), instances=int(body["instances"]))
+    except (httpx.HTTPError, ValueError, TypeError, KeyError, AttributeError):
         return GatewayState(answering=False)
-    return GatewayState(answering=True, connected=bool(body.get("connected", reply.status_code == 200)),
-                        instances=instances)
 
 
 def wait_ready(port: int, instances: int, timeout_s: float, cluster: Cluster,
