@@ -20,6 +20,10 @@ transfers would compare the luckiest raw copy with a typical transfer.
 Downtime = time out of the batch: suspend on the source → commit acknowledged (the request is in
 the destination's running batch). "One decode step" = the modelled A10 step of the source's batch
 at the moment of migration (time scale 1), i.e. what a real GPU would spend on one iteration.
+Client stall = what the client sees (Llumnix's downtime, ending at the client): the gap in the
+request's token stream, as the gateway orders it (`services.gateway.streams`), between the last new
+token from the source and the first new token from the destination; beside it, the request's own
+median gap between new tokens in the same run (the stall's ideal is one of those).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from pathlib import Path
 import nats
 import uvloop
 
+from services.gateway.streams import HandoverClock, TokenOrderer
 from services.llumlet.config import LlumletConfig
 from services.llumlet.engines.sim.engine import SimEngine, SimEngineConfig
 from shared.engine_model.config import SchedulerConfig
@@ -111,14 +116,34 @@ class TimedSimEngine(SimEngine):
 
 
 class Chunks:
-    """Arrival time and publisher of every token chunk, per request."""
+    """Arrival time and publisher of every token chunk, per request; and each request's stream as
+    the gateway orders it: when new tokens reached the client, and each migration's stall."""
 
     def __init__(self) -> None:
         self.by_request: dict[str, list[tuple[float, TokenChunk]]] = defaultdict(list)
+        self._orderers: dict[str, TokenOrderer] = defaultdict(TokenOrderer)
+        self._clocks: dict[str, HandoverClock] = defaultdict(HandoverClock)
+        self.deliveries: dict[str, list[float]] = defaultdict(list)  # when new tokens reached the client
+        self.gaps: dict[str, list[float]] = defaultdict(list)  # between them, but at a migration
+        self.stalls: dict[str, list[float]] = defaultdict(list)  # at each migration (seconds)
 
     async def on_chunk(self, msg) -> None:
         chunk = decode(msg.data, TokenChunk)
-        self.by_request[chunk.request_id].append((time.monotonic(), chunk))
+        now, rid = time.monotonic(), chunk.request_id
+        self.by_request[rid].append((now, chunk))
+        if any(d.token_ids for d in self._orderers[rid].accept(chunk)):  # (as `OutputStream.feed`)
+            stall = self._clocks[rid].delivered(chunk.instance_id, now)
+            if stall is not None:
+                self.stalls[rid].append(stall)
+            elif self.deliveries[rid]:
+                self.gaps[rid].append(now - self.deliveries[rid][-1])
+            self.deliveries[rid].append(now)
+
+    def client_view(self, request_id: str) -> dict:
+        """The first migration's stall, and the request's median gap between new tokens apart
+        from its stalls (ms)."""
+        return {"client_stall_ms": 1e3 * self.stalls[request_id][0],
+                "own_itl_ms": 1e3 * statistics.median(self.gaps[request_id])}
 
     def count_from(self, request_id: str, instance_id: str) -> int:
         return sum(len(c.token_ids) for _, c in self.by_request[request_id] if c.instance_id == instance_id)
@@ -421,16 +446,15 @@ async def migrate_once(src: Llumlet, nc, chunks: Chunks, length: int, stage_limi
         coordinator.limits = limits
     if m is None or m.status is not MigrationStatus.FINISHED:
         raise RuntimeError(f"migration of {rid} failed: {m and m.reason}")
-    await wait_until(lambda: chunks.count_from(rid, DST) > 0, 30, f"{rid}'s first token on the destination")
+    await wait_until(lambda: chunks.stalls[rid] and len(chunks.deliveries[rid]) >= MIN_OUTPUT_BEFORE + 8, 30,
+                     f"{rid}'s first tokens on the destination")
     await nc.publish(subjects.ABORT_ALL, encode(AbortRequest(rid, "benchmark done")))
-    src_times, dst_times = chunks.token_times(rid, SRC), chunks.token_times(rid, DST)
-    itl = statistics.median(b - a for a, b in zip(src_times[-6:], src_times[-5:]))
+    src_times = chunks.token_times(rid, SRC)
     duration = m.ended_at - m.started_at
     return {
         "length": length,
         "downtime_ms": 1e3 * m.downtime_s,
-        "token_gap_ms": 1e3 * (dst_times[0] - src_times[-1]),
-        "itl_before_ms": 1e3 * itl,
+        **chunks.client_view(rid),
         "modelled_decode_step_ms": 1e3 * modelled_step,
         "stages": [dataclasses.asdict(stage) for stage in m.stages],
         "num_stages": len(m.stages),
@@ -554,8 +578,8 @@ def report_line(kind: str, r: dict) -> None:
     gbps = f"{r['first_stage_gbps']:.2f} GB/s" if r["first_stage_gbps"] else "-"
     for name, (before, after) in r.get("raw_loopback_gbps", {}).items():
         gbps += f" (raw {name} before/after {before:.2f}/{after:.2f})"
-    print(f"{kind:>8} {r['length']:>5}: downtime {r['downtime_ms']:6.2f} ms, token gap {r['token_gap_ms']:6.1f} ms "
-          f"(ITL {r['itl_before_ms']:.1f}), {r['num_stages']} stages, stage 0 {gbps},{step_note}", flush=True)
+    print(f"{kind:>8} {r['length']:>5}: downtime {r['downtime_ms']:6.2f} ms, client stall {r['client_stall_ms']:6.1f} ms "
+          f"(its ITL {r['own_itl_ms']:.1f}), {r['num_stages']} stages, stage 0 {gbps},{step_note}", flush=True)
 
 
 def summarize(s: Settings, live: list, blocking: list, recompute: list, dst_report: LoadReport) -> dict:
@@ -609,7 +633,7 @@ def summarize(s: Settings, live: list, blocking: list, recompute: list, dst_repo
         "blocking_downtime_ms_by_length": by_length(blocking, "downtime_ms"),
         "recompute_ttft_ms_by_length": recompute_ms,
         "live_stages_by_length": by_length(live, "num_stages"),
-        "live_token_gap_ms_by_length": by_length(live, "token_gap_ms"),
+        "live_client_stall_ms_by_length": stall_by_length(live),
         "modelled_decode_step_ms": modelled_step,
         "src_step_ms": {"before_migration": step_before, "during_migration": step_during},
         "transfer_gbps_longest_first_stage": transfer,
@@ -618,12 +642,44 @@ def summarize(s: Settings, live: list, blocking: list, recompute: list, dst_repo
     }
 
 
+def stall_by_length(rows: list[dict]) -> dict[int, dict]:
+    """Per length: the client stall's median and P90, the requests' own median ITL, and the
+    stall less that ITL (what the migration added: 0 is a perfect handover), in ms."""
+    lengths = sorted({r["length"] for r in rows})
+    out = {}
+    for length in lengths:
+        stalls = [r["client_stall_ms"] for r in rows if r["length"] == length]
+        itls = [r["own_itl_ms"] for r in rows if r["length"] == length]
+        extra = [r["client_stall_ms"] - r["own_itl_ms"] for r in rows if r["length"] == length]
+        out[length] = {"median": statistics.median(stalls), "p90": percentile(stalls, 90),
+                       "own_itl_median": statistics.median(itls), "extra_median": statistics.median(extra),
+                       "extra_p90": percentile(extra, 90), "runs": len(stalls)}
+    return out
+
+
+def percentile(values: list[float], pct: float) -> float:
+    """Linear interpolation between order statistics (numpy's default); the value itself for one."""
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * pct / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def print_stalls(stalls: dict[int, dict]) -> None:
+    print("\nclient stall at the handover (ms): length  median  p90  its own ITL  stall-ITL median/p90  runs")
+    for length, v in stalls.items():
+        print(f"{length:>40}  {v['median']:6.1f}  {v['p90']:5.1f}  {v['own_itl_median']:11.1f}  "
+              f"{v['extra_median']:9.1f} / {v['extra_p90']:.1f}  {v['runs']:4d}")
+
+
 def print_summary(result: dict) -> None:
-    print("\nlength  live(ms)  stages  blocking(ms)  recompute(ms)  token-gap(ms)")
+    print("\nlength  live(ms)  stages  blocking(ms)  recompute(ms)")
     for length in result["settings"]["lengths"]:
         print(f"{length:>6}  {result['live_downtime_ms_by_length'][length]:8.2f}  "
               f"{result['live_stages_by_length'][length]:6.1f}  {result['blocking_downtime_ms_by_length'][length]:12.1f}  "
-              f"{result['recompute_ttft_ms_by_length'][length]:13.1f}  {result['live_token_gap_ms_by_length'][length]:13.1f}")
+              f"{result['recompute_ttft_ms_by_length'][length]:13.1f}")
+    print_stalls(result["live_client_stall_ms_by_length"])
     before, during = result["src_step_ms"]["before_migration"], result["src_step_ms"]["during_migration"]
     print(f"modelled A10 decode step of the source batch: {result['modelled_decode_step_ms']:.1f} ms")
     if before.get("steps") and during.get("steps"):

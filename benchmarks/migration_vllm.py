@@ -51,8 +51,10 @@ from benchmarks.migration_sim import (
     launch_destination,
     print_transfer_vs_raw,
     raw_links,
+    print_stalls,
     raw_port,
     run_and_report,
+    stall_by_length,
     submit,
     transfer_vs_raw,
     wait_until,
@@ -121,7 +123,8 @@ class Chunks(SimBenchChunks):
     """Arrival time and publisher of every token chunk of the measured requests."""
 
     def forget(self, request_id: str) -> None:
-        self.by_request.pop(request_id, None)
+        for table in (self.by_request, self.deliveries, self.gaps, self.stalls):
+            table.pop(request_id, None)
 
 
 class DestinationReports:
@@ -231,9 +234,10 @@ class Bench:
             coordinator.limits = limits
         if m is None or m.status is not MigrationStatus.FINISHED:
             raise RuntimeError(f"migration of {rid} failed: {m and m.reason}")
-        await wait_until(lambda: self.chunks.count_from(rid, DST) > 0, 30, f"{rid}'s first token on the destination")
+        await wait_until(lambda: self.chunks.stalls[rid] and len(self.chunks.deliveries[rid]) >= MIN_OUTPUT_BEFORE + 8,
+                         30, f"{rid}'s first tokens on the destination")
         await abort(self.nc, rid)
-        src_times, dst_times = self.chunks.token_times(rid, SRC), self.chunks.token_times(rid, DST)
+        client, src_times = self.chunks.client_view(rid), self.chunks.token_times(rid, SRC)
         self.chunks.forget(rid)
         final, first = m.stages[-1], m.stages[0]
         return {
@@ -244,8 +248,7 @@ class Bench:
             # What the coordinator called downtime before: up to the source's release of the
             # request after the ack (which waits for the source's step in flight).
             "downtime_to_release_ms": 1e3 * (m.ended_at - m.suspended_at),
-            "token_gap_ms": 1e3 * (dst_times[0] - src_times[-1]),
-            "itl_before_ms": 1e3 * statistics.median(b - a for a, b in zip(src_times[-9:], src_times[-8:])),
+            **client,  # the client stall and the request's own ITL
             "suspend_ms": 1e3 * m.suspend_s,
             "final_prealloc_ms": 1e3 * final.prealloc_s,  # a top-up while suspended (usually none)
             "final_copy_ms": 1e3 * final.seconds,
@@ -363,7 +366,7 @@ def report_line(kind: str, r: dict) -> None:
     commit += " + NATS fallback" if r["commit_via"] != "frame" else ""
     print(f"{kind:>8} {r['length']:>5}: downtime {r['downtime_ms']:6.2f} ms (top-up {r['final_prealloc_ms']:.2f}, "
           f"{commit}), "
-          f"token gap {r['token_gap_ms']:6.1f} ms (ITL {r['itl_before_ms']:.1f}), {r['num_stages']} stages, "
+          f"client stall {r['client_stall_ms']:6.1f} ms (its ITL {r['own_itl_ms']:.1f}), {r['num_stages']} stages, "
           f"stage 0 {gbps}{step_note}", flush=True)
 
 
@@ -414,7 +417,7 @@ def summarize(s: Settings, live: list, blocking: list, recompute: list, dst_repo
     step_ratios = [r["src_steps_during"]["median_ms"] / r["src_steps_before"]["median_ms"]
                    for r in live if r["src_steps_during"].get("steps") and r["src_steps_before"].get("steps")]
     breakdown_keys = ("downtime_ms", "final_prealloc_ms", "before_commit_ms", "final_copy_ms", "commit_ms",
-                      "suspend_ms", "release_ms", "downtime_to_release_ms", "token_gap_ms", "itl_before_ms")
+                      "suspend_ms", "release_ms", "downtime_to_release_ms", "client_stall_ms", "own_itl_ms")
     breakdown = {key: median(live, key) for key in breakdown_keys}
     for key in ("add_migrated_ms", "added_to_vllm_ms", "first_step_start_ms", "first_step_end_ms"):
         breakdown[f"dst_{key}"] = median(live, lambda r, k=key: r["destination"].get(k))
@@ -444,7 +447,7 @@ def summarize(s: Settings, live: list, blocking: list, recompute: list, dst_repo
         "blocking_downtime_ms_by_length": by_length(blocking, "downtime_ms"),
         "recompute_ttft_ms_by_length": recompute_ms,
         "live_stages_by_length": by_length(live, "num_stages"),
-        "live_token_gap_ms_by_length": by_length(live, "token_gap_ms"),
+        "live_client_stall_ms_by_length": stall_by_length(live),
         "live_final_copy_ms_by_length": by_length(live, "final_copy_ms"),
         "live_commit_ms_by_length": by_length(live, "commit_ms"),
         "commit_via": dict(Counter(r["commit_via"] for r in live)),
@@ -458,13 +461,13 @@ def summarize(s: Settings, live: list, blocking: list, recompute: list, dst_repo
 
 
 def print_summary(result: dict) -> None:
-    print("\nlength  live(ms)  stages  blocking(ms)  recompute(ms)  recompute/live  token-gap(ms)")
+    print("\nlength  live(ms)  stages  blocking(ms)  recompute(ms)  recompute/live")
     for length in result["settings"]["lengths"]:
         live = result["live_downtime_ms_by_length"][length]
         rec = result["recompute_ttft_ms_by_length"][length]
         print(f"{length:>6}  {live:8.2f}  {result['live_stages_by_length'][length]:6.1f}  "
-              f"{result['blocking_downtime_ms_by_length'][length]:12.2f}  {rec:13.1f}  {rec / live:14.1f}  "
-              f"{result['live_token_gap_ms_by_length'][length]:13.1f}")
+              f"{result['blocking_downtime_ms_by_length'][length]:12.2f}  {rec:13.1f}  {rec / live:14.1f}")
+    print_stalls(result["live_client_stall_ms_by_length"])
     b = result["downtime_breakdown_ms"]
     dst = {k: b[f"dst_{k}"] for k in ("add_migrated_ms", "added_to_vllm_ms", "first_step_start_ms",
                                       "first_step_end_ms")}
@@ -477,8 +480,8 @@ def print_summary(result: dict) -> None:
         print(f"  destination after its commit: in vLLM at {dst['added_to_vllm_ms']:.2f} (next step boundary), the "
               f"step with its next token {dst['first_step_start_ms']:.2f}-{dst['first_step_end_ms']:.2f}")
     print(f"  off the downtime: suspend (waits for the source's step in flight) {b['suspend_ms']:.2f}, release after "
-          f"the ack {b['release_ms']:.2f} (suspend → release {b['downtime_to_release_ms']:.2f}); token gap "
-          f"{b['token_gap_ms']:.2f} at ITL {b['itl_before_ms']:.2f}")
+          f"the ack {b['release_ms']:.2f} (suspend → release {b['downtime_to_release_ms']:.2f}); client stall "
+          f"{b['client_stall_ms']:.2f} at its own ITL {b['own_itl_ms']:.2f}")
     steps = result["src_step_ms"]
     if steps["before_migration"] and steps["during_migration"]:
         print(f"source decode step (median): {steps['before_migration']:.2f} ms without migration, "

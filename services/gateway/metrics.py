@@ -28,6 +28,8 @@ __all__ = ["CONTENT_TYPE", "GatewayMetrics", "RequestTimeline", "timeline_of"]
 
 # llm-d's scheduler buckets: dispatch decisions take well under a second.
 DISPATCH_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+# A migration's stall is a decode step or a few (milliseconds to ~100 ms); seconds mean trouble.
+MIGRATION_STALL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 
 
 @dataclass
@@ -102,6 +104,11 @@ class GatewayMetrics:
                                   ["model_name", "endpoint", "reason"], registry=r)
         self.dispatch_latency = Histogram("corral:gateway_dispatch_duration_seconds", "Time to choose an instance "
                                           "(scheduler round trip or bypass)", buckets=DISPATCH_BUCKETS, registry=r)
+        self.migration_stall = Histogram("corral:gateway_migration_stall_seconds", "Gap in a request's token "
+                                         "stream at a migration: the last new token from the instance it left to "
+                                         "the first from the one it moved to", ["model_name"],
+                                         buckets=MIGRATION_STALL_BUCKETS, registry=r)
+        self.migration_stall.labels(model_name)
         self.bypass_dispatches = Counter("corral:gateway_bypass_dispatches", "Requests dispatched by the gateway "
                                          "itself because the global scheduler did not answer", registry=r)
         self.in_flight = Gauge("corral:gateway_requests_in_flight", "Requests dispatched and not finished",
@@ -155,6 +162,9 @@ class GatewayMetrics:
         self.decode_time.labels(*labels).observe(decode)
         # As vLLM: the first token is prefill's; a one-token request counts 0.
         self.tpot.labels(*labels).observe(decode / (t.num_output_tokens - 1) if t.num_output_tokens > 1 else 0.0)
+
+    def migration_stalled(self, seconds: float) -> None:
+        self.migration_stall.labels(self._model).observe(seconds)
 
     def in_flight_changed(self, delta: int) -> None:
         self.in_flight.labels(self._model).inc(delta)

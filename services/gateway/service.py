@@ -60,7 +60,7 @@ class GatewayService:
         self.metrics = GatewayMetrics(config.model_name, self.tokenizer.max_model_len)
         self.instances = GatewayInstances(config.instance_timeout_s)
         self.metrics.watch_instances(lambda: [load.instance_id for load in self.instances.live_loads()])
-        self.streams = StreamRegistry()
+        self.streams = StreamRegistry(on_handover_stall=self.metrics.migration_stalled)
         self.started_at = int(time.time())
         self.output_subject = subjects.gateway_output(config.gateway_id)
         self._nc: Client | None = None

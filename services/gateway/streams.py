@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from shared.messages import FinishReason, TokenChunk
@@ -92,12 +92,30 @@ class TokenOrderer:
         return [Delivery(new, chunk.finish_reason)]
 
 
+@dataclass
+class HandoverClock:
+    """A migration as the client sees it: the stall from the last new token one instance
+    delivered to the first new token from the next (Llumnix's downtime, ending at the client)."""
+
+    last_at: float | None = None
+    last_from: str | None = None
+
+    def delivered(self, instance_id: str, now: float) -> float | None:
+        """New tokens arrived from `instance_id`: the stall if another instance delivered the last ones."""
+        stall = now - self.last_at if self.last_at is not None and instance_id != self.last_from else None
+        self.last_at, self.last_from = now, instance_id
+        return stall
+
+
 class OutputStream:
     """One request's ordered output, fed from the NATS callback and read by the HTTP handler."""
 
-    def __init__(self, request_id: str, instance_id: str | None = None) -> None:
+    def __init__(self, request_id: str, instance_id: str | None = None,
+                 on_handover_stall: Callable[[float], None] | None = None) -> None:
         self.request_id = request_id
         self.orderer = TokenOrderer()
+        self.handover = HandoverClock()
+        self._on_handover_stall = on_handover_stall
         self.holder = instance_id  # the instance whose chunks we are reading now
         self.holder_since = time.monotonic()
         self.holders: list[str] = [instance_id] if instance_id else []  # every holder, in order
@@ -127,8 +145,13 @@ class OutputStream:
             self.set_holder(chunk.instance_id)
         if chunk.num_prompt_tokens:
             self.num_prompt_tokens = chunk.num_prompt_tokens
-        for delivery in self.orderer.accept(chunk):
+        deliveries = self.orderer.accept(chunk)
+        for delivery in deliveries:
             self._queue.put_nowait(delivery)
+        if any(d.token_ids for d in deliveries):
+            stall = self.handover.delivered(chunk.instance_id, time.monotonic())
+            if stall is not None and self._on_handover_stall is not None:
+                self._on_handover_stall(stall)
 
     def fail(self, message: str, code: int = 503) -> None:
         """End the stream from the gateway's side (holder died, shutdown): an error delivery."""
@@ -154,8 +177,9 @@ class OutputStream:
 class StreamRegistry:
     """Open streams by request id: the demultiplexer behind the gateway's output subject."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_handover_stall: Callable[[float], None] | None = None) -> None:
         self._streams: dict[str, OutputStream] = {}
+        self._on_handover_stall = on_handover_stall  # each migration's client-visible stall (seconds)
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -165,7 +189,7 @@ class StreamRegistry:
 
     def open(self, request_id: str) -> OutputStream:
         assert request_id not in self._streams, f"request id {request_id} is already in flight"
-        stream = self._streams[request_id] = OutputStream(request_id)
+        stream = self._streams[request_id] = OutputStream(request_id, on_handover_stall=self._on_handover_stall)
         return stream
 
     def close(self, request_id: str) -> bool:

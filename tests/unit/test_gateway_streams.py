@@ -162,3 +162,31 @@ def test_registry_routes_by_request_id_and_forgets_closed_streams():
     assert stream.orderer.next_index == 1
     assert registry.close("r1") and not registry.close("r1")
     assert not registry.route(chunk(1, [2]))
+
+
+def test_a_migration_stall_runs_from_the_last_new_token_of_one_instance_to_the_first_of_the_next(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("services.gateway.streams.time.monotonic", lambda: now[0])
+    stalls: list[float] = []
+    stream = StreamRegistry(on_handover_stall=stalls.append).open("r1")
+    stream.feed(chunk(0, [1, 2], instance="src"))
+    now[0] = 100.010
+    stream.feed(chunk(2, [3], instance="src"))  # the source's last token
+    now[0] = 100.015
+    stream.feed(TokenChunk("r1", "dst", 0, [1, 2, 3], handover=True))  # catch-up: nothing new for the client
+    now[0] = 100.020
+    stream.feed(chunk(2, [3], instance="src"))  # a late duplicate from the source
+    assert stalls == [] and stream.holder == "dst"
+    now[0] = 100.034
+    stream.feed(chunk(3, [4], instance="dst"))  # the destination's first new token
+    now[0] = 100.044
+    stream.feed(chunk(4, [5], instance="dst"))
+    assert stalls == [pytest.approx(0.024)]
+
+
+def test_a_catch_up_chunk_with_tokens_the_source_never_sent_ends_the_stall():
+    stalls: list[float] = []
+    stream = OutputStream("r1", "src", on_handover_stall=stalls.append)
+    stream.feed(chunk(0, [1], instance="src"))
+    stream.feed(TokenChunk("r1", "dst", 0, [1, 2], handover=True))  # token 2 never came from the source
+    assert len(stalls) == 1 and stalls[0] >= 0
