@@ -3,8 +3,8 @@ workload, each client in turn; every figure they both report, side by side.
 
     .venv/bin/python -m benchmarks.client_agreement [--num-requests 100] [--request-rate 10]
         [--input-len 128] [--output-len 64] [--instances 2] [--sim-time-scale 1.0] [--seed 0]
-        [--vllm-bench ../shared/tools/vllm_bench.py] [--aiperf PATH] [--model DIR]
-        [--out results/client_agreement.json] [--log-dir DIR]
+        [--rounds 1] [--warmup-requests 20] [--vllm-bench ../shared/tools/vllm_bench.py]
+        [--aiperf PATH] [--model DIR] [--out results/client_agreement.json] [--log-dir DIR]
 
 Corral runs the simulated engine (`corral up --engine sim`) on the generated tiny model (or
 --model). The clients, one after the other, on the same request set shape (random prompts of
@@ -16,6 +16,10 @@ Corral runs the simulated engine (`corral up --engine sim`) on the generated tin
 - `loadgen run`;
 - AIPerf's `aiperf profile`, when --aiperf names its executable (it is not in Corral's venv: its
   dependencies pin other versions of packages Corral uses; install it in a venv of its own).
+
+A short unmeasured `loadgen` run warms the cluster up first (a fresh cluster's first requests
+carry start-up delays that would land in whichever client runs first). With --rounds R each
+client runs R times, the order rotating each round, and the table gives each figure's median.
 
 The gateway's own TTFT and e2e histograms are scraped before and after each client, so each row
 also shows what the server measured for that client's requests (arrival at the gateway to first
@@ -309,7 +313,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--vllm-bench", type=Path, default=DEFAULT_VLLM_BENCH,
                         help=f"launcher for `vllm bench` (default {DEFAULT_VLLM_BENCH})")
     parser.add_argument("--aiperf", type=Path, help="the `aiperf` executable (default: AIPerf is skipped)")
-    parser.add_argument("--clients", default="vllm_bench,loadgen,aiperf", help="order in which the clients run")
+    parser.add_argument("--clients", default="vllm_bench,loadgen,aiperf",
+                        help="the clients, in the order of the first round (later rounds rotate it)")
+    parser.add_argument("--rounds", type=int, default=1, help="each client once per round; the table gives medians")
+    parser.add_argument("--warmup-requests", type=int, default=20,
+                        help="unmeasured loadgen requests before the first client (0: none)")
     parser.add_argument("--label", default="", help="stored in the JSON (e.g. the commit measured)")
     parser.add_argument("--ready-timeout-s", type=float, default=180.0)
     parser.add_argument("--out", type=Path, default=REPO / "results" / "client_agreement.json")
@@ -319,6 +327,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown = set(args.clients) - set(CLIENTS)
     if unknown or REFERENCE not in args.clients:
         parser.error(f"--clients: among {', '.join(CLIENTS)}, loadgen included (got {args.clients})")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if not args.vllm_bench.is_file():
         parser.error(f"--vllm-bench {args.vllm_bench} is not a file")
     if args.aiperf is None:
@@ -342,33 +352,78 @@ def main(argv: Sequence[str] | None = None) -> int:
     shutil.rmtree(log_dir, ignore_errors=True)
     log_dir.mkdir(parents=True)
     corral = Corral(args, model_dir, log_dir)
-    results: dict[str, dict[str, float]] = {}
+    rounds: list[dict[str, dict[str, float]]] = []
     errors: dict[str, str] = {}
     try:
         corral.wait_ready(args.instances, args.ready_timeout_s)
         model = corral.served_model()
-        for name in args.clients:
-            print(f"running {name} ...", flush=True)
-            out_dir = log_dir / name
-            out_dir.mkdir()
-            try:
-                results[name] = run_client(name, args, corral, model, model_dir, out_dir)
-            except (RuntimeError, FileNotFoundError, ValueError, KeyError) as exc:
-                errors[name] = str(exc)[-2000:]
-                print(f"{name} failed: {errors[name]}", file=sys.stderr)
+        warm_up(args, corral, model, model_dir, log_dir)
+        for round_index in range(args.rounds):
+            results: dict[str, dict[str, float]] = {}
+            for name in rotated(args.clients, round_index):
+                print(f"round {round_index + 1}/{args.rounds}: running {name} ...", flush=True)
+                out_dir = log_dir / f"r{round_index}-{name}"
+                out_dir.mkdir()
+                try:
+                    results[name] = run_client(name, args, corral, model, model_dir, out_dir)
+                except (RuntimeError, FileNotFoundError, ValueError, KeyError) as exc:
+                    errors[f"r{round_index}-{name}"] = str(exc)[-2000:]
+                    print(f"{name} failed: {errors[f'r{round_index}-{name}']}", file=sys.stderr)
+            rounds.append({name: results[name] for name in args.clients if name in results})
     finally:
         corral.stop()
-    if REFERENCE not in results:
+    if not any(REFERENCE in r for r in rounds):
         print("loadgen did not finish: nothing to compare", file=sys.stderr)
         return 1
-    print(format_table(results))
+    usable = [r for r in rounds if REFERENCE in r]
+    for index, results in enumerate(usable):
+        if len(usable) > 1:
+            print(f"round {index + 1} (clients ran in the order {', '.join(rotated(args.clients, index))})")
+        print(format_table(results))
+    combined = median_over_rounds(usable)
+    if len(usable) > 1:
+        print(f"median over {len(usable)} rounds")
+        print(format_table(combined))
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    report = {"settings": settings, "model_dir": str(model_dir), "results": results, "ratios_to_loadgen": ratios(results),
-              "errors": errors}
+    report = {"settings": settings, "model_dir": str(model_dir), "results": combined,
+              "ratios_to_loadgen": ratios(combined), "rounds": usable, "errors": errors}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"written to {args.out}")
     return 0 if not errors else 1
+
+
+def warm_up(args: argparse.Namespace, corral: Corral, model: str, model_dir: Path, log_dir: Path) -> None:
+    """A short unmeasured loadgen run: a fresh cluster's first requests are slower (the first
+    client would otherwise carry seconds of start-up in its TTFT tail)."""
+    if args.warmup_requests < 1:
+        return
+    print(f"warming up with {args.warmup_requests} requests ...", flush=True)
+    out_dir = log_dir / "warmup"
+    out_dir.mkdir()
+    warm = argparse.Namespace(**{**vars(args), "num_requests": args.warmup_requests, "seed": args.seed + 1})
+    proc = spawn("warmup", loadgen_argv(warm, corral.base_url, model, model_dir, out_dir), out_dir)
+    if proc.popen.wait() != 0:
+        raise SystemExit(f"warm-up failed:\n{proc.tail()}")
+
+
+def rotated(clients: Sequence[str], round_index: int) -> list[str]:
+    """Round r starts with the r-th client, so no client always runs first (or last)."""
+    shift = round_index % len(clients)
+    return [*clients[shift:], *clients[:shift]]
+
+
+def median_over_rounds(rounds: Sequence[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Each client's figures, each the median over the rounds that reported it."""
+    import statistics
+
+    combined: dict[str, dict[str, float]] = {}
+    for name in dict.fromkeys(name for r in rounds for name in r):
+        keys = dict.fromkeys(key for r in rounds if name in r for key in r[name])
+        combined[name] = {
+            key: statistics.median(r[name][key] for r in rounds if name in r and key in r[name]) for key in keys
+        }
+    return combined
 
 
 if __name__ == "__main__":
