@@ -8,8 +8,8 @@ Contract an engine must keep:
   slots computed) never change, so they can be copied while the request keeps decoding.
 - A snapshot reports `num_computed_tokens` only once their KV writes are complete (vLLM syncs on
   the sampled tokens every step, so the device work behind them is done).
-- `suspend` takes a running request out of the batch keeping its blocks; a step in flight at
-  that moment discards the request's work. `resume` undoes it.
+- `suspend` takes a running request out of the batch keeping its blocks, after the step in
+  flight (whose token it keeps) and before the next. `resume` undoes it.
 - Destination blocks reserved under a lease are invisible to the scheduler until the commit;
   lease block i (in reservation order, over all stages) holds the request's block i, and
   `add_migrated` makes them the request's KV (adopting them, or copying them into its own).

@@ -71,6 +71,8 @@ class SimEngine:
         self._inputs: dict[str, GenerateRequest] = {}  # live requests as they came in
         self._keys: dict[str, int] = {}
         self._migration = SimMigration(self)
+        self.stepping = False  # a step is in flight (scheduled, not yet applied)
+        self._at_step_end: list[Callable[[], None]] = []
 
     # -- Engine protocol -----------------------------------------------------------------------
 
@@ -92,6 +94,24 @@ class SimEngine:
         return self.scheduler.has_work()
 
     async def step(self) -> list[StepOutput]:
+        self.stepping = True
+        try:
+            return await self._step()
+        finally:  # (before the caller can schedule the next step)
+            self.stepping = False
+            callbacks, self._at_step_end = self._at_step_end, []
+            for callback in callbacks:
+                callback()
+
+    def at_step_end(self, callback: Callable[[], None]) -> None:
+        """Run `callback` once the step in flight has applied its output, before the next step
+        schedules; at once when no step is in flight."""
+        if self.stepping:
+            self._at_step_end.append(callback)
+        else:
+            callback()
+
+    async def _step(self) -> list[StepOutput]:
         out = self.scheduler.schedule(self._clock())
         if out.is_empty:
             # Nothing fits (blocks held by reservations) or everything was just preempted.

@@ -2,13 +2,16 @@
 
 Composed over the engine: `SimMigration` reaches it only through `SimEngineParts`, so what it
 depends on is declared here. The verbs change the local scheduler at once (no engine thread to
-wait for), but are coroutines like every engine's.
+wait for), but for `suspend`, which waits for the step in flight, as vLLM's engine thread does:
+the request keeps that step's token, and no step's work is thrown away (a suspend in the middle
+of a step would add up to a step to the client's stall).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from services.llumlet.migration.ops import IntakeLoad, KVRegion, LivePhase, MigrationSnapshot
@@ -38,6 +41,9 @@ class SimEngineParts(Protocol):
     def num_free_blocks(self) -> int: ...
 
     def now(self) -> float: ...
+
+    def at_step_end(self, callback: Callable[[], None]) -> None:
+        """Run `callback` after the step in flight, before the next schedules (now if none is)."""
 
     def input_of(self, request_id: str) -> GenerateRequest:
         """A live request as it came in."""
@@ -100,7 +106,14 @@ class SimMigration:
         return time.time() - since
 
     async def suspend(self, request_id: str) -> bool:
-        return self._scheduler.suspend(request_id)
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+        def at_boundary() -> None:
+            if not done.done():  # (a cancelled wait suspends nothing)
+                done.set_result(self._scheduler.suspend(request_id))
+
+        self.engine.at_step_end(at_boundary)
+        return await done
 
     async def resume(self, request_id: str) -> bool:
         return self._scheduler.resume(request_id)
