@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import fields
+
+import numpy as np
 
 from services.llumlet.engines.sim.engine import SimEngine, SimEngineConfig
 from shared.engine_model.config import SchedulerConfig
@@ -28,6 +31,31 @@ def gen(rid: str, prompt: int, max_tokens: int, reply_subject: str = "out", prio
 
 async def decode_steps(engine: SimEngine, steps: int) -> list:
     return [o for _ in range(steps) for o in await engine.step()]
+
+
+def export_kv(engine: SimEngine, block_ids: Sequence[int]) -> np.ndarray:
+    """A source's blocks by hand: their bytes fused into one buffer (empty without KV bytes)."""
+    if engine.kv_pool is None:
+        return np.zeros((len(block_ids), 0), dtype=np.uint8)
+    return engine.kv_pool.gather(block_ids)
+
+
+def import_kv(engine: SimEngine, block_ids: Sequence[int], buffer: np.ndarray | bytes | memoryview) -> None:
+    """A destination's (reserved) blocks written by hand from a fused buffer."""
+    if engine.kv_pool is not None:
+        engine.kv_pool.scatter(block_ids, buffer)
+
+
+def verify_kv(engine: SimEngine, request_id: str) -> bool:
+    """The request runs on `engine` and its computed tokens' blocks hold the bytes its tokens
+    write (what a migration must have copied); True for an engine without KV bytes."""
+    request = engine.get_request(request_id)
+    if request is None:
+        return False
+    if engine.kv_pool is None:
+        return True
+    return engine.kv_pool.verify(engine.tokens.key(request_id), engine.block_ids_of(request_id),
+                                 request.num_computed_tokens)
 
 
 def expected_tokens(engine: SimEngine, request_id: str, count: int) -> list[int]:

@@ -17,7 +17,7 @@ from services.llumlet.migration.kv_wire import AckStatus, FrameHeader
 from services.llumlet.migration.protocol import ALREADY_COMMITTED, MigrationLimits, MigrationStatus, new_migration_id
 from services.llumlet.migration.protocol import DestinationRefused
 from shared.messages import MigrationAbort, PreAlloc, encode
-from tests.unit.migration_helpers import FakeClock, decode_steps, gen, sim_config
+from tests.unit.migration_helpers import FakeClock, decode_steps, export_kv, gen, import_kv, sim_config, verify_kv
 
 LIMITS = MigrationLimits(lease_s=2.0, max_in=2)
 
@@ -126,7 +126,7 @@ async def committable(setup: Setup, request_id: str = "r"):
     blocks = src.block_ids_of(request_id)
     mid = new_migration_id()
     lease = (await setup.prealloc(mid, 0, len(blocks), request_id)).block_ids
-    setup.engine.import_kv(lease, src.export_kv(blocks))
+    import_kv(setup.engine, lease, export_kv(src, blocks))
     return mid, src.migration_ops().migration_commit(request_id, mid), len(blocks)
 
 
@@ -142,7 +142,7 @@ async def test_commit_adds_the_request_once(setup) -> None:
     setup.incoming.get(mid).filled = num_blocks  # (the frames' bookkeeping; KV was imported directly)
     ack, committed = setup.incoming.handle_commit(commit)
     assert ack.ok and committed
-    assert setup.engine.verify_kv("r") and setup.engine.get_request("r") is not None
+    assert verify_kv(setup.engine, "r") and setup.engine.get_request("r") is not None
     again, committed_again = setup.incoming.handle_commit(commit)
     assert again.ok and not committed_again  # acked, not added twice
     late_abort = setup.incoming.handle_abort(MigrationAbort(mid))

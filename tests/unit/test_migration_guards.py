@@ -22,7 +22,7 @@ from services.llumlet.migration.protocol import MigrationLimits, MigrationStatus
 from services.llumlet.migration.source import MigrationCoordinator
 from shared.messages import Ack, MigrateOrder, MigrationAbort, MigrationCommit, PreAlloc
 from shared.policy.migration import MigrationCandidate
-from tests.unit.migration_helpers import FakeClock, decode_steps, expected_tokens, gen, sim_config
+from tests.unit.migration_helpers import FakeClock, decode_steps, expected_tokens, export_kv, gen, sim_config, verify_kv
 
 # -- residence (source) ---------------------------------------------------------------------------
 
@@ -211,7 +211,7 @@ async def test_a_nats_commit_before_the_lease_is_filled_is_refused_and_ends_the_
     ack, committed = intake.incoming.handle_commit(source.migration_ops().migration_commit("r", mid))
     assert not ack.ok and "KV incomplete" in ack.error and not committed
     assert intake.engine.num_reserved_blocks() == 0
-    payload = source.export_kv(blocks).reshape(-1)
+    payload = export_kv(source, blocks).reshape(-1)
     header = FrameHeader(mid, 0, 0, len(blocks), payload.nbytes, 0)
     assert await intake.incoming.write(header, memoryview(payload)) is AckStatus.UNKNOWN_MIGRATION
     intake.copier.close()
@@ -290,7 +290,7 @@ async def test_the_last_stage_is_reserved_before_the_suspend_and_committed_in_it
     assert ("commit", None) not in link.events  # answered in the last frame's ack, not over NATS
     assert m.stages[-1].final and m.stages[-1].prealloc_s == 0.0  # no PRE-ALLOC in the downtime
     assert m.downtime_s == pytest.approx(m.committed_at - m.suspended_at)
-    assert dst.verify_kv("r")
+    assert verify_kv(dst, "r")
     async with asyncio.timeout(10):
         while dst.get_request("r") is not None:
             await asyncio.sleep(0.002)

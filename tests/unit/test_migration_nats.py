@@ -16,7 +16,7 @@ from services.llumlet.migration.protocol import MigrationLimits, MigrationStatus
 from services.llumlet.service import Llumlet
 from shared import subjects
 from shared.messages import AbortRequest, Ack, FinishReason, GenerateRequest, MigrateOrder, TokenChunk, decode, encode
-from tests.unit.migration_helpers import expected_tokens, gen, sim_config
+from tests.unit.migration_helpers import expected_tokens, gen, sim_config, verify_kv
 
 TIME_SCALE = 0.01
 # Stage 0 of a 1200-token request takes ~2.5 s at this rate: faults can land mid-stage.
@@ -139,7 +139,7 @@ async def test_migrated_request_streams_exactly_its_own_tokens(llumlets, client)
     await decoding(a, client, "r1", prompt=500, max_tokens=800)
     m = await a.migration.coordinator.migrate("r1", b.instance_id)
     assert m.status is MigrationStatus.FINISHED, m.reason
-    assert b.engine.verify_kv("r1")
+    assert verify_kv(b.engine, "r1")
     await client.wait_finished("r1")
     assert client.tokens("r1") == expected_tokens(a.engine, "r1", 800)
     assert client.publishers("r1")[:2] == [a.instance_id, b.instance_id]
@@ -154,7 +154,7 @@ async def test_back_and_forth_several_times(llumlets, client) -> None:
     for src, dst in zip(holders, holders[1:]):
         m = await src.migration.coordinator.migrate("ping", dst.instance_id)
         assert m.status is MigrationStatus.FINISHED, m.reason
-        assert dst.engine.verify_kv("ping")
+        assert verify_kv(dst.engine, "ping")
         await asyncio.sleep(0.05)  # a few tokens on each instance
     await client.wait_finished("ping")
     assert client.tokens("ping") == expected_tokens(a.engine, "ping", 1500)

@@ -28,7 +28,7 @@ from services.llumlet.migration.protocol import (
 )
 from services.llumlet.migration.source import MigrationCoordinator, OutgoingMigration
 from shared.messages import Ack, MigrateOrder, MigrationAbort, MigrationCommit, PreAlloc
-from tests.unit.migration_helpers import FakeClock, expected_tokens, gen, sim_config
+from tests.unit.migration_helpers import FakeClock, expected_tokens, gen, sim_config, verify_kv
 
 TIME_SCALE = 0.01  # a decode step is ~0.3 ms: a request keeps decoding while stages run
 
@@ -191,7 +191,7 @@ async def test_a_decoding_request_moves_and_continues_the_same_stream(make_harne
     await h.decoding("r", prompt=50, max_tokens=300)
     m = await h.coordinator.migrate("r", "dst")
     assert m.status is MigrationStatus.FINISHED, m.reason
-    assert h.dst.verify_kv("r") and h.src.get_request("r") is None
+    assert verify_kv(h.dst, "r") and h.src.get_request("r") is None
     assert h.hooks.migrated_out_ids == ["r"]
     assert m.stages[-1].final and not any(s.final for s in m.stages[:-1])
     assert sum(s.num_blocks for s in m.stages) == m.blocks_sent == m.lease_blocks

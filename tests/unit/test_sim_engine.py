@@ -11,7 +11,7 @@ from services.llumlet.engines.sim.engine import SimEngine, SimEngineConfig
 from shared.engine_model.config import SchedulerConfig
 from shared.engine_model.request import RequestStatus
 from shared.messages import FinishReason, GenerateRequest, SamplingParams
-from tests.unit.migration_helpers import sim_config
+from tests.unit.migration_helpers import export_kv, import_kv, sim_config, verify_kv
 
 FAST = dict(time_scale=1e-5, num_blocks=64, block_size=4, max_model_len=512)
 
@@ -121,19 +121,19 @@ async def test_migration_moves_kv_and_continues_the_same_token_stream() -> None:
     # Stage 1 copies what exists while the request keeps decoding.
     stage1 = src.block_ids_of("r")
     dst_blocks = await dst_ops.reserve_blocks("mig", len(stage1))
-    fused = src.export_kv(stage1).tobytes()
+    fused = export_kv(src, stage1).tobytes()
     assert len(fused) == len(stage1) * src.kv_block_bytes == len(stage1) * 4 * 32
-    dst.import_kv(dst_blocks, fused)
+    import_kv(dst, dst_blocks, fused)
     outputs += [o for _ in range(6) for o in await src.step()]
     # Last stage: out of the batch, copy the last partial block again plus the new ones.
     assert await src_ops.suspend("r")
     blocks = src.block_ids_of("r")
     resend = blocks[len(stage1) - 1 :]
     new_dst = await dst_ops.reserve_blocks("mig", len(blocks) - len(stage1))
-    dst.import_kv([dst_blocks[-1], *new_dst], src.export_kv(resend))
+    import_kv(dst, [dst_blocks[-1], *new_dst], export_kv(src, resend))
     commit = src_ops.migration_commit("r", "mig")
     dst_ops.add_migrated(commit, "mig")
-    assert dst.verify_kv("r")
+    assert verify_kv(dst, "r")
     assert await src_ops.release_migrated("r") and src.num_free_blocks() == 64
     assert not src.has_work() and await src.step() == []
     outputs += [o for s in (await drain(dst)).values() for o in s]
@@ -149,11 +149,11 @@ async def test_corrupted_migration_fails_verification() -> None:
         await src.step()
     await src.migration_ops().suspend("r")
     blocks = src.block_ids_of("r")
-    fused = src.export_kv(blocks).copy()
+    fused = export_kv(src, blocks).copy()
     fused[0, 0] ^= 0xFF
-    dst.import_kv(await dst.migration_ops().reserve_blocks("m", len(blocks)), fused)
+    import_kv(dst, await dst.migration_ops().reserve_blocks("m", len(blocks)), fused)
     dst.migration_ops().add_migrated(src.migration_ops().migration_commit("r", "m"), "m")
-    assert src.verify_kv("r") and not dst.verify_kv("r")
+    assert verify_kv(src, "r") and not verify_kv(dst, "r")
 
 
 async def test_aborted_migration_resumes_on_the_source() -> None:
@@ -172,7 +172,7 @@ async def test_aborted_migration_resumes_on_the_source() -> None:
 def test_simulator_mode_has_no_kv_pool() -> None:
     engine = SimEngine(sim_config(**{**FAST, "kv_bytes_per_token": 0}))
     assert engine.kv_pool is None
-    assert engine.export_kv([1, 2]).nbytes == 0 and engine.kv_block_bytes == 0
+    assert export_kv(engine, [1, 2]).nbytes == 0 and engine.kv_block_bytes == 0
 
 
 def test_bad_config_is_rejected() -> None:

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-import numpy as np
 
 from shared.engine_model.views import EngineError, RequestView, StepOutput
 from shared.engine_model.kv_pool import KVPool, request_key
@@ -153,27 +152,6 @@ class SimEngine:
     def kv_block_bytes(self) -> int:
         """Bytes of one block in a fused KV buffer (0 when the engine keeps no KV bytes)."""
         return 0 if self.kv_pool is None else self.kv_pool.block_bytes
-
-    def export_kv(self, block_ids: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
-        """Source: the blocks' bytes fused into one contiguous buffer (empty without a pool)."""
-        if self.kv_pool is None:
-            return np.zeros((len(block_ids), 0), dtype=np.uint8)
-        return self.kv_pool.gather(block_ids, out)
-
-    def import_kv(self, block_ids: Sequence[int], buffer: np.ndarray | bytes | memoryview) -> None:
-        """Destination: write a fused buffer into (reserved) blocks."""
-        if self.kv_pool is not None:
-            self.kv_pool.scatter(block_ids, buffer)
-
-    def verify_kv(self, request_id: str) -> bool:
-        """True if the request's computed tokens hold its expected bytes (True without a pool)."""
-        request = self.scheduler.get(request_id)
-        if request is None:
-            return False
-        if self.kv_pool is None:
-            return True
-        key = self._keys[request_id]
-        return self.kv_pool.verify(key, self.scheduler.block_ids_of(request_id), request.num_computed_tokens)
 
     # -- what the migration verbs use (`SimEngineParts`) -----------------------------------------
 
