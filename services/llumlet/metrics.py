@@ -2,10 +2,10 @@
 (`model_name`, `engine` = this instance's id), and Corral's own (`corral:llumlet_*`).
 
 Measured here because only the engine's side knows them: running/waiting, KV usage, preemptions,
-prefix-cache lookups, prompt and generation tokens as the engine computes them, and each
-request's queue and prefill time (vLLM's definitions: queued until the step that first schedules
-it, prefill until its first token; a preemption does not restart either). The client-side
-latencies (TTFT, ITL, e2e, decode) are the gateway's.
+prefix-cache lookups (counted with each request's first token), prompt and generation tokens as
+the engine computes them, and each request's queue and prefill time (vLLM's definitions: queued
+until the step that first schedules it, prefill until its first token; a preemption restarts
+neither). The client-side latencies (TTFT, ITL, e2e, decode) are the gateway's.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ class LlumletMetrics:
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
-        # Corral has no prefix caching yet: every lookup is a miss, so both stay at zero.
+        # Prompt tokens looked up and found, as the engine reports them (zero on one without a prefix
+        # cache: the simulator).
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
                                       "queried tokens.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
@@ -104,6 +105,9 @@ class LlumletMetrics:
             self.generation_tokens.inc(len(output.token_ids))
             if output.start_index == 0 and output.token_ids:  # its prefill finished in this step
                 self.prompt_tokens.inc(output.num_prompt_tokens)
+                if output.num_cached_tokens is not None:
+                    self.prefix_queries.inc(output.num_prompt_tokens)
+                    self.prefix_hits.inc(output.num_cached_tokens)
                 self._first_token(output.request_id, started, now)
             if output.finish_reason is not None:
                 self._pending.pop(output.request_id, None)

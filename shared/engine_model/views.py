@@ -51,4 +51,5 @@ class StepOutput:
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int | None = None  # of the prompt, found in the prefix cache (None: the engine keeps none)
     num_preemptions: int = 0

@@ -184,3 +184,13 @@ def test_the_llumlet_forgets_requests_that_leave_and_times_none_it_did_not_queue
     assert value(text, "vllm:generation_tokens_total") == 2
     assert value(text, "vllm:prompt_tokens_total") == 0
     assert value(text, "vllm:request_queue_time_seconds_count") == 0
+
+
+def test_prefix_cache_lookups_count_what_the_engine_found_and_nothing_without_a_cache():
+    metrics = LlumletMetrics("tiny", "llumlet-0")
+    metrics.step_done(1.0, 1.1, [StepOutput("cached", 0, [3], num_prompt_tokens=40, num_cached_tokens=32),
+                                 StepOutput("no-cache", 0, [4], num_prompt_tokens=50)])  # None: no prefix cache
+    text = render(metrics.registry).decode()
+    assert value(text, "vllm:prefix_cache_queries_total") == 40
+    assert value(text, "vllm:prefix_cache_hits_total") == 32
+    assert value(text, "vllm:prompt_tokens_total") == 90

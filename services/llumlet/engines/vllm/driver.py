@@ -382,6 +382,7 @@ class VllmDriver:
             token_ids=token_ids,
             finish_reason=reason,
             num_prompt_tokens=tracked.num_prompt_tokens,
+            num_cached_tokens=request_output.num_cached_tokens,
             num_preemptions=tracked.num_preemptions,
         )
 
