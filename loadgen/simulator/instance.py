@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from shared.engine_model.latency import LatencyModel
@@ -71,9 +70,10 @@ class SimInstance:
             and self.scheduler.block_manager.num_reserved == 0
         )
 
-    def build_report(self, now: float, max_model_len: int, headroom_blocks: Mapping[int, int]) -> LoadReport:
+    def build_report(self, now: float, max_model_len: int) -> LoadReport:
         """What the llumlet would publish now, by its own builder, from the scheduler's
-        incrementally kept counts (O(priority levels)) instead of request views."""
+        incrementally kept counts (O(priority levels)) instead of request views. Without the
+        freeness a llumlet adds for dashboards: the policies compute it from the report."""
         scheduler = self.scheduler
         self._seq += 1
         blocks = scheduler.block_manager
@@ -86,9 +86,10 @@ class SimInstance:
             num_blocks_free=blocks.num_free,
             block_size=scheduler.block_size,
             num_preemptions_total=scheduler.num_preemptions_total,
-            headroom_blocks=headroom_blocks,
+            headroom_blocks=None,
             draining=self.state is InstanceState.DRAINING,
             reserved_blocks=blocks.num_reserved,
+            committed_blocks=scheduler.committed_blocks(),
             num_migrating=self.migrations_in + self.migrations_out,
             max_model_len=max_model_len,
             engine="sim",

@@ -111,15 +111,19 @@ def build_load_report(
     num_blocks_free: int,
     block_size: int,
     num_preemptions_total: int,
-    headroom_blocks: Mapping[int, int],
+    headroom_blocks: Mapping[int, int] | None,
     draining: bool = False,
     reserved_blocks: int = 0,
+    committed_blocks: int = 0,
     num_migrating: int = 0,
     kv_address: str = "",
     max_model_len: int = 0,
     model: str = "",
     engine: str = "",
 ) -> LoadReport:
+    """`headroom_blocks`: the execution-priority headroom the report's own freeness fields (for
+    dashboards) are computed with; None leaves them 0 (the simulator: its policies compute
+    freeness from the report themselves, and two freeness per report per instance add up)."""
     report = LoadReport(
         instance_id=instance_id,
         seq=seq,
@@ -135,12 +139,14 @@ def build_load_report(
         by_priority=requests.by_priority,
         num_migrating=num_migrating,
         reserved_blocks=reserved_blocks,
+        committed_blocks=committed_blocks,
         draining=draining,
         kv_address=kv_address,
         max_model_len=max_model_len,
         model=model,
         engine=engine,
     )
-    report.freeness = freeness(report, headroom_blocks, QueueDemand.HEAD)
-    report.dispatch_freeness = freeness(report, headroom_blocks, QueueDemand.ALL)
+    if headroom_blocks is not None:  # (None: nobody reads them; the policies compute their own)
+        report.freeness = freeness(report, headroom_blocks, QueueDemand.HEAD)
+        report.dispatch_freeness = freeness(report, headroom_blocks, QueueDemand.ALL)
     return report
