@@ -8,16 +8,20 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from shared.messages import LoadReport
+from shared.messages import LoadReport, Refusal
 
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
+# The answers `choose_instance` gives, each counted from zero: an instance, or one of its refusals.
+DISPATCH_OUTCOMES = ("dispatched", Refusal.TOO_LONG.value, Refusal.NO_INSTANCE.value, Refusal.OVERLOADED.value)
 
 
 class SchedulerMetrics:
     def __init__(self, live_loads: Callable[[], Sequence[LoadReport]], standing_pairs: Callable[[], int]) -> None:
         self.registry = r = CollectorRegistry()
-        self.dispatches = Counter("corral:scheduler_dispatches", "Dispatch answers by outcome (an instance or a "
-                                  "rejection reason)", ["outcome"], registry=r)
+        self.dispatches = Counter("corral:scheduler_dispatches", "Dispatch answers by outcome (dispatched, or the "
+                                  "refusal: too_long, no_instance, overloaded)", ["outcome"], registry=r)
+        for outcome in DISPATCH_OUTCOMES:
+            self.dispatches.labels(outcome)
         self.decision_seconds = Histogram("corral:scheduler_dispatch_decision_seconds",
                                           "Time to choose an instance (policy only, no messaging)",
                                           buckets=DECISION_BUCKETS, registry=r)
@@ -25,8 +29,8 @@ class SchedulerMetrics:
                                         ["kind"], registry=r)
         r.register(_LoadTableCollector(live_loads, standing_pairs))
 
-    def dispatched(self, rejected: str | None) -> None:
-        self.dispatches.labels("dispatched" if rejected is None else rejected).inc()
+    def dispatched(self, refusal: Refusal | None) -> None:
+        self.dispatches.labels("dispatched" if refusal is None else refusal.value).inc()
 
     def order_sent(self, cancel: bool) -> None:
         self.migration_orders.labels("cancel" if cancel else "pair").inc()

@@ -81,7 +81,7 @@ class GlobalScheduler:
     def decide(self, request: DispatchRequest) -> DispatchReply:
         with self.metrics.decision_seconds.time():
             decision = choose_instance(self.table.live(), request, self.config.policy)
-        self.metrics.dispatched(decision.rejected if decision.instance_id is None else None)
+        self.metrics.dispatched(decision.reason if decision.instance_id is None else None)
         if decision.instance_id is None:
             return DispatchReply(rejected=decision.rejected, reason=decision.reason)
         chosen = self.table.get(decision.instance_id)

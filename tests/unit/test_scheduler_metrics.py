@@ -35,7 +35,8 @@ def test_dispatch_answers_and_the_load_table_are_exported():
 
     seen = samples(scheduler)
     assert seen[("corral:scheduler_dispatches_total", (("outcome", "dispatched"),))] == 3
-    assert seen[("corral:scheduler_dispatches_total", (("outcome", rejected.rejected),))] == 1
+    assert seen[("corral:scheduler_dispatches_total", (("outcome", "too_long"),))] == 1
+    assert seen[("corral:scheduler_dispatches_total", (("outcome", "overloaded"),))] == 0  # there from the start
     assert seen[("corral:scheduler_dispatch_decision_seconds_count", ())] == 4
     assert seen[("corral:scheduler_live_instances", ())] == 2
     assert seen[("corral:scheduler_migration_pairs", ())] == 0
