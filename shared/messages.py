@@ -60,6 +60,9 @@ class SamplingParams(Struct):
     min_tokens: int = 0
     stop_token_ids: list[int] = []
     repetition_penalty: float = 1.0
+    # Log probabilities of each output token and of this many top alternatives (OpenAI's
+    # top_logprobs; 0: the sampled token's only). None: none (engines that cannot refuse it).
+    logprobs: int | None = None
 
 
 class GenerateRequest(Struct):
@@ -77,6 +80,13 @@ class GenerateRequest(Struct):
     # the generate message's NATS headers; the llumlet keeps it here so that it travels with the
     # request through migrations (the commit carries the request).
     trace_context: dict[str, str] | None = None
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """One output token's log probability and the top alternatives', best first (id, logprob)."""
+
+    logprob: float
+    top: list[tuple[int, float]] = []
 
 
 class TokenChunk(Struct):
@@ -97,6 +107,9 @@ class TokenChunk(Struct):
     # The destination of a migration, taking the request over (its first chunk repeats the output
     # so far): the gateway watches this instance from now on, even when the chunk adds nothing.
     handover: bool = False
+    # One per token of `token_ids`, when the request asked for logprobs (None on a handover's
+    # repeat of the output so far: the destination never saw those probabilities).
+    logprobs: list[TokenLogprob] | None = None
 
 
 class AbortRequest(Struct):
@@ -234,6 +247,8 @@ class MigrationCommit(Struct):
     output_token_ids: list[int]
     num_computed_tokens: int
     num_preemptions: int = 0
+    # Instances the request has left (id -> wall-clock time it left), for the return-trip limit.
+    departures: dict[str, float] = {}
 
 
 def encode(msg: msgspec.Struct) -> bytes:

@@ -20,7 +20,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from services.gateway.errors import ApiError, bad_request, error_response, read_json
-from services.gateway.generation import Generation, TextEvent
+from services.gateway.generation import Generation, TextEvent, TokenWithLogprob
+from services.gateway.logprobs import LogprobsFormatter
 from services.gateway.metrics import timeline_of
 from services.gateway.protocol import ParsedRequest, RequestKind, parse_priority
 from services.gateway.responses import SSE_DONE, ResponseFormatter, Usage, json_bytes, sse_error, sse_event
@@ -53,6 +54,8 @@ class Completion:
         self.options = choices[0].prepared.options
         first = choices[0].prepared
         self.formatter = ResponseFormatter(kind, first.response_id, first.created, service.config.model_name)
+        self._logprobs = LogprobsFormatter(service.tokenizer.token_text) if self.options.logprobs is not None else None
+        self._text_offsets = [0] * len(choices)  # completions' logprobs.text_offset: output so far per choice
         self._finished = False
 
     def usage(self) -> Usage:
@@ -62,6 +65,16 @@ class Completion:
 
     def error(self) -> ApiError | None:
         return next((c.generation.error for c in self.choices if c.generation.error is not None), None)
+
+    def logprobs(self, index: int, event: TextEvent) -> dict[str, Any] | None:
+        """The event's tokens' logprobs in the response's shape (None: not asked for)."""
+        if self._logprobs is None or event.logprobs is None:
+            return None
+        if self.formatter.kind is RequestKind.CHAT:
+            return self._logprobs.chat(event.logprobs)
+        shaped = self._logprobs.completion(event.logprobs, self._text_offsets[index])
+        self._text_offsets[index] += len(event.text)
+        return shaped
 
     # ---- streaming ---------------------------------------------------------------------------
 
@@ -74,9 +87,10 @@ class Completion:
         try:
             async with contextlib.aclosing(self._merged()) as merged:  # a break must stop the pumps too
                 async for index, event in merged:
-                    if event.text or event.finish_reason:
+                    if event.text or event.finish_reason or event.logprobs:
                         chunk = sse_event(self.formatter.text_chunk(event.text, event.finish_reason,
-                                                                    self.usage() if continuous else None, index))
+                                                                    self.usage() if continuous else None, index,
+                                                                    self.logprobs(index, event)))
                         if index in roles_due:
                             roles_due.discard(index)
                             chunk = sse_event(self.formatter.role_chunk(index)) + chunk
@@ -123,11 +137,13 @@ class Completion:
 
     async def respond(self, request: Request) -> Response:
         texts = [""] * len(self.choices)
+        tokens: list[list[TokenWithLogprob]] = [[] for _ in self.choices]
 
         async def collect() -> None:
             async with contextlib.aclosing(self._merged()) as merged:
                 async for index, event in merged:
                     texts[index] += event.text
+                    tokens[index] += event.logprobs or []
                     if event.error is not None:
                         return  # one failed choice fails the request: the others are not waited for
 
@@ -146,7 +162,10 @@ class Completion:
             reasons = [c.generation.finish_reason for c in self.choices]
             assert all(r is not None for r in reasons)
             status = 200
-            body = self.formatter.full_response(texts, reasons, self.usage())  # type: ignore[arg-type]
+            logprobs = None
+            if self._logprobs is not None:
+                logprobs = [self.logprobs(i, TextEvent(text, logprobs=t)) for i, (text, t) in enumerate(zip(texts, tokens))]
+            body = self.formatter.full_response(texts, reasons, self.usage(), logprobs)  # type: ignore[arg-type]
             return Response(json_bytes(body), media_type="application/json")
         finally:
             for task in (collecting, disconnect):

@@ -11,8 +11,12 @@ from services.gateway.errors import ApiError
 from services.gateway.protocol import GenerationOptions
 from services.gateway.responses import Usage
 from services.gateway.stop_strings import StopStringMatcher
-from services.gateway.streams import OutputStream
-from shared.messages import FinishReason
+from services.gateway.streams import Delivery, OutputStream
+from shared.messages import FinishReason, TokenLogprob
+
+
+# An output token with its log probabilities (None: the instance sent none for it, see TokenChunk).
+TokenWithLogprob = tuple[int, TokenLogprob | None]
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,7 @@ class TextEvent:
     text: str
     finish_reason: str | None = None  # set on the last event of a successful request
     error: ApiError | None = None  # set on the last event of a failed one
+    logprobs: list[TokenWithLogprob] | None = None  # the tokens since the last event, if asked for
 
 
 class Generation:
@@ -38,6 +43,7 @@ class Generation:
         self.token_gaps: list[float] = []  # between deliveries that carried tokens (vLLM's inter-token latency)
         self.finish_reason: str | None = None
         self.error: ApiError | None = None
+        self._logprobs: list[TokenWithLogprob] | None = [] if options.logprobs is not None else None
 
     @property
     def ended(self) -> bool:
@@ -55,7 +61,7 @@ class Generation:
                 self.error = ApiError(504, f"no output from the instance for {self._timeout_s:g} s")
                 yield TextEvent("", error=self.error)
                 return
-            text = self._absorb(delivery.token_ids)
+            text = self._absorb(delivery)
             if self._stops.stopped:
                 self.finish_reason = "stop"
             elif delivery.error is not None:
@@ -66,10 +72,25 @@ class Generation:
                 text += self._stops.append(self._detok.flush())
                 self.finish_reason = "stop" if self._stops.stopped else delivery.finish_reason.value
                 text += self._stops.finish()
-            if text or self.ended:
-                yield TextEvent(text, self.finish_reason, self.error)
+            if text or self.ended or self._logprobs:
+                yield TextEvent(text, self.finish_reason, self.error, self._take_logprobs())
 
-    def _absorb(self, token_ids: list[int]) -> str:
+    def _take_logprobs(self) -> list[TokenWithLogprob] | None:
+        if self._logprobs is None:
+            return None
+        taken, self._logprobs = self._logprobs, []
+        return taken
+
+    def _absorb(self, delivery: Delivery) -> str:
+        token_ids = delivery.token_ids
+        text, used = self._absorb_tokens(token_ids)
+        if self._logprobs is not None:
+            logprobs = delivery.logprobs if delivery.logprobs is not None else [None] * len(token_ids)
+            self._logprobs += list(zip(token_ids[:used], logprobs[:used], strict=True))
+        return text
+
+    def _absorb_tokens(self, token_ids: list[int]) -> tuple[str, int]:
+        """The text the tokens make (up to a stop string), and how many of them that took."""
         if token_ids:
             now = time.monotonic()
             if self.first_token_at is None:
@@ -79,11 +100,11 @@ class Generation:
             self.last_token_at = now
         if not self._token_by_token:
             self.num_output_tokens += len(token_ids)
-            return self._stops.append(self._detok.push(token_ids))
-        out = ""
-        for token_id in token_ids:
+            return self._stops.append(self._detok.push(token_ids)), len(token_ids)
+        text = ""
+        for used, token_id in enumerate(token_ids, start=1):
             self.num_output_tokens += 1
-            out += self._stops.append(self._detok.push([token_id]))
+            text += self._stops.append(self._detok.push([token_id]))
             if self._stops.stopped:
-                break
-        return out
+                return text, used
+        return text, len(token_ids)

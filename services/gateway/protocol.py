@@ -1,7 +1,7 @@
 """OpenAI request bodies → typed requests, with vLLM's validation rules and error conventions.
 
-Unknown fields are ignored (as vLLM does); fields we cannot honour (best_of > 1, echo, logprobs,
-penalties other than repetition) are refused with a 400 that says so rather than silently dropped.
+Unknown fields are ignored (as vLLM does); fields we cannot honour (best_of > 1, echo, penalties
+other than repetition) are refused with a 400 that says so rather than silently dropped.
 `n` > 1 is served as n requests, one per choice.
 """
 
@@ -19,6 +19,7 @@ from shared.policy import HIGH_PRIORITY, NORMAL_PRIORITY
 PRIORITY_NAMES = {"high": HIGH_PRIORITY, "normal": NORMAL_PRIORITY}
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_N = 128  # choices per request: each is a request of its own on some instance
+MAX_LOGPROBS = 20  # top alternatives per token: vLLM's default --max-logprobs
 
 
 class RequestKind(enum.Enum):
@@ -55,12 +56,14 @@ class GenerationOptions:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     priority: int | None = None
+    logprobs: int | None = None  # top alternatives per token (0: the sampled token's only); None: off
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=self.seed, ignore_eos=self.ignore_eos, min_tokens=min(self.min_tokens, max_tokens),
             stop_token_ids=list(self.stop_token_ids), repetition_penalty=self.repetition_penalty,
+            logprobs=self.logprobs,
         )
 
 
@@ -204,7 +207,8 @@ def _stream_flags(body: _Body) -> tuple[bool, bool, bool]:
     return stream, flags.boolean("include_usage"), flags.boolean("continuous_usage_stats")
 
 
-def _options(body: _Body, max_tokens: int | None, max_tokens_param: str = "max_tokens") -> GenerationOptions:
+def _options(body: _Body, max_tokens: int | None, max_tokens_param: str = "max_tokens",
+             logprobs: int | None = None) -> GenerationOptions:
     _unsupported(body)
     stream, include_usage, continuous = _stream_flags(body)
     top_k = body.integer("top_k", minimum=-1)
@@ -231,6 +235,7 @@ def _options(body: _Body, max_tokens: int | None, max_tokens_param: str = "max_t
         stop=_stop_strings(body),
         include_stop_str_in_output=body.boolean("include_stop_str_in_output"),
         priority=None if priority is None else parse_priority(priority),
+        logprobs=logprobs,
     )
 
 
@@ -245,26 +250,38 @@ def _or(value: float | None, default: float) -> float:
 
 def parse_chat_request(raw: object) -> ParsedRequest:
     body = _Body(raw)
-    if body.boolean("logprobs") or body.integer("top_logprobs", minimum=0):
-        raise bad_request("`logprobs` is not supported by Corral", "logprobs")
     _unsupported_chat_features(body)
     # As vLLM: max_completion_tokens (the newer name) wins over max_tokens.
     newer, older = body.integer("max_completion_tokens", minimum=1), body.integer("max_tokens", minimum=1)
     max_tokens, param = (newer, "max_completion_tokens") if newer is not None else (older, "max_tokens")
     return ParsedRequest(
-        RequestKind.CHAT, body.string("model"), _options(body, max_tokens, param), messages=parse_messages(body.raw("messages"))
+        RequestKind.CHAT, body.string("model"), _options(body, max_tokens, param, _chat_logprobs(body)),
+        messages=parse_messages(body.raw("messages")),
     )
+
+
+def _chat_logprobs(body: _Body) -> int | None:
+    """Chat asks with `logprobs: true` and `top_logprobs: k` (which needs the former)."""
+    top = body.integer("top_logprobs", minimum=0)
+    if top is not None and top > MAX_LOGPROBS:
+        raise bad_request(f"`top_logprobs` must be at most {MAX_LOGPROBS}, got {top}", "top_logprobs")
+    if not body.boolean("logprobs"):
+        if top:
+            raise bad_request("when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs")
+        return None
+    return top or 0
 
 
 def parse_completion_request(raw: object) -> ParsedRequest:
     body = _Body(raw)
     if body.boolean("echo"):
         raise bad_request("`echo` is not supported by Corral", "echo")
-    if body.raw("logprobs") is not None:
-        raise bad_request("`logprobs` is not supported by Corral", "logprobs")
     if body.string("suffix"):
         raise bad_request("`suffix` is not supported by Corral", "suffix")
-    options = _options(body, body.integer("max_tokens", minimum=1))
+    logprobs = body.integer("logprobs", minimum=0)  # completions: the number of alternatives
+    if logprobs is not None and logprobs > MAX_LOGPROBS:
+        raise bad_request(f"`logprobs` must be at most {MAX_LOGPROBS}, got {logprobs}", "logprobs")
+    options = _options(body, body.integer("max_tokens", minimum=1), logprobs=logprobs)
     return ParsedRequest(RequestKind.COMPLETION, body.string("model"), options, prompt=_prompt(body.raw("prompt")))
 
 

@@ -64,12 +64,12 @@ class ResponseFormatter:
         return self._envelope(self._chunk_object, [choice])
 
     def text_chunk(self, text: str, finish_reason: str | None, usage: Usage | None = None,
-                   index: int = 0) -> dict[str, Any]:
+                   index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.kind is RequestKind.CHAT:
             delta = {"content": text} if text else {}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         chunk = self._envelope(self._chunk_object, [choice])
         if usage is not None:
             chunk["usage"] = usage.as_dict()
@@ -81,15 +81,17 @@ class ResponseFormatter:
         chunk["usage"] = usage.as_dict()
         return chunk
 
-    def full_response(self, texts: list[str], finish_reasons: list[str], usage: Usage) -> dict[str, Any]:
+    def full_response(self, texts: list[str], finish_reasons: list[str], usage: Usage,
+                      logprobs: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
         """The whole response; one choice per text, indexed in order (`n` > 1 gives several)."""
         choices = []
-        for index, (text, finish_reason) in enumerate(zip(texts, finish_reasons, strict=True)):
+        logprobs = logprobs or [None] * len(texts)
+        for index, (text, finish_reason, lp) in enumerate(zip(texts, finish_reasons, logprobs, strict=True)):
             if self.kind is RequestKind.CHAT:
                 message = {"role": "assistant", "content": text}
-                choices.append({"index": index, "message": message, "logprobs": None, "finish_reason": finish_reason})
+                choices.append({"index": index, "message": message, "logprobs": lp, "finish_reason": finish_reason})
             else:
-                choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason})
+                choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason})
         response = self._envelope("chat.completion" if self.kind is RequestKind.CHAT else "text_completion", choices)
         response["usage"] = usage.as_dict()
         return response

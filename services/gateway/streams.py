@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from shared.messages import FinishReason, TokenChunk
+from shared.messages import FinishReason, TokenChunk, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ class Delivery:
     finish_reason: FinishReason | None = None
     error: str | None = None
     error_code: int = 500
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the chunk carried them
 
     @property
     def final(self) -> bool:
@@ -56,7 +57,7 @@ class TokenOrderer:
             return []
         if chunk.error is not None:
             self.done = True
-            return [Delivery(self._new_tokens(chunk), error=chunk.error)]
+            return [Delivery(self._new_tokens(chunk), error=chunk.error, logprobs=self._new_logprobs(chunk))]
         if chunk.start_index > self.next_index:
             self._buffer(chunk)
             return []
@@ -79,17 +80,22 @@ class TokenOrderer:
             return []
         return chunk.token_ids[self.next_index - chunk.start_index:]
 
+    def _new_logprobs(self, chunk: TokenChunk) -> list[TokenLogprob] | None:
+        if chunk.logprobs is None or chunk.start_index > self.next_index:
+            return None
+        return chunk.logprobs[self.next_index - chunk.start_index:]
+
     def _apply(self, chunk: TokenChunk) -> list[Delivery]:
         assert chunk.start_index <= self.next_index, "a chunk past a gap must wait in `pending`"
         if self.is_stale(chunk):
             return []
-        new = self._new_tokens(chunk)
+        new, logprobs = self._new_tokens(chunk), self._new_logprobs(chunk)
         self.next_index += len(new)
         if chunk.finish_reason is not None:
             self.done = True
             self.finish_reason = chunk.finish_reason
             self.pending.clear()
-        return [Delivery(new, chunk.finish_reason)]
+        return [Delivery(new, chunk.finish_reason, logprobs=logprobs)]
 
 
 @dataclass

@@ -35,6 +35,7 @@ class ModelTokenizer:
         self.vocab_size = len(decoder)
         self.has_chat_template = bool(getattr(encoder, "chat_template", None))
         self._fast_decode = _backend_decode(decoder)
+        self._token_texts: dict[int, str] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
 
     @classmethod
@@ -78,6 +79,13 @@ class ModelTokenizer:
     def token_strings(self, token_ids: list[int]) -> list[str]:
         """Each token's own string (vLLM's `return_token_strs`). Event loop only."""
         return list(self._decoder.convert_ids_to_tokens(token_ids))
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (a logprob entry's `token`). Event loop only."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self._decoder.decode([token_id], skip_special_tokens=False)
+        return text
 
     def decode(self, token_ids: list[int]) -> str:
         """Event loop only. Twice per output token (incremental detokenization): straight to the

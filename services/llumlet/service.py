@@ -221,6 +221,7 @@ class Llumlet:
             finish_reason=output.finish_reason,
             num_prompt_tokens=output.num_prompt_tokens,
             num_preemptions=output.num_preemptions,
+            logprobs=output.logprobs,
         )
         await self.nc.publish(subject, encode(chunk))
 
@@ -269,6 +270,7 @@ class Llumlet:
             headroom_blocks=self.config.policy.headroom_blocks,
             draining=self.draining,
             reserved_blocks=migration.reserved_blocks if migration is not None else 0,
+            committed_blocks=self.engine.num_committed_blocks(),
             num_migrating=migration.num_migrating if migration is not None else 0,
             kv_address=migration.kv_address if migration is not None else "",
             max_model_len=self.engine.max_model_len,

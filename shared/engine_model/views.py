@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from shared.messages import FinishReason, Refusal
+from shared.messages import FinishReason, Refusal, TokenLogprob
 
 
 class EngineError(Exception):
@@ -53,3 +53,4 @@ class StepOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int | None = None  # of the prompt, found in the prefix cache (None: the engine keeps none)
     num_preemptions: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them

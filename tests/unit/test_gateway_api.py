@@ -13,13 +13,14 @@ import socket
 import time
 
 import httpx
+from msgspec.structs import replace
 import openai
 import pytest
 import uvicorn
 
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
-from shared.messages import TokenChunk
+from shared.messages import FinishReason, TokenChunk, TokenLogprob
 from tests.unit.test_gateway_sse import (  # noqa: F401  (tokenizer is a fixture)
     CHAT, HELLO, TEXT, ScriptedGateway, chunks_for, sse_events, token_ids, tokenizer,
 )
@@ -283,3 +284,68 @@ async def test_one_failed_choice_fails_the_request_at_once_and_aborts_the_others
         assert response.status_code == 500 and response.json()["error"]["message"] == "the engine failed"
     slow = {gateway.submitted[0].request_id, gateway.submitted[2].request_id}
     assert slow <= set(gateway.aborted) and len(gateway.streams) == 0
+
+
+# ---- logprobs ----------------------------------------------------------------------------------
+
+
+def with_logprobs(chunks: list[TokenChunk], top: int) -> list[TokenChunk]:
+    """Each token i gets logprob -(i+1)/10, and alternatives: itself, then token 3, 4, ..."""
+    out = []
+    for chunk in chunks:
+        logprobs = []
+        for offset, token_id in enumerate(chunk.token_ids):
+            value = -(chunk.start_index + offset + 1) / 10
+            alternatives = [(token_id, value)] + [(3 + k, value - 1 - k) for k in range(top - 1)]
+            logprobs.append(TokenLogprob(value, alternatives[:top]))
+        out.append(replace(chunk, logprobs=logprobs))
+    return out
+
+
+async def test_chat_stream_logprobs_in_openai_shape(client, gateway, tokenizer):
+    ids = token_ids(tokenizer, TEXT)
+    gateway.script = with_logprobs(chunks_for(ids), top=2)
+    response = await client.post(CHAT, json={"messages": HELLO, "stream": True, "logprobs": True, "top_logprobs": 2})
+    chunks = [json.loads(e) for e in sse_events(response.text)[:-1]]
+    assert gateway.submitted[0].options.sampling_params(8).logprobs == 2  # asked of the engine
+    entries = [e for c in chunks if c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]]
+    assert [e["token"] for e in entries] == [tokenizer.token_text(t) for t in ids]
+    assert [e["logprob"] for e in entries] == pytest.approx([-(i + 1) / 10 for i in range(len(ids))])
+    first = entries[0]
+    assert first["bytes"] == list(first["token"].encode())
+    assert [t["token"] for t in first["top_logprobs"]] == [first["token"], tokenizer.token_text(3)]
+    assert chunks[0]["choices"][0]["logprobs"] is None  # the role chunk
+
+
+async def test_completion_logprobs_with_text_offsets(client, gateway, tokenizer):
+    ids = token_ids(tokenizer, "Hello world again")
+    gateway.script = with_logprobs(chunks_for(ids, finish=FinishReason.LENGTH), top=1)
+    body = (await client.post("/v1/completions", json={"prompt": "hi", "logprobs": 1, "max_tokens": len(ids)})).json()
+    logprobs = body["choices"][0]["logprobs"]
+    texts = [tokenizer.token_text(t) for t in ids]
+    assert logprobs["tokens"] == texts
+    assert logprobs["token_logprobs"] == pytest.approx([-(i + 1) / 10 for i in range(len(ids))])
+    assert [list(d) for d in logprobs["top_logprobs"]] == [[t] for t in texts]
+    assert logprobs["text_offset"] == [sum(len(t) for t in texts[:i]) for i in range(len(ids))]
+
+
+async def test_logprobs_stop_at_a_stop_string_with_the_text(client, gateway, tokenizer):
+    ids = token_ids(tokenizer, "one two three four")
+    gateway.script = with_logprobs(chunks_for(ids, per_chunk=4), top=0)
+    body = (await client.post("/v1/completions", json={"prompt": "hi", "logprobs": 0, "stop": " three"})).json()
+    assert body["choices"][0]["text"] == "one two"
+    tokens = body["choices"][0]["logprobs"]["tokens"]
+    assert "".join(tokens).startswith("one two three") and len(tokens) < len(ids)  # up to the stop, no further
+
+
+async def test_tokens_repeated_at_a_handover_without_logprobs_have_null_ones(client, gateway, tokenizer):
+    ids = token_ids(tokenizer, "one two three four")
+    source = with_logprobs([TokenChunk("?", "src", 0, ids[:2])], top=1)
+    # The destination's repeat of the output so far overtakes the source's last chunk.
+    handover = TokenChunk("?", "dst", 0, ids[:3], handover=True)
+    rest = with_logprobs([TokenChunk("?", "dst", 3, ids[3:], finish_reason=FinishReason.STOP)], top=1)
+    gateway.script = [*source, handover, *rest]
+    body = (await client.post(CHAT, json={"messages": HELLO, "logprobs": True})).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [e["logprob"] is None for e in content] == [False, False, True] + [False] * (len(ids) - 3)
+    assert content[2]["top_logprobs"] == []

@@ -30,6 +30,7 @@ async def llumlet(nats_url):
     config = LlumletConfig(f"refuse-{uuid.uuid4().hex[:6]}", nats_url, report_interval_s=0.05)
     llumlet = Llumlet(config, SimEngine(sim_config(time_scale=0.01, num_blocks=256, max_model_len=MAX_MODEL_LEN)))
     await llumlet.start()
+    await llumlet.nc.flush()  # its subscriptions are on the server before another client asks
     yield llumlet
     if llumlet.nc is not None and not llumlet.nc.is_closed:
         await llumlet.stop()
@@ -61,3 +62,10 @@ async def test_a_leaving_instance_refuses_new_requests_as_draining(nc, llumlet):
     await llumlet._announce_leaving()  # the first step of stop(): its last report says draining
     ack = await order(nc, llumlet, encode(gen("after", 20, 5)))
     assert (ack.ok, ack.reason) == (False, Refusal.DRAINING) and "shutting down" in ack.error
+
+
+async def test_logprobs_on_the_simulated_engine_are_invalid_not_invented(nc, llumlet):
+    request = gen("lp", 20, 5)
+    request.sampling.logprobs = 2
+    ack = await order(nc, llumlet, encode(request))
+    assert (ack.ok, ack.reason) == (False, Refusal.INVALID) and "vLLM engine" in ack.error

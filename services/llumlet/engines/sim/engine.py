@@ -167,6 +167,8 @@ class SimEngine:
             raise EngineError(f"request {request.request_id}: empty prompt")
         if sampling.max_tokens < 1:
             raise EngineError(f"request {request.request_id}: max_tokens must be at least 1")
+        if sampling.logprobs is not None:  # its tokens are drawn from a hash, not from probabilities
+            raise EngineError("logprobs need the vLLM engine: the simulated engine has no probabilities to report")
         target = request.target_output_len
         if target is not None:
             target = max(target, sampling.min_tokens)  # a trace's "EOS" cannot come before min_tokens

@@ -17,7 +17,7 @@ import msgspec
 
 from shared.engine_model.views import RequestPhase, RequestView, StepOutput
 from services.llumlet.engines.vllm.config import VllmEngineConfig
-from services.llumlet.engines.vllm.params import finish_reason_of, to_vllm_sampling_params
+from services.llumlet.engines.vllm.params import finish_reason_of, logprobs_of, to_vllm_sampling_params
 from services.llumlet.engines.vllm.probe import SchedulerProbe
 from services.llumlet.engines.vllm.state import (
     AbortCommand,
@@ -376,6 +376,8 @@ class VllmDriver:
         reason = finish_reason_of(completion.finish_reason) if request_output.finished else None
         if not token_ids and reason is None:
             return None
+        top = tracked.request.sampling.logprobs if tracked.request is not None else None
+        logprobs = None if top is None or completion.logprobs is None else logprobs_of(token_ids, completion.logprobs, top)
         return StepOutput(
             request_id=tracked.request_id,
             start_index=tracked.num_delivered,
@@ -384,6 +386,7 @@ class VllmDriver:
             num_prompt_tokens=tracked.num_prompt_tokens,
             num_cached_tokens=request_output.num_cached_tokens,
             num_preemptions=tracked.num_preemptions,
+            logprobs=logprobs,
         )
 
     # ------------------------------------------------------------------ snapshots

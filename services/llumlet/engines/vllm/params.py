@@ -6,10 +6,11 @@ request vLLM would refuse fails in `add_request` with a clear `EngineError` inst
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from shared.engine_model.views import EngineError
-from shared.messages import FinishReason, GenerateRequest, Refusal
+from shared.messages import FinishReason, GenerateRequest, Refusal, TokenLogprob
 
 if TYPE_CHECKING:
     import vllm
@@ -28,6 +29,16 @@ FINISH_REASONS = {
 def finish_reason_of(vllm_reason: str | None) -> FinishReason:
     """A finished request's reason; one vLLM does not name is an error, never silence."""
     return FINISH_REASONS.get(vllm_reason or "", FinishReason.ERROR)
+
+
+def logprobs_of(token_ids: Sequence[int], positions: Sequence[Mapping[int, Any]], top: int) -> list[TokenLogprob]:
+    """vLLM's per-token logprobs (each position: the sampled token and the top `top`, as
+    {token id: Logprob(logprob, rank)}) → ours: the sampled token's, and the top ones best first."""
+    out = []
+    for token_id, position in zip(token_ids, positions, strict=True):
+        ranked = sorted((lp.rank, t, lp.logprob) for t, lp in position.items() if lp.rank is not None and lp.rank <= top)
+        out.append(TokenLogprob(position[token_id].logprob, [(t, logprob) for _rank, t, logprob in ranked]))
+    return out
 
 
 def check_request(request: GenerateRequest, *, max_model_len: int, vocab_size: int) -> None:
@@ -71,6 +82,7 @@ def to_vllm_sampling_params(request: GenerateRequest) -> vllm.SamplingParams:
             min_tokens=sampling.min_tokens,
             stop_token_ids=list(sampling.stop_token_ids),
             repetition_penalty=sampling.repetition_penalty,
+            logprobs=sampling.logprobs,
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
         )
