@@ -11,6 +11,7 @@ import itertools
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -55,14 +56,16 @@ class KubeApiStandIn:
     """One namespace, one Deployment (its scale subresource) and its pods."""
 
     def __init__(self, namespace: str = "corral", deployment: str = "corral-llumlet", replicas: int = 2,
-                 pod_creation_delay_s: float = 0.0) -> None:
+                 pod_creation_delay_s: float = 0.0, kubelet: Kubelet | None = None) -> None:
         self.namespace, self.deployment = namespace, deployment
         self.labels = {"app.kubernetes.io/name": "corral-llumlet"}
         self.replicas = 0
         self.resource_version = 1
         self.pod_creation_delay_s = pod_creation_delay_s
+        self.kubelet = kubelet
         self.pods: dict[str, FakePod] = {}
         self.deleted: list[str] = []  # pod names, in the order the controller deleted them
+        self.replica_history: list[int] = []
         self.requests: list[tuple[str, str, str]] = []  # (method, path, content type)
         self.conflicts_to_inject = 0  # answer this many scale patches with 409 as if another writer won
         self._names = itertools.count()
@@ -101,6 +104,7 @@ class KubeApiStandIn:
 
     def _set_replicas(self, replicas: int, delay: bool = True) -> None:
         self.replicas = replicas
+        self.replica_history.append(replicas)
         live = self.live_pods()
         for _ in range(replicas - len(live)):
             name = f"{self.deployment}-7d9f8b-{next(self._names):05d}"
@@ -109,14 +113,21 @@ class KubeApiStandIn:
             else:
                 self._create(name)
         # Who goes: not ready first, then the lowest deletion cost, then the newest.
-        ranked = sorted(live, key=lambda p: (p.ready, p.deletion_cost(), -p.created))
+        ranked = sorted(live, key=lambda p: (self._ready(p), p.deletion_cost(), -p.created))
         for pod in ranked[: max(0, len(live) - replicas)]:
             pod.deleted_at = time.time()
             self.deleted.append(pod.name)
+            if self.kubelet is not None:
+                threading.Thread(target=self.kubelet.stop, args=(pod.name,), daemon=True).start()
+
+    def _ready(self, pod: FakePod) -> bool:
+        return self.kubelet.ready(pod.name) if self.kubelet is not None else pod.ready
 
     def _create(self, name: str) -> None:
         with self._lock:
             self.pods[name] = FakePod(name, dict(self.labels), time.time())
+            if self.kubelet is not None:
+                self.kubelet.start(name)
 
     # -- endpoints -------------------------------------------------------------------------------
 
@@ -181,6 +192,15 @@ class KubeApiStandIn:
         """The pod is gone from the API (e.g. its node failed and it was force-deleted)."""
         with self._lock:
             del self.pods[name]
+
+
+@dataclass
+class Kubelet:
+    """What runs a pod: start it, stop it (preStop, then SIGTERM), ask its readiness probe."""
+
+    start: Callable[[str], None]
+    stop: Callable[[str], None]
+    ready: Callable[[str], bool]
 
 
 class _Recorder:
