@@ -15,12 +15,13 @@ from msgspec import Meta
 from starlette.routing import Route
 
 from services.gateway.info_routes import corral_version
-from services.gateway.protocol import CHAT_ROLES, MAX_N
+from services.gateway.protocol import CHAT_ROLES, MAX_LOGPROBS, MAX_N
 
 NonNegative = Annotated[int, Meta(ge=0)]
 Positive = Annotated[int, Meta(ge=1)]
 Priority = int | Literal["high", "normal"]
 Role = Literal[tuple(sorted(CHAT_ROLES))]  # type: ignore[valid-type]
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 
 
 class _Body(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
@@ -65,10 +66,13 @@ class _Sampling(_Body):
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: Positive | None = None
+    logprobs: bool | None = None  # the vLLM engine only (the simulated one answers 400)
+    top_logprobs: TopLogprobs | None = None  # needs logprobs: true
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[int], Meta(min_length=1)]
+    logprobs: TopLogprobs | None = None  # the vLLM engine only (the simulated one answers 400)
 
 
 class TokenizeCompletionRequest(_Body):
@@ -108,11 +112,32 @@ class Usage(_Body):
     total_tokens: int
 
 
+class TopLogprob(_Body):
+    token: str
+    logprob: float | None
+    bytes: list[int]
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Body):
+    content: list[TokenLogprobEntry]
+
+
+class CompletionLogprobs(_Body):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class ChatChoice(_Body):
     index: int
     message: ChatMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(_Body):
@@ -128,7 +153,7 @@ class CompletionChoice(_Body):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(_Body):

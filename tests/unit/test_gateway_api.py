@@ -349,3 +349,27 @@ async def test_tokens_repeated_at_a_handover_without_logprobs_have_null_ones(cli
     content = body["choices"][0]["logprobs"]["content"]
     assert [e["logprob"] is None for e in content] == [False, False, True] + [False] * (len(ids) - 3)
     assert content[2]["top_logprobs"] == []
+
+
+async def test_answers_match_their_documented_schemas(client, gateway, tokenizer):
+    jsonschema = pytest.importorskip("jsonschema")
+    document = (await client.get("/openapi.json")).json()
+
+    def check(path: str, method: str, response: httpx.Response) -> None:
+        answer = document["paths"][path][method]["responses"][str(response.status_code)]
+        schema = answer["content"]["application/json"]["schema"]
+        jsonschema.validate(response.json(), {**schema, "components": document["components"]})
+
+    ids = token_ids(tokenizer, "Hello world")
+    gateway.script = with_logprobs(chunks_for(ids), top=2)
+    check(CHAT, "post", await client.post(CHAT, json={"messages": HELLO, "n": 2, "logprobs": True, "top_logprobs": 2}))
+    gateway.script = with_logprobs(chunks_for(ids), top=1)
+    check("/v1/completions", "post", await client.post("/v1/completions", json={"prompt": "hi", "logprobs": 1}))
+    check(CHAT, "post", await client.post(CHAT, json={"messages": []}))  # a 400
+    check("/v1/models", "get", await client.get("/v1/models"))
+    check("/v1/models/{model}", "get", await client.get("/v1/models/tiny-tok"))
+    check("/v1/models/{model}", "get", await client.get("/v1/models/other"))  # a 404
+    check("/tokenize", "post", await client.post("/tokenize", json={"prompt": "hi", "return_token_strs": True}))
+    check("/detokenize", "post", await client.post("/detokenize", json={"tokens": ids}))
+    for path in ("/health", "/ready", "/version"):
+        check(path, "get", await client.get(path))
