@@ -38,6 +38,10 @@ class Engine(Protocol):
 
     def num_free_blocks(self) -> int: ...
 
+    def num_committed_blocks(self) -> int:
+        """Free blocks admitted prompts still have to claim (counted as used by the load report
+        and the migration guard)."""
+
     def num_preemptions_total(self) -> int: ...
 
     def request_views(self) -> list[RequestView]:

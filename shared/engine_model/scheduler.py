@@ -46,7 +46,7 @@ class SimScheduler:
         self._priority_preemption = config.queue_policy == "priority" and config.preempt_for_priority
         # Running requests admitted on their whole sequence but allocated chunk by chunk (v1
         # chunked prefill); entries that finished prefilling or left are dropped when counted.
-        self._prefilling: dict[str, SimRequest] = {}
+        self._prefilling: dict[str, tuple[SimRequest, int]] = {}  # id -> (request, tokens admitted on)
 
     # -- intake --------------------------------------------------------------------------------
 
@@ -194,9 +194,9 @@ class SimScheduler:
             return 0
         owed = 0
         num_blocks_of, block_size = self.block_manager.num_blocks_of, self.block_size
-        for request_id, request in list(prefilling.items()):
-            missing = blocks_for_tokens(request.num_tokens, block_size) - num_blocks_of(request_id)
-            if request.status is not _RUNNING or missing <= 0:
+        for request_id, (request, tokens) in list(prefilling.items()):
+            missing = blocks_for_tokens(tokens, block_size) - num_blocks_of(request_id)
+            if request.status is not _RUNNING or missing <= 0 or request.num_computed_tokens >= tokens:
                 del prefilling[request_id]  # (a preempted one is registered again when readmitted)
             else:
                 owed += missing
@@ -325,7 +325,7 @@ class SimScheduler:
             self.counts.count_waiting(request, -1)
             bm.allocate(request.request_id, num_blocks, group=request.priority)
             if config.reserve_full_sequence and num_new < request.num_tokens:
-                self._prefilling[request.request_id] = request
+                self._prefilling[request.request_id] = (request, request.num_tokens)
             request.start_running(now)
             running.append(request)
             out.record(request, num_new, 0)

@@ -54,12 +54,15 @@ def guard_refusal(load: IntakeLoad, num_blocks: int, limits: MigrationLimits) ->
     simulator runs: no queue here, and enough blocks left free afterwards); None: it may."""
     guard = limits.guard()
     if may_migrate_into(num_blocks=num_blocks, num_blocks_free=load.num_blocks_free,
-                        num_blocks_total=load.num_blocks_total, num_waiting=load.num_waiting, guard=guard):
+                        num_blocks_total=load.num_blocks_total, num_waiting=load.num_waiting, guard=guard,
+                        num_blocks_committed=load.num_blocks_committed):
         return None
     if load.num_waiting > guard.dest_max_waiting:
         return f"busy: {load.num_waiting} requests waiting here"
-    return (f"no room: {num_blocks} blocks would leave {load.num_blocks_free - num_blocks} of {load.num_blocks_total} "
-            f"free (the guard keeps {guard.dest_min_free_fraction_after:.0%})")
+    left = load.num_blocks_free - load.num_blocks_committed - num_blocks
+    owed = f", {load.num_blocks_committed} of them owed to admitted prompts" if load.num_blocks_committed else ""
+    return (f"no room: {num_blocks} blocks would leave {left} of {load.num_blocks_total} free{owed} "
+            f"(the guard keeps {guard.dest_min_free_fraction_after:.0%})")
 
 
 @dataclass(eq=False)

@@ -119,6 +119,7 @@ class MigrationLimits:
     # here, or when taking the request would leave less than this fraction of the blocks free
     # (it would become a source).
     min_residence_s: float = DEFAULT_GUARD.min_residence_s
+    min_return_s: float = DEFAULT_GUARD.min_return_s  # no going back soon to an instance it left
     dest_max_waiting: int = DEFAULT_GUARD.dest_max_waiting
     dest_min_free_fraction: float = DEFAULT_GUARD.dest_min_free_fraction_after
     # Source loop.
@@ -151,7 +152,8 @@ class MigrationLimits:
         """The guard's rules with these limits (for `may_migrate_into`; the freeness gap is the
         scheduler's, which pairs)."""
         return MigrationGuard(dest_max_waiting=self.dest_max_waiting, min_residence_s=self.min_residence_s,
-                              dest_min_free_fraction_after=self.dest_min_free_fraction)
+                              dest_min_free_fraction_after=self.dest_min_free_fraction,
+                              min_return_s=self.min_return_s)
 
     def stage_rule(self) -> StageRule:
         return StageRule(stage_limit=self.stage_limit, last_stage_blocks=self.last_stage_blocks)

@@ -11,6 +11,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.llumlet.migration.copier import BlockCopier
+from services.llumlet.migration.departures import Departures
 from services.llumlet.migration.destination import IncomingMigrations
 from services.llumlet.migration.handshake import HandshakeServer, NatsDestinationLink
 from services.llumlet.migration.kv_receiver import KVReceiver
@@ -51,13 +52,14 @@ class LlumletMigration:
         self.receiver: KVReceiver | None = None
         self.senders = KVSenderPool(limits)
         self.coordinator: MigrationCoordinator | None = None
+        self.departures = Departures()  # the source's return-trip limit reads what commits brought in
 
     async def start(self, nc: Client) -> list[Coroutine[Any, Any, None]]:
         """Listen for KV frames and handshakes; returns the background loops to run."""
         self.copier = BlockCopier(self.ops.kv_regions())
         self.incoming = IncomingMigrations(self.ops, self.copier, self.limits, refusal=self.hooks.refusal,
                                            on_change=self.hooks.changed, intake_load=self.ops.intake_load,
-                                           on_committed=self.hooks.migrated_in)
+                                           on_committed=self._migrated_in)
         self.receiver = KVReceiver(self.incoming, self.limits, self.copier.new_host_buffer, self.kv_host,
                                    self.kv_port, self.kv_advertise_host)
         try:
@@ -66,7 +68,7 @@ class LlumletMigration:
             raise SystemExit(f"cannot listen for KV transfers on {self.kv_host}:{self.kv_port}: {exc}") from exc
         self.coordinator = MigrationCoordinator(self.instance_id, self.ops, self.copier,
                                                 NatsDestinationLink(nc, self.limits), self.senders, self.limits,
-                                                self.hooks)
+                                                self.hooks, departures=self.departures)
         await HandshakeServer(self.incoming).subscribe(nc, self.instance_id)
         await nc.subscribe(subjects.llumlet(self.instance_id, "migrate"), cb=self._on_order)
         log.info("migration on: KV receiver at %s (%d bytes per block)", self.kv_address, self.copier.block_bytes)
@@ -82,6 +84,10 @@ class LlumletMigration:
         self.senders.close()
         if self.copier is not None:
             self.copier.close()
+
+    async def _migrated_in(self, commit: MigrationCommit) -> None:
+        self.departures.arrived(commit.request.request_id, commit.departures)
+        await self.hooks.migrated_in(commit)
 
     async def _on_order(self, msg: Msg) -> None:
         order = decode_or_drop(msg.data, MigrateOrder, log, "migrate order")

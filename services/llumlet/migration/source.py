@@ -4,8 +4,10 @@ migrating requests to it, and the multi-stage protocol for one request.
 The request stays untouched on the source until the destination has committed: every stage
 re-checks it after every await (finished, aborted, preempted, stopping → ABORT to the
 destination, the request goes on here), and only the last stage takes it out of the batch.
-The loop picks only requests that have stayed `min_residence_s` here since they arrived or
-migrated in (the simulator's anti-thrash guard: no ping-pong).
+The loop picks only decoding requests (`is_migratable`, in the engine adapters) that may move
+by the policy's per-request limits (`may_move`, as the simulator): stayed `min_residence_s`
+here since they arrived or migrated in, and did not leave the destination less than
+`min_return_s` ago (their `Departures`, carried in each commit).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from services.llumlet.migration.protocol import (
     new_migration_id,
 )
 from shared.messages import MigrateOrder, MigrationAbort, PreAlloc, encode
-from shared.policy.migration import next_stage, select_request_to_migrate
+from services.llumlet.migration.departures import Departures
+from shared.policy.migration import may_move, next_stage, select_request_to_migrate
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +116,7 @@ class _Pair:
 class MigrationCoordinator:
     def __init__(self, instance_id: str, ops: MigratableEngine, copier: BlockCopier, link: DestinationLink,
                  senders: KVSenderPool, limits: MigrationLimits, hooks: SourceHooks,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, departures: Departures | None = None) -> None:
         self.instance_id = instance_id
         self.ops = ops
         self.copier = copier
@@ -122,6 +125,8 @@ class MigrationCoordinator:
         self.limits = limits
         self.hooks = hooks
         self._clock = clock
+        self.departures = departures if departures is not None else Departures()
+        self._guard = limits.guard()
         self._pair: _Pair | None = None
         self._active: dict[str, OutgoingMigration] = {}  # by request id
         self._tasks: set[asyncio.Task] = set()
@@ -192,16 +197,17 @@ class MigrationCoordinator:
         if self._pair.backoff_until > self._clock():
             return None, ""
         candidates = [c for c in self.ops.migration_candidates()
-                      if c.request_id not in self._active and self._resident_long_enough(c.request_id)]
+                      if c.request_id not in self._active and self._may_move(c.request_id, dst)]
         choice = select_request_to_migrate(candidates)
         return (choice.request_id, dst) if choice is not None else (None, "")
 
-    def _resident_long_enough(self, request_id: str) -> bool:
-        """The residence guard: a request that just arrived or migrated in stays a while."""
-        if self.limits.min_residence_s <= 0:
-            return True
+    def _may_move(self, request_id: str, dst: str) -> bool:
+        """The per-request limits the simulator runs (`may_move`): a request that just arrived or
+        migrated in stays a while, and does not go back soon to an instance it left."""
         residence = self.ops.residence_s(request_id)
-        return residence is not None and residence >= self.limits.min_residence_s
+        return residence is not None and may_move(
+            residence_s=residence, left_destination_s_ago=self.departures.left_s_ago(request_id, dst),
+            guard=self._guard)
 
     def _task_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
@@ -351,6 +357,7 @@ class MigrationCoordinator:
         downtime holds one TCP round trip, no NATS hop). Only when that ack is lost does the NATS
         COMMIT (idempotent) learn the outcome; a refusal raises (→ abort, resumes here)."""
         commit = self.ops.migration_commit(m.request_id, m.migration_id)
+        commit.departures = self.departures.leaving(m.request_id, self.instance_id)
         assert upto <= m.lease_blocks, (upto, m.lease_blocks)
         block_ids = self.ops.block_ids_of(m.request_id)[m.blocks_sent : upto]
         raw = encode(commit)
@@ -379,6 +386,7 @@ class MigrationCoordinator:
         m.commit_s = now - asked
         if committed:
             m.committed_at = now
+            self.departures.forget(m.request_id)
             self.hooks.migrated_out(m.request_id)  # no await since the ack: nothing published meanwhile
         if committed is None:  # nobody knows: the request cannot go on anywhere for sure
             m.abort(MigrationStatus.ABORTED_DST, "commit outcome unknown", self._clock())

@@ -165,6 +165,9 @@ class VllmEngine:
     def num_free_blocks(self) -> int:
         return self._shared.snapshot.num_free_blocks
 
+    def num_committed_blocks(self) -> int:
+        return 0  # vLLM v1 admits a prompt on its next chunk's blocks only: it commits no more than it holds
+
     def num_preemptions_total(self) -> int:
         return self._shared.num_preemptions_total
 

@@ -29,7 +29,7 @@ from services.llumlet.engines.vllm.state import AddCommand, MigratedLoad, Shared
 from services.llumlet.migration.ops import IntakeLoad, KVRegion, LivePhase, MigrationSnapshot
 from shared.engine_model.views import EngineError
 from shared.messages import MigrationCommit
-from shared.policy.migration import MigrationCandidate
+from shared.policy.migration import MigrationCandidate, is_migratable
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,9 @@ class VllmMigration:
             MigrationCandidate(rid, tracked.priority, tracked.num_prompt_tokens + view.num_output_tokens)
             for rid, view in views.items()
             if (tracked := requests.get(rid)) is not None and tracked.status is TrackedStatus.IN_VLLM
-            and not view.queued and view.num_output_tokens > 0
+            and not view.queued and is_migratable(
+                num_output_tokens=view.num_output_tokens, num_computed_tokens=view.num_computed_tokens,
+                num_tokens=tracked.num_prompt_tokens + view.num_output_tokens, recovering=False)
         ]
 
     def residence_s(self, request_id: str) -> float | None:
