@@ -47,12 +47,16 @@ def latency_series_ms(records: Sequence[RequestRecord]) -> dict[str, np.ndarray]
 
 def latency_figure(plt, records: Sequence[RequestRecord], title: str):
     """CDFs on log x axes: tails span orders of magnitude that a linear axis squashes."""
+    from matplotlib import ticker
+
     not_done = sum(not r.ok for r in records)
     figure, axes = plt.subplots(2, 2, figsize=(10, 7))
     for axis, (name, values_ms) in zip(axes.flat, latency_series_ms(records).items()):
         if len(values_ms):
             axis.step(values_ms, np.arange(1, len(values_ms) + 1) / len(values_ms), where="post")
             axis.set_xscale("log")
+            axis.xaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+            axis.xaxis.set_minor_formatter(minor_tick_formatter(values_ms[0], values_ms[-1]))
         axis.set_title(f"{name} CDF ({len(values_ms)} values)")
         axis.set_xlabel("ms (log scale)")
         axis.set_ylabel("fraction")
@@ -60,6 +64,21 @@ def latency_figure(plt, records: Sequence[RequestRecord], title: str):
     note = f"; {not_done} request(s) failed or rejected, not in the CDFs" if not_done else ""
     figure.suptitle(f"{title}: latency CDFs of {len(records) - not_done} completed request(s){note}")
     return figure
+
+
+def minor_tick_formatter(low_ms: float, high_ms: float):
+    """Plain numbers on a log axis's minor ticks, fewer the more decades it spans: all of them
+    within a decade (else it may show no label at all), 2s and 5s up to ~2.5 decades, none beyond."""
+    from matplotlib import ticker
+
+    decades = np.log10(high_ms / low_ms) if low_ms > 0 else np.inf
+    shown = set(range(2, 10)) if decades < 1 else {2, 5} if decades < 2.5 else set()
+
+    def label(value: float, _position: int) -> str:
+        leading = int(round(value / 10 ** np.floor(np.log10(value) + 1e-9)))
+        return f"{value:g}" if leading in shown else ""
+
+    return ticker.FuncFormatter(label)
 
 
 def timeline_figure(plt, records: Sequence[RequestRecord], title: str):

@@ -71,3 +71,14 @@ def test_write_plots_and_the_default_title(tmp_path) -> None:
     config = BenchmarkConfig(EndpointConfig("http://h", "m"), "random:5:4", SchedulePlan(arrival="poisson", rate=2.0))
     assert run_title(config) == "m, random:5:4, 2 req/s"
     assert run_title(BenchmarkConfig(EndpointConfig("http://h", "m"), "random:5:4", label="x")) == "x"
+
+
+def test_minor_ticks_are_labelled_less_the_wider_the_axis() -> None:
+    from loadgen.plots import minor_tick_formatter
+
+    within_a_decade = minor_tick_formatter(45.0, 100.0)
+    assert [within_a_decade(v, 0) for v in (50.0, 70.0, 90.0)] == ["50", "70", "90"]
+    two_decades = minor_tick_formatter(20.0, 600.0)
+    assert [two_decades(v, 0) for v in (20.0, 30.0, 50.0, 0.2)] == ["20", "", "50", "0.2"]
+    six_decades = minor_tick_formatter(0.001, 2000.0)
+    assert six_decades(50.0, 0) == ""
