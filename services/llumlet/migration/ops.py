@@ -61,6 +61,7 @@ class IntakeLoad:
     num_blocks_free: int  # reserved blocks are not free
     num_blocks_total: int
     num_waiting: int  # requests queued for memory (migrated-in ones bring their own)
+    num_blocks_committed: int = 0  # free blocks admitted prompts still have to claim
 
 
 @runtime_checkable

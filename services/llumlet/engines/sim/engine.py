@@ -128,6 +128,9 @@ class SimEngine:
     def num_free_blocks(self) -> int:
         return self.scheduler.block_manager.num_free
 
+    def num_committed_blocks(self) -> int:
+        return self.scheduler.committed_blocks()
+
     def num_preemptions_total(self) -> int:
         return self.scheduler.num_preemptions_total
 

@@ -20,7 +20,7 @@ from shared.engine_model.request import RequestStatus, SimRequest
 from shared.engine_model.scheduler import SimScheduler
 from shared.engine_model.views import EngineError
 from shared.messages import GenerateRequest, MigrationCommit
-from shared.policy.migration import MigrationCandidate
+from shared.policy.migration import MigrationCandidate, is_migratable
 
 _PHASES = {
     RequestStatus.WAITING: LivePhase.QUEUED,
@@ -83,7 +83,9 @@ class SimMigration:
         return [
             MigrationCandidate(r.request_id, r.priority, r.num_tokens)
             for r in self._scheduler.running
-            if r.status is RequestStatus.RUNNING and r.num_output_tokens > 0
+            if r.status is RequestStatus.RUNNING and is_migratable(
+                num_output_tokens=r.num_output_tokens, num_computed_tokens=r.num_computed_tokens,
+                num_tokens=r.num_tokens, recovering=r.preempted_at is not None)
         ]
 
     def migration_snapshot(self, request_id: str) -> MigrationSnapshot | None:
@@ -139,7 +141,8 @@ class SimMigration:
     # -- destination ---------------------------------------------------------------------------
 
     def intake_load(self) -> IntakeLoad:
-        return IntakeLoad(self.engine.num_free_blocks(), self.engine.num_blocks_total, len(self._scheduler.waiting))
+        return IntakeLoad(self.engine.num_free_blocks(), self.engine.num_blocks_total, len(self._scheduler.waiting),
+                          self._scheduler.committed_blocks())
 
     async def reserve_blocks(self, lease_id: str, num_blocks: int) -> list[int] | None:
         return self._scheduler.reserve(lease_id, num_blocks)
