@@ -22,8 +22,11 @@ usually none), and the COMMIT round trip: the COMMIT rides in the last KV frame 
 it (TCP both ways, the frame's write, the destination's checks and its add into vLLM; the NATS
 COMMIT only when that ack is lost). Off the downtime but on the request's token gap: on the source, the suspend
 waits for the engine step in flight; on the destination, the request joins vLLM at its next step
-boundary and gets its next token from the step after (from the destination's log). "Token gap" =
-the client-side gap between the last token from the source and the first from the destination.
+boundary and gets its next token from the step after (from the destination's log). Client stall =
+what the client sees: the gap in the request's token stream, ordered as the gateway orders it,
+between the last new token from the source and the first new token from the destination (the
+gateway exports it as `corral:gateway_migration_stall_seconds`), against the request's own median
+gap between new tokens in the same run.
 """
 
 from __future__ import annotations

@@ -190,3 +190,15 @@ def test_a_catch_up_chunk_with_tokens_the_source_never_sent_ends_the_stall():
     stream.feed(chunk(0, [1], instance="src"))
     stream.feed(TokenChunk("r1", "dst", 0, [1, 2], handover=True))  # token 2 never came from the source
     assert len(stalls) == 1 and stalls[0] >= 0
+
+
+def test_the_gateway_exports_each_migration_stall():
+    from services.gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics("m", 2048)
+    assert 'corral:gateway_migration_stall_seconds_count{model_name="m"} 0.0' in metrics.render().decode()
+    stream = StreamRegistry(on_handover_stall=metrics.migration_stalled).open("r1")
+    stream.feed(chunk(0, [1], instance="src"))
+    stream.feed(chunk(1, [2], instance="dst"))
+    stream.feed(chunk(2, [3], instance="src"))  # and back
+    assert 'corral:gateway_migration_stall_seconds_count{model_name="m"} 2.0' in metrics.render().decode()
