@@ -80,7 +80,7 @@ def test_engine_per_overlay(rendered):
     args = parse_corral(llumlet["args"])
     resources = llumlet["resources"]
     if name == "gpu":
-        assert args.engine == "vllm" and llumlet["image"] == "corral:cuda"
+        assert args.engine == "vllm" and llumlet["image"] == "corral:cuda" and args.vllm_kv_cache_gib == 16
         assert resources["limits"]["nvidia.com/gpu"] == "1"
         assert find(docs, "ConfigMap", "corral-env")["data"]["CORRAL_MODEL_DIR"] == "/models/served"
     else:
