@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -47,6 +48,7 @@ class Child:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "services.cli", *self.argv], preexec_fn=child_setup(self.cpus),
             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},  # a pipe would hold its prints back, out of order
         )
         self._forwarder = threading.Thread(target=self._forward, name=f"output:{self.name}", daemon=True)
         self._forwarder.start()
