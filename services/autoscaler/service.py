@@ -89,14 +89,13 @@ class Autoscaler:
             instance_id = await self._start_one()
             await self._event(ScalingAction.SCALE_OUT, instance_id, decision.average_freeness)
         elif decision.action is ScaleAction.IN:
-            victim = self._managed_victim(loads, decision.victim)
+            victim = self._managed_victim(loads, decision.victim, await asyncio.to_thread(self.provider.managed))
             if victim is not None:
                 await self._drain(victim)
                 await self._event(ScalingAction.DRAIN, victim, decision.average_freeness)
 
-    def _managed_victim(self, loads: list[LoadReport], preferred: str | None) -> str | None:
+    def _managed_victim(self, loads: list[LoadReport], preferred: str | None, managed: set[str]) -> str | None:
         """The policy's victim if this provider can stop it, else the emptiest one it can."""
-        managed = self.provider.managed()
         if preferred in managed:
             return preferred
         candidates = [l for l in loads if l.instance_id in managed]
@@ -133,5 +132,6 @@ class Autoscaler:
 
     async def _event(self, action: ScalingAction, instance_id: str, average: float | None) -> None:
         log.info("%s %s (average freeness %s)", action.value, instance_id, average)
-        event = ScalingEvent(action, instance_id, len(self.provider.managed()), time.time(), average)
+        managed = await asyncio.to_thread(self.provider.managed)  # a Kubernetes provider asks its API server
+        event = ScalingEvent(action, instance_id, len(managed), time.time(), average)
         await self.nc.publish(subjects.SCALING_EVENTS, encode(event))
