@@ -513,18 +513,13 @@ async def test_a_commit_refused_in_the_frame_resumes_the_request_here(make_harne
     h.assert_blocks_back()
 
 
-def drop_connections(h: Harness) -> None:
-    for connection in list(h.receiver._connections):
-        connection.close()
-
-
 def lose_the_commit_ack(h: Harness) -> None:
     """The destination commits the frame's commit, then the connection drops: its ack is lost."""
     real_commit_frame = h.incoming.commit_frame
 
     async def commit_then_lose_the_connection(header, raw, frame_status):
         answer = await real_commit_frame(header, raw, frame_status)
-        drop_connections(h)  # the ack never leaves
+        h.receiver.drop_connections()  # the ack never leaves
         return answer
 
     h.incoming.commit_frame = commit_then_lose_the_connection
@@ -598,7 +593,7 @@ async def test_stopping_while_the_commit_is_in_flight_asks_before_resuming(make_
     m = h.coordinator.history[-1]
     assert m.status is MigrationStatus.FINISHED and h.link.calls[-1] == "abort"
     assert added == ["r"] and h.hooks.resumes == 0 and h.src.get_request("r") is None
-    drop_connections(h)
+    h.receiver.drop_connections()
     await h.wait_finished("r")
     assert h.stream("r") == expected_tokens(h.src, "r", 300)
 

@@ -511,8 +511,7 @@ async def test_connection_lost_after_the_commit_went_out_leaves_the_outcome_unkn
 
     async def commit_then_vanish(header, commit, frame_status):
         sink.commits.append((commit, frame_status))
-        for connection in list(receiver._connections):
-            connection.close()  # committed, but the ack never leaves
+        receiver.drop_connections()  # committed, but the ack never leaves
         return AckStatus.COMMITTED, ""
 
     sink.commit_frame = commit_then_vanish
