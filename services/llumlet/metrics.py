@@ -54,6 +54,13 @@ class LlumletMetrics:
                                       "queried tokens.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached",
+                                            "Number of cached prompt tokens (local + external).")
+        by_source = Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                            [*labels, "source"], registry=r)
+        # Corral never fills a prompt from outside (a migration moves a request past its prefill).
+        self.prompt_sources = {s: by_source.labels(*self._labels, s)
+                               for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.queue_time = latency("vllm:request_queue_time_seconds",
                                   "Histogram of time spent in WAITING phase for request.")
@@ -104,13 +111,20 @@ class LlumletMetrics:
         for output in outputs:
             self.generation_tokens.inc(len(output.token_ids))
             if output.start_index == 0 and output.token_ids:  # its prefill finished in this step
-                self.prompt_tokens.inc(output.num_prompt_tokens)
-                if output.num_cached_tokens is not None:
-                    self.prefix_queries.inc(output.num_prompt_tokens)
-                    self.prefix_hits.inc(output.num_cached_tokens)
+                self._prefilled(output)
                 self._first_token(output.request_id, started, now)
             if output.finish_reason is not None:
                 self._pending.pop(output.request_id, None)
+
+    def _prefilled(self, output: StepOutput) -> None:
+        cached = output.num_cached_tokens or 0
+        self.prompt_tokens.inc(output.num_prompt_tokens)
+        self.prompt_tokens_cached.inc(cached)
+        self.prompt_sources["local_compute"].inc(output.num_prompt_tokens - cached)
+        self.prompt_sources["local_cache_hit"].inc(cached)
+        if output.num_cached_tokens is not None:  # the engine looked the prompt up in its prefix cache
+            self.prefix_queries.inc(output.num_prompt_tokens)
+            self.prefix_hits.inc(cached)
 
     def _first_token(self, request_id: str, started: float, now: float) -> None:
         pending = self._pending.pop(request_id, None)

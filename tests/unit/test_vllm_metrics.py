@@ -123,7 +123,7 @@ def test_counters_are_there_at_zero_before_anything_happens():
     assert seen["corral:gateway_instances_alive"].samples[0].value == 2
     llumlet = families(render(LlumletMetrics("tiny", "llumlet-0").registry).decode())
     for name in ("vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
-                 "vllm:prompt_tokens", "vllm:generation_tokens"):
+                 "vllm:prompt_tokens", "vllm:prompt_tokens_cached", "vllm:generation_tokens"):
         totals = [s for s in llumlet[name].samples if s.name.endswith("_total")]
         assert [s.value for s in totals] == [0.0], name
     directions = {s.labels["direction"] for s in llumlet["corral:llumlet_migrations"].samples}
@@ -194,3 +194,7 @@ def test_prefix_cache_lookups_count_what_the_engine_found_and_nothing_without_a_
     assert value(text, "vllm:prefix_cache_queries_total") == 40
     assert value(text, "vllm:prefix_cache_hits_total") == 32
     assert value(text, "vllm:prompt_tokens_total") == 90
+    assert value(text, "vllm:prompt_tokens_cached_total") == 32
+    assert value(text, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") == 32
+    assert value(text, "vllm:prompt_tokens_by_source_total", source="local_compute") == 58
+    assert value(text, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
