@@ -1,10 +1,10 @@
 # One image for every Corral service; docker-compose.yml and deploy/kubernetes pick the command
 # (`corral <service>`, the entry point `corral up` runs for each of its children).
 #
-#   docker build -t corral:cpu .                              vLLM's CPU build (torch from the CPU index)
-#   docker build --build-arg VLLM_TARGET=cuda -t corral:cuda .   vLLM's CUDA build (torch's CUDA wheels carry
-#                                                             the CUDA libraries; the host needs the NVIDIA
-#                                                             driver and container toolkit to run it)
+#   docker build -t corral .                                 vLLM's CPU build (torch from the CPU index)
+#   docker build --build-arg VLLM_TARGET=cuda -t corral-cuda .   vLLM's CUDA build (torch's CUDA wheels carry
+#                                                            the CUDA libraries; the host needs the NVIDIA
+#                                                            driver and container toolkit to run it)
 # The simulated engine runs in either. A build sees no GPU, so VLLM_TARGET says which build to take.
 FROM python:3.11-slim
 

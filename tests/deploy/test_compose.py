@@ -53,7 +53,7 @@ def corral_argv(service: dict) -> list[str]:
 
 
 def is_corral(service: dict) -> bool:
-    return service.get("image", "").startswith("corral:")
+    return re.match(r"^corral(-cuda)?:", service.get("image", "")) is not None
 
 
 def published(service: dict) -> list[tuple[str, str, str]]:
@@ -100,7 +100,7 @@ def test_each_profile_runs_one_gateway_and_its_own_llumlets(resolved, profile):
     if profile == "gpu":
         devices = llumlet["deploy"]["resources"]["reservations"]["devices"]
         assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
-        assert llumlet["image"] == "corral:cuda" and llumlet["build"]["args"]["VLLM_TARGET"] == "cuda"
+        assert llumlet["image"] == "corral-cuda:latest" and llumlet["build"]["args"]["VLLM_TARGET"] == "cuda"
         assert services[gateways[0]]["environment"]["CORRAL_MODEL_DIR"] == llumlet["environment"]["CORRAL_MODEL_DIR"]
     else:
         assert "resources" not in llumlet.get("deploy", {}) or "reservations" not in llumlet["deploy"]["resources"]

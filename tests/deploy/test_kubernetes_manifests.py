@@ -24,7 +24,7 @@ from tests.support.cluster import REPO
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
                                 reason="kubectl is not installed: the overlays cannot be rendered")
 
-CORRAL_IMAGE = re.compile(r"^corral(:|$)")
+CORRAL_IMAGE = re.compile(r"^corral(-cuda)?(:|$)")
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
@@ -80,11 +80,11 @@ def test_engine_per_overlay(rendered):
     args = parse_corral(llumlet["args"])
     resources = llumlet["resources"]
     if name == "gpu":
-        assert args.engine == "vllm" and llumlet["image"] == "corral:cuda" and args.vllm_kv_cache_gib == 16
+        assert args.engine == "vllm" and llumlet["image"] == "corral-cuda:latest" and args.vllm_kv_cache_gib == 16
         assert resources["limits"]["nvidia.com/gpu"] == "1"
         assert find(docs, "ConfigMap", "corral-env")["data"]["CORRAL_MODEL_DIR"] == "/models/served"
     else:
-        assert args.engine == ("sim" if name == "cpu-sim" else "vllm") and llumlet["image"] == "corral:cpu"
+        assert args.engine == ("sim" if name == "cpu-sim" else "vllm") and llumlet["image"] == "corral:latest"
         assert "nvidia.com/gpu" not in str(resources)
 
 
