@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 SHOWN_GROUPS = 10
+EXAMPLE_CHARS = 100  # an example beside its (already full) shape
 _HTTP_STATUS = re.compile(r"^HTTP \d{3}:?")
 # Longest first: a UUID before a hex run before a plain number.
 _MASKS = (
@@ -64,10 +65,14 @@ def failure_lines(counts: Mapping[str, int], shown: int = SHOWN_GROUPS) -> list[
         if group.distinct == 1:
             lines.append(f"{group.count:>6} x {group.example}")
         else:
-            lines.append(f"{group.count:>6} x {group.shape}  ({group.distinct} messages, e.g. {group.example})")
+            lines.append(f"{group.count:>6} x {group.shape}  ({group.distinct} messages, e.g. {_clip(group.example)})")
     hidden = groups[shown:]
     if hidden:
         left = sum(g.count for g in hidden)
         lines.append(f"... {len(hidden)} more kind(s) covering {left} request(s) not shown "
                      "(every message is in the result file's errors_summary)")
     return lines
+
+
+def _clip(message: str, limit: int = EXAMPLE_CHARS) -> str:
+    return message if len(message) <= limit else message[: limit - 1] + "…"

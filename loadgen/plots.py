@@ -105,7 +105,7 @@ def timeline_figure(plt, records: Sequence[RequestRecord], title: str):
     tokens.set_xlabel("seconds since start")
     for axis in axes:
         axis.grid(alpha=0.3)
-    figure.suptitle(f"{title}: timeline ({width_s:g} s buckets)")
+    figure.suptitle(f"{title}: timeline ({width_s:.3g} s buckets)")
     return figure
 
 
