@@ -37,6 +37,7 @@ import json
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -415,8 +416,6 @@ def rotated(clients: Sequence[str], round_index: int) -> list[str]:
 
 def median_over_rounds(rounds: Sequence[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
     """Each client's figures, each the median over the rounds that reported it."""
-    import statistics
-
     combined: dict[str, dict[str, float]] = {}
     for name in dict.fromkeys(name for r in rounds for name in r):
         keys = dict.fromkeys(key for r in rounds if name in r for key in r[name])
