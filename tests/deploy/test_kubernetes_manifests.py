@@ -198,3 +198,19 @@ def _rbac_of(method: str, path: str) -> tuple[str, str, str]:
     verb = {"GET": "get" if named else "list", "PATCH": "patch", "PUT": "update", "POST": "create",
             "DELETE": "delete"}[method]
     return group, resource, verb
+
+
+def test_nats_and_the_kv_port_admit_only_corral_pods(rendered):
+    """Neither NATS nor the KV data plane authenticates: network policies keep them in."""
+    _, docs = rendered
+    nats_policy = find(docs, "NetworkPolicy", "nats-clients")
+    admitted = nats_policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "StatefulSet"):  # every Corral pod may reach NATS
+            labels = doc["spec"]["template"]["metadata"]["labels"]
+            assert admitted.items() <= labels.items(), doc["metadata"]["name"]
+    kv_policy = find(docs, "NetworkPolicy", "corral-llumlet-kv")
+    llumlet = find(docs, "Deployment", "corral-llumlet")
+    rules = {tuple(p["port"] for p in rule["ports"]): rule.get("from") for rule in kv_policy["spec"]["ingress"]}
+    assert rules[("kv",)] == [{"podSelector": {"matchLabels": llumlet["spec"]["selector"]["matchLabels"]}}]
+    assert rules[("metrics",)] is None  # Prometheus and probes from anywhere
