@@ -20,13 +20,24 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from services.cpu_layout import CpuLayout, format_cpus, keep_to
+from services.cpu_layout import CpuLayout, format_cpus
 from services.process_helpers import child_setup
 from shared.embedded_nats import EmbeddedNats, start_nats
 
 log = logging.getLogger("corral.up")
 
 TAIL_LINES = 20  # of a dead child's output, shown when it dies
+
+
+def own_session(setup: Callable[[], None]) -> Callable[[], None]:
+    """`setup`, in a session of its own: a terminal's Ctrl-C signals the whole foreground group,
+    and NATS must outlive the services that drain through it (`Cluster.stop` ends it last)."""
+
+    def run() -> None:
+        os.setsid()
+        setup()
+
+    return run
 
 
 def say(message: str) -> None:
@@ -181,7 +192,7 @@ def run_cluster(
     signal.signal(signal.SIGTERM, on_signal)
     try:
         if nats_url is None:
-            cluster.nats = start_nats(preexec_fn=keep_to(control))
+            cluster.nats = start_nats(preexec_fn=own_session(child_setup(control)))
             nats_url = cluster.nats.url
             say(f"embedded NATS up at {nats_url}")
         else:

@@ -3,6 +3,7 @@ vllm:* series under their names, and start-up says what it does (or who died, an
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -155,3 +156,22 @@ def test_a_child_that_dies_while_starting_is_named_with_its_last_lines(tiny_mode
     assert "llumlet-0 exited with code 2; its last lines:" in said, said
     assert "unrecognized arguments: --no-such-flag" in said.split("its last lines:")[1], said
     assert "corral up: ready" not in said
+
+
+def test_ctrl_c_in_a_terminal_stops_everything_in_order(tiny_model_dir, tmp_path):
+    """A terminal's Ctrl-C signals the whole foreground process group: NATS must not go first,
+    from under services that are still draining."""
+    log = tmp_path / "up.log"
+    with open(log, "wb") as out:
+        up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--engine", "sim", "--instances", "1",
+                               "--port", str(free_port()), "--model", str(tiny_model_dir)],
+                              cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_line(log, "corral up: ready", up, 120)
+        os.killpg(up.pid, signal.SIGINT)  # what the terminal does
+        assert up.wait(60) == 0
+        said = log.read_text(errors="replace")
+        assert "Traceback" not in said and "NATS error" not in said, said  # no server gone from under them
+    finally:
+        if up.poll() is None:
+            up.kill()
