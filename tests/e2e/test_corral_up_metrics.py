@@ -102,10 +102,17 @@ def test_every_process_serves_its_own_metrics_and_up_says_where(corral_up):
     engine = [s for s in samples(f"http://127.0.0.1:{port}/metrics")
               if s.name == "vllm:request_success_total" and s.value == 1]
     assert [s.labels["finished_reason"] for s in engine] == ["length"]
-    served_by = int(engine[0].labels["engine"].removeprefix("llumlet-"))
-    generated = [s.value for s in samples(f"http://127.0.0.1:{metrics_port + 1 + served_by}/metrics")
-                 if s.name == "vllm:generation_tokens_total"]
-    assert generated == [4.0]
+    served_by = engine[0].labels["engine"]
+    gateway = {s.name: s.value for s in samples(f"http://127.0.0.1:{port}/metrics")
+               if s.labels.get("engine") == served_by}
+    assert gateway["vllm:time_to_first_token_seconds_count"] == 1
+    assert gateway["vllm:inter_token_latency_seconds_count"] >= 1  # 3 gaps, fewer if chunks carried several tokens
+    llumlet_port = metrics_port + 1 + int(served_by.removeprefix("llumlet-"))
+    llumlet = {s.name: s.value for s in samples(f"http://127.0.0.1:{llumlet_port}/metrics")}
+    assert llumlet["vllm:generation_tokens_total"] == 4
+    assert llumlet["vllm:request_queue_time_seconds_count"] == 1
+    assert llumlet["vllm:request_prefill_time_seconds_count"] == 1
+    assert 0 < llumlet["vllm:request_prefill_time_seconds_sum"] < gateway["vllm:time_to_first_token_seconds_sum"]
 
 
 def prometheus_query(url: str, query: str) -> list[dict]:
@@ -125,7 +132,8 @@ def test_a_real_prometheus_stores_the_vllm_names(corral_up, tmp_path):
     listen = free_port()
     with open(tmp_path / "prometheus.log", "wb") as out:
         prometheus = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path}/data",
-                                       f"--web.listen-address=127.0.0.1:{listen}"], stdout=out, stderr=subprocess.STDOUT)
+                                       f"--web.listen-address=127.0.0.1:{listen}"],
+                                      stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{listen}"
     try:
         deadline = time.monotonic() + 60

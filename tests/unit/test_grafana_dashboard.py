@@ -68,7 +68,8 @@ def test_the_dashboard_has_the_panels_the_issue_asks_for():
         assert needed in text, needed
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed (scripts/install_prometheus.sh)")
+@pytest.mark.skipif(shutil.which("promtool") is None,
+                    reason="promtool is not installed (scripts/install_prometheus.sh installs it)")
 def test_every_expression_is_valid_promql(tmp_path):
     rules = []
     for i, expr in enumerate(panel_expressions()):
