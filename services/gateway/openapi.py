@@ -15,13 +15,15 @@ from msgspec import Meta
 from starlette.routing import Route
 
 from services.gateway.info_routes import corral_version
-from services.gateway.protocol import CHAT_ROLES, MAX_LOGPROBS, MAX_N
+from services.gateway.protocol import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N
 
-NonNegative = Annotated[int, Meta(ge=0)]
-Positive = Annotated[int, Meta(ge=1)]
-Priority = int | Literal["high", "normal"]
-Role = Literal[tuple(sorted(CHAT_ROLES))]  # type: ignore[valid-type]
+Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+NonNegative = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+Positive = Annotated[int, Meta(ge=1, le=INT64_MAX)]
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+Priority = Int64 | Literal["high", "normal"]
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+Content = str | list["TextPart"]
 
 
 class _Body(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
@@ -33,9 +35,31 @@ class TextPart(_Body):
     text: str
 
 
-class ChatMessage(_Body):
-    role: Role
-    content: str | list[TextPart] | None = None  # None only for an assistant turn
+class _Message(_Body, tag_field="role"):
+    """A chat turn, by role; text content only."""
+
+
+class SystemMessage(_Message, tag="system"):
+    content: Content
+
+
+class DeveloperMessage(_Message, tag="developer"):
+    content: Content
+
+
+class UserMessage(_Message, tag="user"):
+    content: Content
+
+
+class ToolMessage(_Message, tag="tool"):
+    content: Content
+
+
+class AssistantMessage(_Message, tag="assistant"):
+    content: Content | None = None  # none: a turn that only called tools
+
+
+ChatMessage = SystemMessage | DeveloperMessage | UserMessage | ToolMessage | AssistantMessage
 
 
 class StreamOptions(_Body):
@@ -51,13 +75,13 @@ class _Sampling(_Body):
     max_tokens: Positive | None = None
     temperature: Annotated[float, Meta(ge=0)] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None
     min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     ignore_eos: bool | None = None
     min_tokens: NonNegative | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[NonNegative] | None = None
+    stop_token_ids: list[TokenId] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
     include_stop_str_in_output: bool | None = None
     priority: Priority | None = None
@@ -71,23 +95,23 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[int], Meta(min_length=1)]
+    prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[TokenId], Meta(min_length=1)]
     logprobs: TopLogprobs | None = None  # the vLLM engine only (the simulated one answers 400)
 
 
 class TokenizeCompletionRequest(_Body):
     prompt: str
     model: str | None = None
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
+    add_special_tokens: bool | None = None  # (null: the default, true)
+    return_token_strs: bool | None = None
 
 
 class TokenizeChatRequest(_Body):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     model: str | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    return_token_strs: bool = False
+    add_generation_prompt: bool | None = None  # (null: the default, true)
+    continue_final_message: bool | None = None  # not with add_generation_prompt true
+    return_token_strs: bool | None = None
 
 
 class DetokenizeRequest(_Body):
@@ -135,7 +159,7 @@ class CompletionLogprobs(_Body):
 
 class ChatChoice(_Body):
     index: int
-    message: ChatMessage
+    message: AssistantMessage
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
 
@@ -244,7 +268,9 @@ def _operation(path: str, method: str, spec: _Spec) -> dict[str, Any]:
     content: dict[str, Any] = {"application/json": {"schema": _ref(answer)}} if answer is not None else {
         "text/plain" if path == "/metrics" else "application/json": {"schema": {}}}
     if streams:
-        content["text/event-stream"] = {"schema": {"type": "string"}}
+        # Each event: `data: <a chunk as JSON>` (or `[DONE]`, or an error object mid-stream).
+        content["text/event-stream"] = {"schema": {"type": "object", "properties": {"data": {"type": "string"}},
+                                                   "required": ["data"]}}
     operation: dict[str, Any] = {
         "summary": summary,
         "operationId": f"{method}_{path.strip('/').replace('/', '_').replace('{', '').replace('}', '') or 'root'}",
@@ -264,6 +290,20 @@ def _operation(path: str, method: str, spec: _Spec) -> dict[str, Any]:
     return operation
 
 
+# What the types cannot say: a field that is only valid with another one set to a value.
+_STREAM = ("stream_options", "stream", True)
+_CONDITIONS = {
+    "ChatCompletionRequest": [_STREAM, ("top_logprobs", "logprobs", True)],
+    "CompletionRequest": [_STREAM],
+}
+
+
+def _needs(field: str, other: str, value: Any) -> dict[str, Any]:
+    """JSON Schema for "when `field` is given (not null), `other` must be `value`"."""
+    return {"if": {"properties": {field: {"not": {"type": "null"}}}, "required": [field]},
+            "then": {"properties": {other: {"const": value}}, "required": [other]}}
+
+
 def openapi_document(routes: Sequence[Route]) -> dict[str, Any]:
     """The document for `routes` (and /openapi.json itself); a route without a spec is a bug."""
     paths: dict[str, Any] = {}
@@ -275,6 +315,14 @@ def openapi_document(routes: Sequence[Route]) -> dict[str, Any]:
     models = [m for spec in ROUTE_SPECS.values() for i in (1, 2)
               for m in (spec[i] if isinstance(spec[i], tuple) else (spec[i],)) if m is not None] + [ErrorResponse]
     _, components = msgspec.json.schema_components(models, ref_template="#/components/schemas/{name}")
+    for name, conditions in _CONDITIONS.items():
+        components[name]["allOf"] = [_needs(field, other, value) for field, other, value in conditions]
+    # A batch of one prompt is taken as that prompt (msgspec's types cannot say "or a list of one").
+    components["CompletionRequest"]["properties"]["prompt"]["anyOf"] += [
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "minItems": 1, "maxItems": 1,
+         "items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": INT32_MAX}, "minItems": 1}},
+    ]
     return {
         "openapi": "3.1.0",
         "info": {"title": "Corral gateway", "version": corral_version(),

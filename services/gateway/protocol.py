@@ -20,6 +20,8 @@ PRIORITY_NAMES = {"high": HIGH_PRIORITY, "normal": NORMAL_PRIORITY}
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_N = 128  # choices per request: each is a request of its own on some instance
 MAX_LOGPROBS = 20  # top alternatives per token: vLLM's default --max-logprobs
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what the wire (MessagePack) and vLLM's `seed` take
+INT32_MAX = 2**31 - 1
 
 
 class RequestKind(enum.Enum):
@@ -98,7 +100,7 @@ class _Body:
             raise bad_request(f"`{name}` must be a boolean", name)
         return value
 
-    def integer(self, name: str, *, minimum: int | None = None) -> int | None:
+    def integer(self, name: str, *, minimum: int | None = None, maximum: int = INT64_MAX) -> int | None:
         value = self._body.get(name)
         if value is None:
             return None
@@ -108,6 +110,8 @@ class _Body:
             raise bad_request(f"`{name}` must be an integer", name)
         if minimum is not None and value < minimum:
             raise bad_request(f"`{name}` must be at least {minimum}, got {value}", name)
+        if not INT64_MIN <= value <= maximum:
+            raise bad_request(f"`{name}` must be at most {maximum}, got {value}", name)
         return value
 
     def number(self, name: str, *, minimum: float | None = None, maximum: float | None = None,
@@ -135,16 +139,19 @@ def parse_priority(value: object, param: str = "priority") -> int:
     """An integer (lower runs earlier, as vLLM) or one of the names "high" and "normal"."""
     if isinstance(value, bool):
         raise bad_request(f"`{param}` must be an integer or one of {sorted(PRIORITY_NAMES)}", param)
-    if isinstance(value, int):
-        return value
+    number: int | None = value if isinstance(value, int) else None
     if isinstance(value, str):
         text = value.strip().lower()
         if text in PRIORITY_NAMES:
             return PRIORITY_NAMES[text]
         try:
-            return int(text)
+            number = int(text)
         except ValueError:
             pass
+    if number is not None:
+        if not INT64_MIN <= number <= INT64_MAX:
+            raise bad_request(f"`{param}` must be within [{INT64_MIN}, {INT64_MAX}], got {number}", param)
+        return number
     raise bad_request(f"unknown priority {value!r}: use an integer or one of {sorted(PRIORITY_NAMES)}", param)
 
 
@@ -189,8 +196,9 @@ def _stop_strings(body: _Body) -> tuple[str, ...]:
 def _token_id_list(value: object, name: str) -> tuple[int, ...]:
     if value is None:
         return ()
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
-        raise bad_request(f"`{name}` must be a list of non-negative integers", name)
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX
+                                              for t in value):
+        raise bad_request(f"`{name}` must be a list of token ids (integers from 0 to {INT32_MAX})", name)
     return tuple(value)
 
 
@@ -211,7 +219,7 @@ def _options(body: _Body, max_tokens: int | None, max_tokens_param: str = "max_t
              logprobs: int | None = None) -> GenerationOptions:
     _unsupported(body)
     stream, include_usage, continuous = _stream_flags(body)
-    top_k = body.integer("top_k", minimum=-1)
+    top_k = body.integer("top_k", minimum=-1, maximum=INT32_MAX)
     min_tokens = body.integer("min_tokens", minimum=0) or 0
     if max_tokens is not None and min_tokens > max_tokens:
         raise bad_request(f"`min_tokens` ({min_tokens}) must not exceed `max_tokens` ({max_tokens})", "min_tokens")
@@ -266,7 +274,7 @@ def _chat_logprobs(body: _Body) -> int | None:
     if top is not None and top > MAX_LOGPROBS:
         raise bad_request(f"`top_logprobs` must be at most {MAX_LOGPROBS}, got {top}", "top_logprobs")
     if not body.boolean("logprobs"):
-        if top:
+        if top is not None:  # as vLLM: even 0 needs logprobs
             raise bad_request("when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs")
         return None
     return top or 0
@@ -299,7 +307,7 @@ def _message(value: object, index: int) -> dict[str, str]:
     if not isinstance(value, dict):
         raise bad_request(f"{param} must be an object", param)
     role = value.get("role")
-    if role not in CHAT_ROLES:
+    if not isinstance(role, str) or role not in CHAT_ROLES:  # (a list or an object is unhashable)
         raise bad_request(f"{param}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}", f"{param}.role")
     return {"role": role, "content": _content(value.get("content"), role, f"{param}.content")}
 
