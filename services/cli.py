@@ -50,6 +50,7 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
         autoscaler_args=autoscaler_args,
         port=args.port,
         ready_timeout_s=args.ready_timeout_s,
+        host=args.host,
         metrics_port=args.metrics_port,
     )
 

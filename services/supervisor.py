@@ -122,19 +122,25 @@ class GatewayState:
     instances: int = 0
 
 
-def gateway_state(port: int) -> GatewayState:
+def reachable_url(host: str, port: int) -> str:
+    """Where this machine reaches a server bound to `host` (a wildcard: through loopback)."""
+    host = "127.0.0.1" if host in ("", "0.0.0.0") else "[::1]" if host == "::" else host
+    return f"http://{host}:{port}"
+
+
+def gateway_state(url: str) -> GatewayState:
     """From the gateway's readiness endpoint: 200 or 503, its body says whether it is connected to
     NATS and how many instances are live."""
     try:
-        body = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1.0).json()
+        body = httpx.get(f"{url}/ready", timeout=1.0).json()
         return GatewayState(answering=True, connected=bool(body["connected"]), instances=int(body["instances"]))
     except (httpx.HTTPError, ValueError, TypeError, KeyError, AttributeError):
         return GatewayState(answering=False)
 
 
-def wait_ready(port: int, instances: int, timeout_s: float, cluster: Cluster,
+def wait_ready(url: str, instances: int, timeout_s: float, cluster: Cluster,
                stop_requested: Callable[[], bool] = lambda: False,
-               probe: Callable[[int], GatewayState] = gateway_state) -> str | None:
+               probe: Callable[[str], GatewayState] = gateway_state) -> str | None:
     """Until the gateway is connected and sees every instance: None, or why it is not ready
     (a child died, the time ran out, a stop was asked for). Says each step on the way."""
     deadline = time.monotonic() + timeout_s
@@ -145,11 +151,11 @@ def wait_ready(port: int, instances: int, timeout_s: float, cluster: Cluster,
         dead = cluster.dead()
         if dead:
             return f"{dead[0].death_notice()}"
-        state = probe(port)
+        state = probe(url)
         if state != last:
             was = last or GatewayState(answering=False)
             if state.answering and not was.answering:
-                say(f"gateway answering on http://127.0.0.1:{port}")
+                say(f"gateway answering on {url}")
             if state.connected and not was.connected:
                 say("gateway connected to NATS")
             if state.connected and (not was.connected or state.instances != was.instances):
@@ -174,6 +180,7 @@ def run_cluster(
     autoscaler_args: list[str] | None,
     port: int,
     ready_timeout_s: float,
+    host: str = "127.0.0.1",
     cpu_layout: CpuLayout | None = None,
     metrics_port: int = 0,
 ) -> int:
@@ -182,6 +189,7 @@ def run_cluster(
     own: one port for all would leave all but one dead); the gateway on its HTTP port."""
     cluster = Cluster()
     control = cpu_layout.control if cpu_layout is not None else None
+    url = reachable_url(host, port)
     stop_requested = False
 
     def on_signal(signum, frame) -> None:
@@ -198,12 +206,12 @@ def run_cluster(
         else:
             say(f"using NATS at {nats_url}")
         cluster.children = plan_children(nats_url, instances, gateway_args, llumlet_args, scheduler_args,
-                                         autoscaler_args, cpu_layout, port, metrics_port)
+                                         autoscaler_args, cpu_layout, url, metrics_port)
         for child in reversed(cluster.children):  # scheduler first, gateway last
             child.start()
         count = "initial " if autoscaler_args is not None else ""
         say(f"waiting for the gateway and {instances} {count}instance(s) to report")
-        why_not = wait_ready(port, instances, ready_timeout_s, cluster, lambda: stop_requested)
+        why_not = wait_ready(url, instances, ready_timeout_s, cluster, lambda: stop_requested)
         if why_not is not None:
             if not stop_requested:
                 log.error("Corral did not start: %s", why_not)
@@ -212,7 +220,7 @@ def run_cluster(
         for child in cluster.children:
             if child.metrics_url is not None:
                 say(f"metrics of {child.name}: {child.metrics_url}")
-        say(f"ready: http://127.0.0.1:{port}/v1  ({instances} llumlets, NATS {nats_url})")
+        say(f"ready: {url}/v1  ({instances} llumlets, NATS {nats_url})")
         watch(cluster, lambda: stop_requested)
         return 0
     finally:
@@ -222,7 +230,7 @@ def run_cluster(
 
 def plan_children(nats_url: str, instances: int, gateway_args: list[str], llumlet_args: list[str],
                   scheduler_args: list[str], autoscaler_args: list[str] | None, cpu_layout: CpuLayout | None,
-                  port: int, metrics_port: int) -> list[Child]:
+                  gateway_url: str, metrics_port: int) -> list[Child]:
     """Gateway first, scheduler last (the order they stop in); every metrics port distinct."""
     control = cpu_layout.control if cpu_layout is not None else None
     common = ["--nats-url", nats_url]
@@ -233,8 +241,7 @@ def plan_children(nats_url: str, instances: int, gateway_args: list[str], llumle
             return ["--metrics-port", "0"], None
         return ["--metrics-port", str(metrics_port + offset)], f"http://127.0.0.1:{metrics_port + offset}/metrics"
 
-    children = [Child("gateway", ["gateway", *common, *gateway_args], control,
-                      metrics_url=f"http://127.0.0.1:{port}/metrics")]
+    children = [Child("gateway", ["gateway", *common, *gateway_args], control, metrics_url=f"{gateway_url}/metrics")]
     if autoscaler_args is None:
         for i in range(instances):
             cpus = cpu_layout.engines[i] if cpu_layout is not None else None
