@@ -17,6 +17,7 @@ import msgspec
 
 from shared.engine_model.views import RequestPhase, RequestView, StepOutput
 from services.llumlet.engines.vllm.config import VllmEngineConfig
+from services.llumlet.engines.vllm.leases import DestinationLeases
 from services.llumlet.engines.vllm.params import finish_reason_of, logprobs_of, to_vllm_sampling_params
 from services.llumlet.engines.vllm.probe import SchedulerProbe
 from services.llumlet.engines.vllm.state import (
@@ -94,12 +95,10 @@ class VllmDriver:
         self._by_internal_id: dict[str, Tracked] = {}  # the requests vLLM holds
         self._by_request_id: dict[str, Tracked] = {}  # the same, by our id
         self._suspended: dict[str, Tracked] = {}  # aborted in vLLM, blocks held, by our id
-        self._leases: dict[str, list[Any]] = {}  # lease id → vLLM blocks taken from the pool
-        self._adopted: dict[str, str] = {}  # internal id → lease holding its migrated KV
-        self._adopted_at: dict[str, tuple[float, float]] = {}  # internal id → (committed, added to vLLM)
         from services.llumlet.engines.vllm.connector import MIGRATION_STATE
 
         self.kv_state = MIGRATION_STATE
+        self.leases = DestinationLeases(self.probe.block_pool, self.kv_state)
 
     @classmethod
     def build(cls, config: VllmEngineConfig, served_model_name: str, shared: SharedState) -> VllmDriver:
@@ -132,7 +131,7 @@ class VllmDriver:
             request_outputs = self.llm_engine.step()
             self._count_preemptions()
             self._collect(request_outputs)
-            self._release_loaded_leases(started)
+            self.leases.release_loaded(started)
         self.take_snapshot()
 
     def apply_commands_and_snapshot(self) -> None:
@@ -162,7 +161,7 @@ class VllmDriver:
         except Exception as error:  # vLLM refused what our checks let through: fail the request
             log.warning("vLLM refused request %s: %s", tracked.request_id, error)
             if command.load is not None:
-                self.release_lease(command.load.lease_id)
+                self.leases.release(command.load.lease_id)
             self._fail(tracked)
             return
         tracked.internal_id = internal_id
@@ -171,7 +170,7 @@ class VllmDriver:
         self._by_internal_id[internal_id] = tracked
         self._by_request_id[tracked.request_id] = tracked
         if command.load is not None:
-            self._adopt_lease(internal_id, command.load)
+            self.leases.adopt(internal_id, command.load)
 
     def _abort(self, command: AbortCommand) -> None:
         tracked = command.tracked
@@ -181,7 +180,7 @@ class VllmDriver:
         if tracked.status is not TrackedStatus.IN_VLLM:
             return  # refused when added, or finished / migrated away since the abort was queued
         self.llm_engine.abort_request([tracked.internal_id], internal=True)
-        self._release_adopted(tracked)
+        self.leases.drop_adopted(tracked.internal_id)
         self._forget(tracked)
         self._move(tracked, TrackedStatus.GONE)
 
@@ -267,57 +266,16 @@ class VllmDriver:
         return True
 
     def reserve(self, lease_id: str, num_blocks: int) -> list[int] | None:
-        """Take `num_blocks` blocks out of vLLM's pool under the lease (None if short)."""
-        pool = self.probe.block_pool
-        if num_blocks > pool.get_num_free_blocks():
-            return None
-        blocks = pool.get_new_blocks(num_blocks) if num_blocks else []
-        self._leases.setdefault(lease_id, []).extend(blocks)
-        self.take_snapshot()
-        return [b.block_id for b in blocks]
+        block_ids = self.leases.reserve(lease_id, num_blocks)
+        if block_ids is not None:
+            self.take_snapshot()
+        return block_ids
 
     def release_lease(self, lease_id: str) -> int:
-        blocks = self._leases.pop(lease_id, [])
-        if blocks:
-            self.probe.block_pool.free_blocks(blocks)
+        released = self.leases.release(lease_id)
+        if released:
             self.take_snapshot()
-        return len(blocks)
-
-    def _adopt_lease(self, internal_id: str, load: Any) -> None:
-        from services.llumlet.engines.vllm.connector import LoadPlan
-
-        blocks = self._leases.get(load.lease_id, [])
-        self.kv_state.loads[internal_id] = LoadPlan([b.block_id for b in blocks], load.num_tokens)
-        self._adopted[internal_id] = load.lease_id
-        self._adopted_at[internal_id] = (load.committed_at, time.monotonic())
-
-    def _release_loaded_leases(self, step_started: float) -> None:
-        loaded, self.kv_state.loaded = self.kv_state.loaded, []
-        for internal_id in loaded:
-            lease_id = self._adopted.pop(internal_id, None)
-            if lease_id is not None:
-                self.release_lease(lease_id)
-            self._log_load_timing(internal_id, step_started)
-
-    def _log_load_timing(self, internal_id: str, step_started: float) -> None:
-        """Where a migrated request's first step went (the destination's share of its token gap)."""
-        times = self._adopted_at.pop(internal_id, None)
-        if times is None:
-            return
-        committed, added = times
-        now = time.monotonic()
-        log.info("migrated-in %s: added to vLLM %.2f ms after its commit, first step %.2f-%.2f ms after it",
-                 internal_id, 1e3 * (added - committed), 1e3 * (step_started - committed), 1e3 * (now - committed))
-
-    def _release_adopted(self, tracked: Tracked) -> None:
-        """An adopted lease whose request went away before its KV was loaded."""
-        internal_id = tracked.internal_id
-        if internal_id is None or internal_id not in self._adopted:
-            return
-        self.kv_state.loads.pop(internal_id, None)
-        self.kv_state.pending_copies.pop(internal_id, None)
-        self._adopted_at.pop(internal_id, None)
-        self.release_lease(self._adopted.pop(internal_id))
+        return released
 
     def _free_held(self, tracked: Tracked) -> None:
         suspended = tracked.suspended
@@ -400,7 +358,7 @@ class VllmDriver:
             running=tuple(v for v in running if v is not None),
             num_free_blocks=probe.num_free_blocks(),
             migration=self._migration_views(),
-            num_waiting_for_memory=sum(1 for r in probe.waiting() if r.request_id not in self._adopted),
+            num_waiting_for_memory=sum(1 for r in probe.waiting() if not self.leases.is_adopted(r.request_id)),
         )
         with self.shared.lock:
             self.shared.snapshot = snapshot

@@ -1,0 +1,81 @@
+"""Destination leases on the vLLM engine thread: blocks taken out of vLLM's pool to receive an
+incoming migration's KV, and their hand-over at commit. The migrated request is added to vLLM with a
+`LoadPlan`; in its first step the connector (`connector.py`) copies the lease into the blocks vLLM
+allocated it, and the lease goes back to the pool. Call only on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from services.llumlet.engines.vllm.state import MigratedLoad
+
+log = logging.getLogger(__name__)
+
+
+class DestinationLeases:
+    def __init__(self, block_pool: Any, kv_state: Any) -> None:
+        self._pool = block_pool  # vLLM's BlockPool (`probe.py`)
+        self._kv_state = kv_state  # the connector's MigrationState
+        self._blocks: dict[str, list[Any]] = {}  # lease id → vLLM blocks taken from the pool
+        self._adopted: dict[str, str] = {}  # internal id → lease holding its migrated KV
+        self._adopted_at: dict[str, tuple[float, float]] = {}  # internal id → (committed, added to vLLM)
+
+    def reserve(self, lease_id: str, num_blocks: int) -> list[int] | None:
+        """Take `num_blocks` more blocks out of the pool under the lease (None, nothing taken, if short)."""
+        if num_blocks > self._pool.get_num_free_blocks():
+            return None
+        blocks = self._pool.get_new_blocks(num_blocks) if num_blocks else []
+        self._blocks.setdefault(lease_id, []).extend(blocks)
+        return [b.block_id for b in blocks]
+
+    def release(self, lease_id: str) -> int:
+        """Back to the pool; how many blocks the lease held (0: none, or released already)."""
+        blocks = self._blocks.pop(lease_id, [])
+        if blocks:
+            self._pool.free_blocks(blocks)
+        return len(blocks)
+
+    def adopt(self, internal_id: str, load: MigratedLoad) -> None:
+        """The migrated request was added to vLLM: its first step loads the lease."""
+        from services.llumlet.engines.vllm.connector import LoadPlan
+
+        blocks = self._blocks.get(load.lease_id, [])
+        self._kv_state.loads[internal_id] = LoadPlan([b.block_id for b in blocks], load.num_tokens)
+        self._adopted[internal_id] = load.lease_id
+        self._adopted_at[internal_id] = (load.committed_at, time.monotonic())
+
+    def is_adopted(self, internal_id: str) -> bool:
+        """A migrated request whose KV still sits in its lease (it needs no blocks of the pool's to join)."""
+        return internal_id in self._adopted
+
+    def release_loaded(self, step_started: float) -> None:
+        """After a step: the leases the connector copied from go back to the pool."""
+        loaded, self._kv_state.loaded = self._kv_state.loaded, []
+        for internal_id in loaded:
+            lease_id = self._adopted.pop(internal_id, None)
+            if lease_id is not None:
+                self.release(lease_id)
+            self._log_load_timing(internal_id, step_started)
+
+    def drop_adopted(self, internal_id: str) -> None:
+        """The request went away before its KV was loaded: its lease goes back to the pool."""
+        lease_id = self._adopted.pop(internal_id, None)
+        if lease_id is None:
+            return
+        self._kv_state.loads.pop(internal_id, None)
+        self._kv_state.pending_copies.pop(internal_id, None)
+        self._adopted_at.pop(internal_id, None)
+        self.release(lease_id)
+
+    def _log_load_timing(self, internal_id: str, step_started: float) -> None:
+        """Where a migrated request's first step went (the destination's share of its client stall)."""
+        times = self._adopted_at.pop(internal_id, None)
+        if times is None:
+            return
+        committed, added = times
+        now = time.monotonic()
+        log.info("migrated-in %s: added to vLLM %.2f ms after its commit, first step %.2f-%.2f ms after it",
+                 internal_id, 1e3 * (added - committed), 1e3 * (step_started - committed), 1e3 * (now - committed))
