@@ -77,10 +77,12 @@ async def drain_instance(nats_url: str, instance_id: str, timeout_s: float, abse
                 return DrainOutcome(False, f"{instance_id} still holds {remaining} requests after {timeout_s:g} s",
                                     remaining)
             changed.clear()
+            wait_s = min(left, absent_after_s)
             try:
-                await asyncio.wait_for(changed.wait(), min(left, absent_after_s))
+                await asyncio.wait_for(changed.wait(), wait_s)
             except TimeoutError:
-                return DrainOutcome(True, f"{instance_id} stopped reporting: gone")
+                if wait_s >= absent_after_s:  # silent that long: gone (else the deadline came first)
+                    return DrainOutcome(True, f"{instance_id} stopped reporting: gone")
     finally:
         await nc.close()
 

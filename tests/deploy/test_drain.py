@@ -83,3 +83,31 @@ def test_drain_refuses_a_bad_instance_id():
     result = subprocess.run([sys.executable, "-m", "services.cli", "drain", "--instance-id", "a.b"],
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "not a valid subject token" in result.stderr
+
+
+async def test_drain_gives_up_at_its_deadline_when_nothing_can_take_the_requests(tiny_model_dir, tmp_path):
+    """No migration pairing (a scheduler with it off): what the instance holds stays, and the drain
+    says so with exit status 1 at its deadline instead of waiting for the kubelet's SIGKILL."""
+    server = start_nats()
+    cluster = Cluster(server.url, tiny_model_dir, tmp_path)
+    try:
+        cluster.start_scheduler("--no-enable-migration")
+        cluster.start_llumlet("stuck", *SIM)
+        cluster.start_gateway()
+        await asyncio.to_thread(cluster.wait_ready, 1)
+        model = httpx.get(f"{cluster.base_url}/v1/models").json()["data"][0]["id"]
+        async with httpx.AsyncClient(base_url=cluster.base_url, timeout=300) as http:
+            body = {"model": model, "prompt": "x " * 50, "max_tokens": 1500, "ignore_eos": True}
+            request = asyncio.create_task(http.post("/v1/completions", json=body))
+            await asyncio.sleep(1.0)
+            started = time.monotonic()
+            result = await asyncio.to_thread(drain, server.url, "stuck", 2.0)
+            took = time.monotonic() - started
+            assert result.returncode == 1, result.stderr[-2000:]
+            assert "stuck still holds 1 requests after 2 s" in result.stderr
+            assert took < 15
+            assert not request.done()
+            request.cancel()
+    finally:
+        cluster.stop()
+        server.stop()
