@@ -190,3 +190,32 @@ def test_the_dockerfile_builds_what_compose_and_kubernetes_run():
     assert ".venv" in (REPO / ".dockerignore").read_text().split()
     exposed = set(re.search(r"^EXPOSE (.+)$", dockerfile, re.M).group(1).split())
     assert {"8000", "9090", "7400"} <= exposed
+
+
+@needs_compose
+def test_grafana_is_provisioned_with_the_dashboard_and_prometheus(resolved):
+    grafana = resolved["services"]["grafana"]
+    mounts = {}
+    for volume in grafana["volumes"]:
+        source, target = (volume["source"], volume["target"]) if isinstance(volume, dict) else volume.split(":")[:2]
+        mounts[target] = source
+    provisioning = repo_path(mounts["/etc/grafana/provisioning"])
+    provider = yaml.safe_load((provisioning / "dashboards" / "corral.yml").read_text())["providers"][0]
+    dashboards = [t for t, s in mounts.items() if s.endswith(".json")]
+    assert dashboards and all(t.startswith(provider["options"]["path"] + "/") for t in dashboards)
+    assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] in dashboards
+    source = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"][0]
+    prometheus_port = published(resolved["services"]["prometheus"])[0][2]
+    assert source["type"] == "prometheus" and source["url"] == f"http://prometheus:{prometheus_port}"
+
+
+def test_prometheus_config_is_valid_for_promtool():
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (scripts/install_prometheus.sh installs it)")
+    done = subprocess.run([promtool, "check", "config", str(REPO / "deploy" / "prometheus" / "prometheus.yml")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
