@@ -199,7 +199,7 @@ class Llumlet:
                 log.exception("engine step failed; failing in-flight requests")
                 await self._fail_all("engine failure")
                 raise
-            views = self.engine.request_views() if self.metrics.awaiting_schedule else ()
+            views = self.engine.request_views() if self.metrics.wants_views(started) else ()
             self.metrics.step_done(started, time.monotonic(), outputs, views)
             for output in outputs:
                 await self._publish_output(output)

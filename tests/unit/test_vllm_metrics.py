@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import time
 from pathlib import Path
 
 import httpx
@@ -12,9 +11,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.gateway.metrics import GatewayMetrics, RequestTimeline
-from services.llumlet.metrics import LlumletMetrics
+from services.llumlet.metrics import SCHEDULE_PROBE_INTERVAL_S, LlumletMetrics
 from shared import vllm_metrics
-from shared.engine_model.views import StepOutput
+from shared.engine_model.views import RequestPhase, RequestView, StepOutput
 from shared.metrics_server import CONTENT_TYPE, MetricsServer, render, serve_metrics
 from tests.support.exported_metrics import exposition_texts, gateway_with_one_request, llumlet_after_one_request
 
@@ -164,6 +163,17 @@ def test_a_request_without_tokens_counts_its_end_but_no_token_timing():
     assert value(text, "vllm:inter_token_latency_seconds_count", engine="llumlet-0") == 0
 
 
+def test_the_llumlet_reads_views_only_for_queued_requests_and_at_most_every_interval():
+    metrics = LlumletMetrics("tiny", "llumlet-0")
+    assert not metrics.wants_views(1.0)  # nothing queued
+    metrics.request_arrived("r", 1.0)
+    assert metrics.wants_views(1.0)
+    assert not metrics.wants_views(1.0 + SCHEDULE_PROBE_INTERVAL_S / 2)
+    assert metrics.wants_views(1.0 + SCHEDULE_PROBE_INTERVAL_S)
+    metrics.step_done(1.0, 1.1, [], [RequestView("r", 0, RequestPhase.RUNNING, 1, 1, 10)])
+    assert not metrics.wants_views(5.0)  # scheduled: nothing left to look for
+
+
 def test_the_llumlet_times_queue_and_prefill_from_the_step_that_scheduled_it():
     text = render(llumlet_after_one_request().registry).decode()
     assert value(text, "vllm:request_queue_time_seconds_sum") == pytest.approx(0.5)
@@ -174,10 +184,10 @@ def test_the_llumlet_times_queue_and_prefill_from_the_step_that_scheduled_it():
 
 def test_the_llumlet_forgets_requests_that_leave_and_times_none_it_did_not_queue():
     metrics = LlumletMetrics("tiny", "llumlet-0")
-    metrics.request_arrived("gone", time.monotonic())
-    assert metrics.awaiting_schedule
+    metrics.request_arrived("gone", 5.0)
+    assert metrics.wants_views(5.0)
     metrics.request_left("gone")
-    assert not metrics.awaiting_schedule
+    assert not metrics.wants_views(6.0)
     # Migrated in mid-decode: its tokens count, it has no queue or prefill time here.
     metrics.step_done(1.0, 1.1, [StepOutput("migrated", 12, [3, 4])])
     text = render(metrics.registry).decode()
