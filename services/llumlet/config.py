@@ -29,6 +29,9 @@ class LlumletConfig:
     model_dir: str | None = None
     max_model_len: int = 2048
     report_interval_s: float = 0.05
+    # SIGTERM: requests migrate out (or finish) for up to this long; what is left then is handed
+    # to the gateways to resume elsewhere by recompute.
+    stop_grace_s: float = 10.0
     metrics_port: int = 0  # Prometheus /metrics (0: off; several llumlets on one host would collide)
     # Publish a report at once when free blocks moved by this fraction of the capacity.
     report_change_fraction: float = 0.05
@@ -64,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local model directory (env CORRAL_MODEL_DIR)")
     parser.add_argument("--max-model-len", type=int, default=env("MAX_MODEL_LEN", 2048))
     parser.add_argument("--report-interval-s", type=float, default=env("REPORT_INTERVAL_S", 0.05))
+    parser.add_argument("--stop-grace-s", type=float, default=env("STOP_GRACE_S", 10.0),
+                        help="on SIGTERM, migrate requests out (or let them finish) for up to this long, "
+                             "then hand the rest to the gateways to resume elsewhere (0: at once)")
     parser.add_argument("--seed", type=int, default=env("SEED", 0))
     parser.add_argument("--metrics-port", type=int, default=env("METRICS_PORT", 0),
                         help="serve Prometheus metrics on this port (0: off)")
@@ -91,6 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mig.add_argument("--migration-min-residence-s", type=float,
                      default=env("MIGRATION_MIN_RESIDENCE_S", defaults.min_residence_s),
                      help="a request migrates out only after this long here since it arrived or migrated in")
+    mig.add_argument("--migration-min-return-s", type=float,
+                     default=env("MIGRATION_MIN_RETURN_S", defaults.min_return_s),
+                     help="a request migrates to an instance it left only this long after it left")
     mig.add_argument("--migration-dest-max-waiting", type=int,
                      default=env("MIGRATION_DEST_MAX_WAITING", defaults.dest_max_waiting),
                      help="refuse incoming migrations while more requests than this wait here")
@@ -135,6 +144,7 @@ def config_from_args(args: argparse.Namespace) -> LlumletConfig:
         model_dir=args.model_dir,
         max_model_len=args.max_model_len,
         report_interval_s=args.report_interval_s,
+        stop_grace_s=args.stop_grace_s,
         metrics_port=args.metrics_port,
         seed=args.seed,
         enable_migration=args.enable_migration,
@@ -174,6 +184,7 @@ def migration_limits_from_args(args: argparse.Namespace) -> MigrationLimits:
             lease_s=args.migration_lease_s,
             pair_ttl_s=args.migration_pair_ttl_s,
             min_residence_s=args.migration_min_residence_s,
+            min_return_s=args.migration_min_return_s,
             dest_max_waiting=args.migration_dest_max_waiting,
             dest_min_free_fraction=args.migration_dest_min_free_fraction,
             bandwidth_bytes_per_s=args.migration_bandwidth_mib_s * (1 << 20),

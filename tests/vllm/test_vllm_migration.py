@@ -32,9 +32,9 @@ SELF_CHECK_PREFIX = "SELF-CHECK "
 
 MAX_MODEL_LEN = 2048
 OUTPUT_LEN = 1600  # long enough for several moves; blocks of 128 tokens: multi-stage copies
-# Moves are ordered a fraction of a second apart: no residence guard.
+# Moves are ordered a fraction of a second apart, back and forth: no residence or return guard.
 LLUMLET = ("--max-model-len", str(MAX_MODEL_LEN), "--vllm-kv-cache-gib", "0.02", "--report-interval-s", "0.05",
-           "--migration-min-residence-s", "0")
+           "--migration-min-residence-s", "0", "--migration-min-return-s", "0")
 INSTANCES = ("vm-a", "vm-b")
 
 
