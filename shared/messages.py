@@ -9,15 +9,47 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import TypeVar
+import math
+from typing import Annotated, TypeVar
 
 import msgspec
+from msgspec import Meta
+
+from shared import bus_guard
 
 T = TypeVar("T")
 
 
 class WireError(ValueError):
-    """A payload that does not decode into the expected message type."""
+    """A payload that does not decode into the expected message type. `reason` (a metric label):
+    malformed (not MessagePack), invalid (wrong schema or a value out of bounds), oversized, nested."""
+
+    def __init__(self, message: str, reason: str = "malformed") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+# Constraints checked on decode (never on construction: a service's own messages are trusted).
+# Everything a peer sends is bounded here, once, so no handler divides by a zero block size,
+# publishes to a subject with a space in it or allocates for a billion-entry list.
+MAX_PAYLOAD_BYTES = 64 * 1024 * 1024  # NATS' own limit is 1 MiB unless raised; a frame cap regardless
+MAX_LIST = 1 << 20  # tokens of one request (context lengths stay far below)
+InstanceId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_\-]+$", max_length=128)]  # = subjects.valid_token
+RequestId = Annotated[str, Meta(min_length=1, max_length=256)]
+# A NATS subject one may publish to: dot-separated non-empty tokens, no whitespace, no wildcard.
+Subject = Annotated[str, Meta(pattern=r"^[^\s.*>]+(\.[^\s.*>]+)*$", max_length=256)]
+Count = Annotated[int, Meta(ge=0, le=2**53)]
+TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
+TokenIds = Annotated[list[TokenId], Meta(max_length=MAX_LIST)]
+Seconds = Annotated[float, Meta(ge=0.0, le=1e12)]  # a duration or a wall-clock time: finite, not negative
+
+
+def _no_nan(**values: float) -> None:
+    """Called from `__post_init__`, which runs on decode too (msgspec turns the error into a
+    ValidationError): NaN compares false with everything, so it would slip through every policy."""
+    for name, value in values.items():
+        if value is not None and math.isnan(value):
+            raise ValueError(f"{name} is NaN")
 
 
 class FinishReason(str, enum.Enum):
@@ -50,15 +82,15 @@ class Struct(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
 
 
 class SamplingParams(Struct):
-    max_tokens: int = 16
+    max_tokens: Count = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] = []
+    min_tokens: Count = 0
+    stop_token_ids: TokenIds = []
     repetition_penalty: float = 1.0
     # Log probabilities of each output token and of this many top alternatives (OpenAI's
     # top_logprobs; 0: the sampled token's only). None: none (engines that cannot refuse it).
@@ -68,10 +100,10 @@ class SamplingParams(Struct):
 class GenerateRequest(Struct):
     """Gateway → llumlet: run this request and stream its tokens to `reply_subject`."""
 
-    request_id: str
-    prompt_token_ids: list[int]
+    request_id: RequestId
+    prompt_token_ids: TokenIds
     sampling: SamplingParams
-    reply_subject: str
+    reply_subject: Subject
     priority: int = 0
     arrival_time: float = 0.0
     # Output length a trace asked for (the simulated engine stops there); None: until max_tokens/EOS.
@@ -86,7 +118,7 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     """One output token's log probability and the top alternatives', best first (id, logprob)."""
 
     logprob: float
-    top: list[tuple[int, float]] = []
+    top: Annotated[list[tuple[TokenId, float]], Meta(max_length=1024)] = []
 
 
 class TokenChunk(Struct):
@@ -96,14 +128,14 @@ class TokenChunk(Struct):
     from the next index, so the gateway orders by index and drops what it has already seen.
     """
 
-    request_id: str
-    instance_id: str
-    start_index: int
-    token_ids: list[int]
+    request_id: RequestId
+    instance_id: InstanceId
+    start_index: Count
+    token_ids: TokenIds
     finish_reason: FinishReason | None = None
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    num_preemptions: int = 0
+    error: Annotated[str, Meta(max_length=4096)] | None = None
+    num_prompt_tokens: Count = 0
+    num_preemptions: Count = 0
     # The destination of a migration, taking the request over (its first chunk repeats the output
     # so far): the gateway watches this instance from now on, even when the chunk adds nothing.
     handover: bool = False
@@ -113,7 +145,7 @@ class TokenChunk(Struct):
 
 
 class AbortRequest(Struct):
-    request_id: str
+    request_id: RequestId
     reason: str = "client disconnected"
 
 
@@ -132,10 +164,10 @@ class PriorityLoad(Struct):
     """Aggregates of one priority level on one instance (lower value = more important)."""
 
     priority: int
-    num_running: int = 0
-    running_blocks: int = 0
-    num_waiting: int = 0
-    waiting_demand_blocks: int = 0
+    num_running: Count = 0
+    running_blocks: Count = 0
+    num_waiting: Count = 0
+    waiting_demand_blocks: Count = 0
 
 
 class LoadReport(Struct):
@@ -145,43 +177,48 @@ class LoadReport(Struct):
     `shared.policy`, so the scheduler, the gateway's bypass path and the simulator agree.
     """
 
-    instance_id: str
-    seq: int
-    sent_at: float
-    num_blocks_total: int
-    num_blocks_free: int
-    block_size: int
-    num_running: int
-    num_waiting: int
-    head_demand_blocks: int
-    waiting_demand_blocks: int
-    num_preemptions_total: int
-    by_priority: list[PriorityLoad] = []
-    num_migrating: int = 0
-    reserved_blocks: int = 0
+    instance_id: InstanceId
+    seq: Count
+    sent_at: Seconds
+    num_blocks_total: Count
+    num_blocks_free: Count
+    block_size: Annotated[int, Meta(ge=1, le=1 << 20)]
+    num_running: Count
+    num_waiting: Count
+    head_demand_blocks: Count
+    waiting_demand_blocks: Count
+    num_preemptions_total: Count
+    by_priority: Annotated[list[PriorityLoad], Meta(max_length=1024)] = []
+    num_migrating: Count = 0
+    reserved_blocks: Count = 0
     # Blocks that admitted prompts still have to claim: admission checked their whole sequence
     # fits, chunked prefill allocates it chunk by chunk. Spoken for, though still free.
-    committed_blocks: int = 0
+    committed_blocks: Count = 0
     draining: bool = False
-    kv_address: str = ""
-    max_model_len: int = 0
+    kv_address: Annotated[str, Meta(max_length=256)] = ""
+    max_model_len: Count = 0
     model: str = ""
     engine: str = ""
     # Freeness as the llumlet computed it (for dashboards); the scheduler recomputes.
     freeness: float = 0.0
     dispatch_freeness: float = 0.0
 
+    def __post_init__(self) -> None:
+        _no_nan(freeness=self.freeness, dispatch_freeness=self.dispatch_freeness)
+        if self.num_blocks_free > self.num_blocks_total:
+            raise ValueError(f"{self.num_blocks_free} free blocks of {self.num_blocks_total}")
+
 
 class DispatchRequest(Struct):
-    request_id: str
-    num_prompt_tokens: int
-    max_tokens: int
+    request_id: RequestId
+    num_prompt_tokens: Count
+    max_tokens: Count
     priority: int = 0
-    exclude: list[str] = []
+    exclude: Annotated[list[InstanceId], Meta(max_length=1024)] = []
 
 
 class DispatchReply(Struct):
-    instance_id: str | None = None
+    instance_id: InstanceId | None = None
     rejected: str | None = None  # the refusal in words
     retry_after_s: float | None = None
     reason: Refusal | None = None  # set whenever `instance_id` is None
@@ -195,10 +232,10 @@ class DispatchReply(Struct):
 class MigrateOrder(Struct):
     """Scheduler → source llumlet: keep migrating to `dst_instance_id` while the pair stands."""
 
-    pair_id: str
-    dst_instance_id: str
+    pair_id: Annotated[str, Meta(max_length=256)]
+    dst_instance_id: InstanceId
     cancel: bool = False
-    round: int = 0
+    round: Count = 0
 
 
 class DrainOrder(Struct):
@@ -215,38 +252,38 @@ class ScalingEvent(Struct):
     """Autoscaler → observers: an instance was started, asked to drain, or stopped."""
 
     action: ScalingAction
-    instance_id: str
-    instances: int
+    instance_id: InstanceId
+    instances: Count
     at: float
     average_freeness: float | None = None
 
 
 class PreAlloc(Struct):
-    migration_id: str
-    request_id: str
-    num_blocks: int
-    lease_s: float
-    stage: int
+    migration_id: RequestId
+    request_id: RequestId
+    num_blocks: Annotated[int, Meta(ge=0, le=1 << 24)]
+    lease_s: Seconds
+    stage: Annotated[int, Meta(ge=0, le=1024)]
 
 
 class PreAllocReply(Struct):
     ok: bool
     reason: str | None = None
-    block_ids: list[int] = []
-    kv_address: str = ""  # the destination's KV receiver (host:port) for the data plane
+    block_ids: Annotated[list[Count], Meta(max_length=1 << 24)] = []
+    kv_address: Annotated[str, Meta(max_length=256)] = ""  # the destination's KV receiver (host:port) for the data plane
 
 
 class MigrationAbort(Struct):
-    migration_id: str
+    migration_id: RequestId
     reason: str = ""
 
 
 class MigrationCommit(Struct):
-    migration_id: str
+    migration_id: RequestId
     request: GenerateRequest
-    output_token_ids: list[int]
-    num_computed_tokens: int
-    num_preemptions: int = 0
+    output_token_ids: TokenIds
+    num_computed_tokens: Count
+    num_preemptions: Count = 0
     # Instances the request has left (id -> wall-clock time it left), for the return-trip limit.
     departures: dict[str, float] = {}
 
@@ -256,19 +293,26 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 
 def decode(data: bytes, type_: type[T]) -> T:
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise WireError(f"bad {type_.__name__} payload: {len(data)} bytes (at most {MAX_PAYLOAD_BYTES})",
+                        "oversized")
     try:
         return msgspec.msgpack.decode(data, type=type_)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"bad {type_.__name__} payload: {exc}") from exc
+    except msgspec.ValidationError as exc:
+        raise WireError(f"bad {type_.__name__} payload: {exc}", "invalid") from exc
+    except msgspec.DecodeError as exc:
+        raise WireError(f"bad {type_.__name__} payload: {exc}", "malformed") from exc
+    except RecursionError as exc:  # nesting deeper than the interpreter's stack, from any peer
+        raise WireError(f"bad {type_.__name__} payload: nested too deeply", "nested") from exc
 
 
-def decode_or_drop(data: bytes, type_: type[T], log: logging.Logger, what: str) -> T | None:
-    """For fire-and-forget subjects: a bad payload is logged and dropped, never raised into a
-    subscription callback (which would stall the subject)."""
+def decode_or_drop(data: bytes, type_: type[T], log: logging.Logger, what: str, subject: str = "") -> T | None:
+    """For fire-and-forget subjects: a bad payload is counted (`shared.bus_guard`), logged
+    (rate-limited) and dropped, never raised into a subscription callback."""
     try:
         return decode(data, type_)
     except WireError as exc:
-        log.warning("dropping a bad %s: %s", what, exc)
+        bus_guard.rejected(subject, exc.reason, str(exc), log, what)
         return None
 
 

@@ -53,3 +53,20 @@ def gateway_output(gateway_id: str) -> str:
 
 # Autoscaler events (scale decisions, drains) for observers and tests.
 SCALING_EVENTS = f"{PREFIX}.scaling.events"
+
+
+_PER_ID = {"load": 3, "llumlet": 4, "migration": 4, "gateway": 4}  # role -> tokens in its subjects
+_FIXED = {DISPATCH, ABORT_ALL, SCALING_EVENTS}
+
+
+def pattern_of(subject: str) -> str:
+    """The subject with its instance or gateway id replaced by `*` (a bounded metric label): what
+    a service subscribed to, not who it was addressed to. Anything else is `other`."""
+    if subject in _FIXED:
+        return subject
+    parts = subject.split(".")
+    if len(parts) >= 3 and parts[0] == PREFIX and _PER_ID.get(parts[1]) == len(parts):
+        verb = parts[3:]
+        if all(_TOKEN.match(token) and len(token) <= 16 for token in verb):
+            return ".".join([PREFIX, parts[1], "*", *verb])
+    return "other"

@@ -59,7 +59,7 @@ class Autoscaler:
             await self.nc.drain()
 
     async def _on_report(self, msg: Msg) -> None:
-        report = decode_or_drop(msg.data, LoadReport, log, "load report")
+        report = decode_or_drop(msg.data, LoadReport, log, "load report", msg.subject)
         if report is None:
             return
         self.table.update(report)

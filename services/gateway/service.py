@@ -27,7 +27,7 @@ from services.gateway.errors import TRY_ANOTHER_INSTANCE, ApiError, bad_request,
 from services.gateway.protocol import GenerationOptions, RequestKind
 from services.gateway.streams import OutputStream, StreamRegistry
 from services.gateway.tokenizer import ModelTokenizer
-from shared import subjects, tracing
+from shared import bus_guard, subjects, tracing
 from shared.messages import (
     AbortRequest, Ack, DispatchRequest, GenerateRequest, LoadReport, Refusal, TokenChunk, WireError, decode,
     decode_or_drop, encode,
@@ -58,9 +58,11 @@ class GatewayService:
         self._owns_tokenizer = tokenizer is None
         self.tokenizer = tokenizer or ModelTokenizer.load(config.model_dir, config.max_model_len)
         self.metrics = GatewayMetrics(config.model_name, self.tokenizer.max_model_len)
+        bus_guard.register(self.metrics.registry)
         self.instances = GatewayInstances(config.instance_timeout_s)
         self.metrics.watch_instances(lambda: [load.instance_id for load in self.instances.live_loads()])
-        self.streams = StreamRegistry(on_handover_stall=self.metrics.migration_stalled)
+        self.streams = StreamRegistry(on_handover_stall=self.metrics.migration_stalled,
+                                      vocab_size=self.tokenizer.vocab_size)
         self.started_at = int(time.time())
         self.output_subject = subjects.gateway_output(config.gateway_id)
         self._nc: Client | None = None
@@ -119,14 +121,17 @@ class GatewayService:
     # ---- subscriptions ----------------------------------------------------------------------
 
     async def _on_token_chunk(self, msg: Msg) -> None:
-        chunk = decode_or_drop(msg.data, TokenChunk, log, "token chunk")
+        chunk = decode_or_drop(msg.data, TokenChunk, log, "token chunk", msg.subject)
         if chunk is None:
+            return
+        if (problem := self.streams.refusal(chunk)) is not None:
+            bus_guard.rejected(msg.subject, "invalid", problem, log, "token chunk")
             return
         if not self.streams.route(chunk):
             log.debug("chunk for unknown request %s (finished or aborted)", chunk.request_id)
 
     async def _on_load_report(self, msg: Msg) -> None:
-        report = decode_or_drop(msg.data, LoadReport, log, f"load report on {msg.subject}")
+        report = decode_or_drop(msg.data, LoadReport, log, "load report", msg.subject)
         if report is not None:
             self.instances.update(report)
 
@@ -188,7 +193,7 @@ class GatewayService:
         if self._nc is None or self._dispatcher is None or not self._nc.is_connected:
             raise ApiError(503, "the gateway is not connected to NATS")
         # Open the stream first: the instance may publish tokens before its Ack reaches us.
-        stream = self.streams.open(request.request_id)
+        stream = self.streams.open(request.request_id, request.max_tokens)
         self.metrics.in_flight_changed(+1)
         try:
             await self._place(request, stream)

@@ -14,9 +14,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import msgspec
+
 from shared.messages import FinishReason, TokenChunk, TokenLogprob
 
 log = logging.getLogger(__name__)
+
+# Chunks held past a gap, per request. A migration's overlap leaves a handful; more is a
+# misbehaving (or forged) publisher, and each held chunk costs memory and a scan per delivery.
+MAX_PENDING_CHUNKS = 256
 
 
 @dataclass
@@ -44,6 +50,9 @@ class TokenOrderer:
     done: bool = False
     finish_reason: FinishReason | None = None  # the engine's own end of the request
     pending: dict[int, TokenChunk] = field(default_factory=dict)  # chunks that start past a gap
+    # The request's max_tokens: never more is delivered, whatever an instance sends (the stream
+    # then ends with `length`, as the engine's own end would); None: no bound (tests).
+    max_tokens: int | None = None
 
     def is_stale(self, chunk: TokenChunk) -> bool:
         """Nothing new: every token already delivered, and no finish exactly at our position."""
@@ -61,13 +70,30 @@ class TokenOrderer:
         if chunk.start_index > self.next_index:
             self._buffer(chunk)
             return []
-        out = self._apply(chunk)
+        out = self._apply(self._clipped(chunk))
         while not self.done and (ready := self._pop_ready()) is not None:
-            out += self._apply(ready)
+            out += self._apply(self._clipped(ready))
         return out
 
+    def _clipped(self, chunk: TokenChunk) -> TokenChunk:
+        """The chunk cut at max_tokens, ending the request there if it went past."""
+        if self.max_tokens is None or _end(chunk) <= self.max_tokens:
+            return chunk
+        keep = max(0, self.max_tokens - chunk.start_index)
+        logprobs = chunk.logprobs[:keep] if chunk.logprobs is not None else None
+        log.warning("request %s: instance %s sent tokens past max_tokens=%d; cut there", chunk.request_id,
+                    chunk.instance_id, self.max_tokens)
+        return msgspec.structs.replace(chunk, token_ids=chunk.token_ids[:keep], logprobs=logprobs,
+                                       finish_reason=chunk.finish_reason or FinishReason.LENGTH)
+
     def _buffer(self, chunk: TokenChunk) -> None:
+        if self.max_tokens is not None and chunk.start_index >= self.max_tokens:
+            return  # can never be delivered
         held = self.pending.get(chunk.start_index)
+        if held is None and len(self.pending) >= MAX_PENDING_CHUNKS:
+            log.warning("request %s: %d chunks already wait past a gap; dropping one at %d", chunk.request_id,
+                        len(self.pending), chunk.start_index)
+            return
         if held is None or _end(chunk) > _end(held) or (_end(chunk) == _end(held) and chunk.finish_reason):
             self.pending[chunk.start_index] = chunk
 
@@ -117,9 +143,9 @@ class OutputStream:
     """One request's ordered output, fed from the NATS callback and read by the HTTP handler."""
 
     def __init__(self, request_id: str, instance_id: str | None = None,
-                 on_handover_stall: Callable[[float], None] | None = None) -> None:
+                 on_handover_stall: Callable[[float], None] | None = None, max_tokens: int | None = None) -> None:
         self.request_id = request_id
-        self.orderer = TokenOrderer()
+        self.orderer = TokenOrderer(max_tokens=max_tokens)
         self.handover = HandoverClock()
         self._on_handover_stall = on_handover_stall
         self.holder = instance_id  # the instance whose chunks we are reading now
@@ -183,9 +209,10 @@ class OutputStream:
 class StreamRegistry:
     """Open streams by request id: the demultiplexer behind the gateway's output subject."""
 
-    def __init__(self, on_handover_stall: Callable[[float], None] | None = None) -> None:
+    def __init__(self, on_handover_stall: Callable[[float], None] | None = None, vocab_size: int | None = None) -> None:
         self._streams: dict[str, OutputStream] = {}
         self._on_handover_stall = on_handover_stall  # each migration's client-visible stall (seconds)
+        self._vocab_size = vocab_size  # token ids past it are refused (None: not checked)
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -193,10 +220,20 @@ class StreamRegistry:
     def __iter__(self) -> Iterator[OutputStream]:
         return iter(list(self._streams.values()))
 
-    def open(self, request_id: str) -> OutputStream:
+    def open(self, request_id: str, max_tokens: int | None = None) -> OutputStream:
         assert request_id not in self._streams, f"request id {request_id} is already in flight"
-        stream = self._streams[request_id] = OutputStream(request_id, on_handover_stall=self._on_handover_stall)
+        stream = self._streams[request_id] = OutputStream(request_id, on_handover_stall=self._on_handover_stall,
+                                                          max_tokens=max_tokens)
         return stream
+
+    def refusal(self, chunk: TokenChunk) -> str | None:
+        """Why a chunk must not reach its stream (a token the tokenizer cannot detokenize: it
+        would end the client's stream without an error); None when it may."""
+        if self._vocab_size is not None and any(t >= self._vocab_size for t in chunk.token_ids):
+            return f"token ids of request {chunk.request_id} from {chunk.instance_id} past the vocabulary ({self._vocab_size})"
+        if chunk.logprobs is not None and len(chunk.logprobs) != len(chunk.token_ids):
+            return f"{len(chunk.logprobs)} logprobs for {len(chunk.token_ids)} tokens"
+        return None
 
     def close(self, request_id: str) -> bool:
         """Forget a stream; False when it was not open (closed already)."""

@@ -12,7 +12,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from services.global_scheduler.config import SchedulerConfig
 from services.global_scheduler.metrics import SchedulerMetrics
 from services.global_scheduler.migration_loop import MigrationLoop, MigrationPairer
-from shared import subjects, tracing
+from shared import bus_guard, subjects, tracing
 from shared.instance_table import InstanceTable
 from shared.messages import (
     DispatchReply,
@@ -40,6 +40,7 @@ class GlobalScheduler:
         self._tasks: list[asyncio.Task] = []
         self.migration_loop: MigrationLoop | None = None
         self.metrics = SchedulerMetrics(self.table.live, self._standing_pairs)
+        bus_guard.register(self.metrics.registry)
 
     def _standing_pairs(self) -> int:
         return 0 if self.migration_loop is None else len(self.migration_loop.pairer.pairs)
@@ -71,7 +72,7 @@ class GlobalScheduler:
             await self.nc.drain()
 
     async def _on_report(self, msg: Msg) -> None:
-        report = decode_or_drop(msg.data, LoadReport, log, "load report")
+        report = decode_or_drop(msg.data, LoadReport, log, "load report", msg.subject)
         if report is None:
             return
         if self.table.get(report.instance_id) is None:
@@ -94,6 +95,7 @@ class GlobalScheduler:
             try:
                 request = decode(msg.data, DispatchRequest)
             except WireError as exc:
+                bus_guard.rejected(msg.subject, exc.reason, str(exc), log, "dispatch request")
                 span.set_status(Status(StatusCode.ERROR, str(exc)))
                 await msg.respond(encode(DispatchReply(rejected=str(exc), reason=Refusal.INVALID)))
                 return

@@ -20,7 +20,7 @@ from shared.metrics_server import serve_metrics
 from services.llumlet.readiness import not_ready_reason
 from services.llumlet.routes import OutputRoutes
 from services.llumlet.migration.runtime import LlumletMigration
-from shared import subjects, tracing
+from shared import bus_guard, subjects, tracing
 from shared.messages import (
     AbortRequest,
     Ack,
@@ -80,6 +80,7 @@ class Llumlet:
         self.spans = RequestSpans(self.instance_id, self.engine.model_name)
         self.migration = self._build_migration()
         self.metrics = LlumletMetrics(self.engine.model_name, self.instance_id)
+        bus_guard.register(self.metrics.registry)
         serve_metrics(self.metrics.registry, self.config.metrics_port, ready=self.not_ready_reason)
         self.nc = await connect(self.config.nats_url, f"llumlet-{self.instance_id}")
         nc = self.nc
@@ -150,6 +151,7 @@ class Llumlet:
             request.trace_context = trace_context_of(msg.headers) or request.trace_context
             self.engine.add_request(request)
         except WireError as exc:
+            bus_guard.rejected(msg.subject, exc.reason, str(exc), log, "generate order")
             await msg.respond(encode(Ack(ok=False, error=str(exc), reason=Refusal.INVALID)))
             return
         except EngineError as exc:
@@ -163,7 +165,7 @@ class Llumlet:
         await msg.respond(encode(Ack(ok=True)))
 
     async def _on_abort(self, msg: Msg) -> None:
-        order = decode_or_drop(msg.data, AbortRequest, log, "abort")
+        order = decode_or_drop(msg.data, AbortRequest, log, "abort", msg.subject)
         if order is None:
             return
         if self.migration is not None:
@@ -175,8 +177,10 @@ class Llumlet:
             self._report_now.set()
 
     async def _on_drain(self, msg: Msg) -> None:
-        order = decode_or_drop(msg.data, DrainOrder, log, "drain order")
+        order = decode_or_drop(msg.data, DrainOrder, log, "drain order", msg.subject)
         if order is None:
+            if msg.reply:  # a request is answered, a bad one too
+                await msg.respond(encode(Ack(ok=False, error="bad drain order", reason=Refusal.INVALID)))
             return
         self.draining = order.drain
         log.info("llumlet %s draining=%s", self.instance_id, self.draining)

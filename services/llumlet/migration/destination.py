@@ -147,6 +147,12 @@ class IncomingMigrations:
         if more > 0 or msg.stage not in m.granted:
             if msg.stage != len(m.granted) and msg.stage != len(m.granted) - 1:
                 return PreAllocGrant(ok=False, reason=f"stage {msg.stage} is over: no top-up")
+            # Every block past the first grant passes the guard the first one did: a 1-block
+            # stage 0 topped up to the whole cache is still a request the guard would refuse.
+            refusal = self._guard_more(m, more)
+            if refusal is not None:
+                self._end(m, MigrationStatus.ABORTED_DST, refusal)
+                return PreAllocGrant(ok=False, reason=refusal)
             self._renew(m, msg)  # (first: the watchdog must not expire it while the engine reserves)
             added = await self.ops.reserve_blocks(m.migration_id, max(0, more))
             if m.status.is_over:  # ended meanwhile (ABORT, client abort, stop): its release ran already
@@ -161,6 +167,11 @@ class IncomingMigrations:
                 self._on_change()
         self._renew(m, msg)
         return PreAllocGrant(ok=True, block_ids=list(granted), kv_address=self.kv_address)
+
+    def _guard_more(self, m: IncomingMigration, more: int) -> str | None:
+        if more <= 0 or not m.granted or self._intake_load is None:
+            return None  # the first grant was guarded in `_refuse_new`
+        return guard_refusal(self._intake_load(), more, self.limits)
 
     def _renew(self, m: IncomingMigration, msg: PreAlloc) -> None:
         m.expires_at = self._clock() + min(max(msg.lease_s, self.limits.watchdog_interval_s), self.limits.lease_s)

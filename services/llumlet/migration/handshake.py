@@ -20,7 +20,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from services.llumlet.migration.destination import IncomingMigrations
 from services.llumlet.migration.protocol import DestinationGone, DestinationSlow, MigrationLimits, PreAllocGrant
-from shared import subjects
+from shared import bus_guard, subjects
 from shared.messages import Ack, MigrationAbort, MigrationCommit, PreAlloc, WireError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class HandshakeServer:
         try:
             reply = await self.incoming.handle_prealloc(decode(msg.data, PreAlloc))
         except WireError as exc:
+            bus_guard.rejected(msg.subject, exc.reason, str(exc), log, "pre-alloc")
             reply = PreAllocGrant(ok=False, reason=str(exc))
         await self._respond(msg, reply)
 
@@ -88,6 +89,7 @@ class HandshakeServer:
         try:
             reply = self.incoming.handle_abort(decode(msg.data, MigrationAbort))
         except WireError as exc:
+            bus_guard.rejected(msg.subject, exc.reason, str(exc), log, "migration abort")
             reply = Ack(ok=False, error=str(exc))
         await self._respond(msg, reply)
 
@@ -95,6 +97,7 @@ class HandshakeServer:
         try:
             commit = decode(msg.data, MigrationCommit)
         except WireError as exc:
+            bus_guard.rejected(msg.subject, exc.reason, str(exc), log, "migration commit")
             await self._respond(msg, Ack(ok=False, error=str(exc)))
             return
         await self._respond(msg, await self.incoming.commit(commit))

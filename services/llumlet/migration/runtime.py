@@ -90,7 +90,7 @@ class LlumletMigration:
         await self.hooks.migrated_in(commit)
 
     async def _on_order(self, msg: Msg) -> None:
-        order = decode_or_drop(msg.data, MigrateOrder, log, "migrate order")
+        order = decode_or_drop(msg.data, MigrateOrder, log, "migrate order", msg.subject)
         if order is None:
             return
         if self.coordinator is not None:
