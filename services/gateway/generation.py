@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.errors import ApiError
@@ -27,9 +28,19 @@ class TextEvent:
     logprobs: list[TokenWithLogprob] | None = None  # the tokens since the last event, if asked for
 
 
+class TokenTimes(Protocol):
+    """Told as tokens arrive, with the instance that holds the request then (the gateway's
+    metrics: vLLM observes time to first token and inter-token latency as they happen)."""
+
+    def first_token(self, engine: str, ttft_s: float) -> None: ...
+
+    def next_tokens(self, engine: str, gap_s: float) -> None: ...
+
+
 class Generation:
     def __init__(self, stream: OutputStream, decode: Callable[[list[int]], str], prompt_token_ids: Sequence[int],
-                 options: GenerationOptions, inactivity_timeout_s: float, arrival: float) -> None:
+                 options: GenerationOptions, inactivity_timeout_s: float, arrival: float,
+                 token_times: TokenTimes | None = None) -> None:
         self.stream = stream
         self._detok = IncrementalDetokenizer(decode, prompt_token_ids)
         self._stops = StopStringMatcher(options.stop, options.include_stop_str_in_output)
@@ -40,7 +51,7 @@ class Generation:
         self.num_output_tokens = 0
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
-        self.token_gaps: list[float] = []  # between deliveries that carried tokens (vLLM's inter-token latency)
+        self._token_times = token_times
         self.finish_reason: str | None = None
         self.error: ApiError | None = None
         self._logprobs: list[TokenWithLogprob] | None = [] if options.logprobs is not None else None
@@ -85,19 +96,25 @@ class Generation:
         token_ids = delivery.token_ids
         text, used = self._absorb_tokens(token_ids)
         if self._logprobs is not None:
-            logprobs = delivery.logprobs if delivery.logprobs is not None else [None] * len(token_ids)
-            self._logprobs += list(zip(token_ids[:used], logprobs[:used], strict=True))
+            logprobs: list[TokenLogprob | None] = list(delivery.logprobs or [])
+            logprobs += [None] * (used - len(logprobs))  # none sent (a handover's repeat), or too few
+            self._logprobs += list(zip(token_ids[:used], logprobs[:used]))
         return text
+
+    def _clock_tokens(self, now: float) -> None:
+        times, holders = self._token_times, self.stream.holders
+        if self.first_token_at is None:
+            self.first_token_at = now
+            if times is not None and holders:
+                times.first_token(holders[-1], now - self.arrival)
+        elif times is not None and holders:
+            times.next_tokens(holders[-1], now - self.last_token_at)
+        self.last_token_at = now
 
     def _absorb_tokens(self, token_ids: list[int]) -> tuple[str, int]:
         """The text the tokens make (up to a stop string), and how many of them that took."""
         if token_ids:
-            now = time.monotonic()
-            if self.first_token_at is None:
-                self.first_token_at = now
-            else:
-                self.token_gaps.append(now - self.last_token_at)
-            self.last_token_at = now
+            self._clock_tokens(time.monotonic())
         if not self._token_by_token:
             self.num_output_tokens += len(token_ids)
             return self._stops.append(self._detok.push(token_ids)), len(token_ids)
