@@ -274,7 +274,8 @@ class CompletionEndpoint:
             for index, request in enumerate(prepared):
                 stream = await self.service.submit(request)
                 generation = Generation(stream, self.service.tokenizer.decode, request.prompt_token_ids,
-                                        request.options, config.request_inactivity_timeout_s, request.arrival)
+                                        request.options, config.request_inactivity_timeout_s, request.arrival,
+                                        self.service.metrics)
                 choices.append(Choice(index, request, generation))
         except BaseException:
             for choice in choices:

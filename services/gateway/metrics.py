@@ -1,10 +1,11 @@
 """Prometheus metrics of one gateway: what the client sees, under vLLM's names, and Corral's own.
 
-The gateway measures what vLLM's frontend measures, as the client sees it: time to first token,
-inter-token latency, time per output token, e2e latency, decode time, how each request finished,
-and its prompt/output lengths (`vllm:*`, labels `model_name` and `engine` = the instance that
-finished it). Engine-side series (queue and prefill time, running/waiting, KV usage, token
-counters) come from the llumlets; Corral's own (`corral:gateway_*`) sit beside them.
+The gateway measures what vLLM's frontend measures, as the client sees it: time to first token
+and inter-token latency as they happen (`engine` = the instance that sent the tokens); time per
+output token, e2e latency, decode time, how each request finished and its prompt/output lengths
+when it ends (`engine` = the instance that finished it). Engine-side series (queue and prefill
+time, running/waiting, KV usage, token counters) come from the llumlets; Corral's own
+(`corral:gateway_*`) sit beside them.
 Each gateway owns its registry, so several can live in one process (tests) without clashing.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -46,7 +47,6 @@ class RequestTimeline:
     finished_reason: str  # one of vllm.FINISHED_REASONS
     first_token_at: float | None = None
     last_token_at: float | None = None
-    token_gaps: list[float] = field(default_factory=list)  # between successive deliveries
 
 
 def timeline_of(generation: Generation, prepared: PreparedRequest, engine: str) -> RequestTimeline:
@@ -61,7 +61,6 @@ def timeline_of(generation: Generation, prepared: PreparedRequest, engine: str) 
         num_prompt_tokens=len(prepared.prompt_token_ids), num_output_tokens=generation.num_output_tokens,
         max_tokens=prepared.max_tokens, max_tokens_param=prepared.options.max_tokens, finished_reason=reason,
         first_token_at=generation.first_token_at, last_token_at=generation.last_token_at,
-        token_gaps=generation.token_gaps,
     )
 
 
@@ -152,16 +151,21 @@ class GatewayMetrics:
         self.max_tokens.labels(*labels).observe(t.max_tokens)
         if t.max_tokens_param is not None:
             self.max_tokens_param.labels(*labels).observe(t.max_tokens_param)
-        itl = self.itl.labels(*labels)
-        for gap in t.token_gaps:
-            itl.observe(gap)
         if t.first_token_at is None or t.last_token_at is None:
             return
-        self.ttft.labels(*labels).observe(t.first_token_at - t.arrival)
         decode = t.last_token_at - t.first_token_at
         self.decode_time.labels(*labels).observe(decode)
         # As vLLM: the first token is prefill's; a one-token request counts 0.
         self.tpot.labels(*labels).observe(decode / (t.num_output_tokens - 1) if t.num_output_tokens > 1 else 0.0)
+
+    def first_token(self, engine: str, ttft_s: float) -> None:
+        """As it happens (`TokenTimes`), labelled with the instance that produced it."""
+        self.engine_seen(engine)
+        self.ttft.labels(self._model, engine).observe(ttft_s)
+
+    def next_tokens(self, engine: str, gap_s: float) -> None:
+        """The gap since the previous delivery of tokens: vLLM's inter-token latency (one per step)."""
+        self.itl.labels(self._model, engine).observe(gap_s)
 
     def migration_stalled(self, seconds: float) -> None:
         self.migration_stall.labels(self._model).observe(seconds)

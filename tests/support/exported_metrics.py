@@ -18,10 +18,12 @@ def gateway_with_one_request() -> GatewayMetrics:
     metrics = GatewayMetrics("tiny", 2048)
     metrics.watch_instances(lambda: ["llumlet-0"])
     metrics.request_done("/v1/chat/completions", 200)
+    metrics.first_token("llumlet-1", 0.2)
+    for _ in range(4):
+        metrics.next_tokens("llumlet-1", 0.1)
     metrics.request_finished(RequestTimeline(
         engine="llumlet-1", arrival=10.0, ended=11.0, num_prompt_tokens=30, num_output_tokens=5, max_tokens=16,
-        max_tokens_param=16, finished_reason="length", first_token_at=10.2, last_token_at=10.6,
-        token_gaps=[0.1, 0.1, 0.1, 0.1]))
+        max_tokens_param=16, finished_reason="length", first_token_at=10.2, last_token_at=10.6))
     return metrics
 
 
