@@ -1,7 +1,7 @@
 """Prometheus metrics of one gateway: what the client sees, under vLLM's names, and Corral's own.
 
 The gateway measures what vLLM's frontend measures, as the client sees it: time to first token
-and inter-token latency as they happen (`engine` = the instance that sent the tokens); time per
+and inter-token latency as they happen (`engine` = the instance holding the request); time per
 output token, e2e latency, decode time, how each request finished and its prompt/output lengths
 when it ends (`engine` = the instance that finished it). Engine-side series (queue and prefill
 time, running/waiting, KV usage, token counters) come from the llumlets; Corral's own
@@ -159,7 +159,7 @@ class GatewayMetrics:
         self.tpot.labels(*labels).observe(decode / (t.num_output_tokens - 1) if t.num_output_tokens > 1 else 0.0)
 
     def first_token(self, engine: str, ttft_s: float) -> None:
-        """As it happens (`TokenTimes`), labelled with the instance that produced it."""
+        """As it happens (`TokenTimes`), labelled with the instance holding the request then."""
         self.engine_seen(engine)
         self.ttft.labels(self._model, engine).observe(ttft_s)
 
