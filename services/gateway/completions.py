@@ -23,6 +23,7 @@ from services.gateway.errors import ApiError, bad_request, error_response, read_
 from services.gateway.generation import Generation, TextEvent, TokenWithLogprob
 from services.gateway.logprobs import LogprobsFormatter
 from services.gateway.metrics import timeline_of
+from services.gateway.middleware import GENERATED_ID_STATE, REQUEST_ID_HEADER  # the header is always there
 from services.gateway.protocol import ParsedRequest, RequestKind, parse_priority
 from services.gateway.responses import SSE_DONE, ResponseFormatter, Usage, json_bytes, sse_error, sse_event
 from services.gateway.service import GatewayService, PreparedRequest
@@ -30,7 +31,6 @@ from services.gateway.tokenizer import PromptError
 from services.gateway.tracing import RequestTrace
 
 PRIORITY_HEADER = "x-corral-priority"
-REQUEST_ID_HEADER = "x-request-id"  # always present: the request-id middleware adds one
 CLIENT_CLOSED = 499  # nginx's status for "the client went away first"
 
 
@@ -218,7 +218,8 @@ class CompletionEndpoint:
         try:
             with trace.current():  # the scheduler's and the llumlet's spans are its children
                 parsed = parse(await read_json(request))
-                prepared = await self._prepare(parsed, request.headers, arrival)
+                prepared = await self._prepare(parsed, request.headers, arrival,
+                                                getattr(request.state, GENERATED_ID_STATE, None))
                 options = parsed.options
                 first = prepared[0]
                 trace.prepared(first.request_id, first.response_id, len(first.prompt_token_ids), first.max_tokens,
@@ -238,7 +239,7 @@ class CompletionEndpoint:
         return await completion.respond(request)
 
     async def _prepare(self, parsed: ParsedRequest, headers: Mapping[str, str],
-                       arrival: float) -> list[PreparedRequest]:
+                       arrival: float, generated_id: str | None = None) -> list[PreparedRequest]:
         self._check_model(parsed.model)
         priority = parsed.options.priority
         if priority is None:
@@ -251,7 +252,11 @@ class CompletionEndpoint:
         # With a seed, choice i samples with seed + i: the same seed n times would give n equal choices.
         per_choice = [options if options.seed is None or i == 0 else dataclasses.replace(options, seed=options.seed + i)
                       for i in range(options.n)]
-        return [self.service.prepare(parsed.kind, prompt_ids, o, priority, response_id, arrival) for o in per_choice]
+        # A client's id may repeat or hold anything: the engines see ids of our own. When the id is
+        # one we generated, the first choice's request is named like its response (as vLLM's are).
+        own_id = response_id if generated_id is not None else None
+        return [self.service.prepare(parsed.kind, prompt_ids, o, priority, response_id, arrival,
+                                     request_id=own_id if i == 0 else None) for i, o in enumerate(per_choice)]
 
     async def _tokenize(self, parsed: ParsedRequest) -> list[int]:
         tokenizer = self.service.tokenizer

@@ -19,6 +19,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError, error_response
 
 REQUEST_ID_HEADER = "x-request-id"
+GENERATED_ID_STATE = "generated_request_id"
 GUARDED_PREFIX = "/v1"  # vLLM's: health, readiness, metrics, version and tokenize stay open
 
 
@@ -73,6 +74,8 @@ class RequestIdMiddleware:
         if not request_id:
             request_id = uuid.uuid4().hex
             scope = dict(scope, headers=[*scope["headers"], (REQUEST_ID_HEADER.encode(), request_id.encode())])
+            # Ours, so unique and subject-safe: the handler may name the request itself after it.
+            scope.setdefault("state", {})[GENERATED_ID_STATE] = request_id
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

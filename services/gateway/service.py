@@ -156,7 +156,8 @@ class GatewayService:
     # ---- requests ---------------------------------------------------------------------------
 
     def prepare(self, kind: RequestKind, prompt_token_ids: list[int], options: GenerationOptions, priority: int,
-                response_id: str | None = None, arrival: float | None = None) -> PreparedRequest:
+                response_id: str | None = None, arrival: float | None = None,
+                request_id: str | None = None) -> PreparedRequest:
         """Check the prompt against the context window and settle max_tokens (vLLM 0.32's rules and
         wording: the prompt must leave room for one token; max_tokens is clamped to the room left)."""
         limit = self.max_model_len
@@ -180,7 +181,7 @@ class GatewayService:
             budget.append(options.max_tokens)
         elif self.config.default_max_tokens is not None:
             budget.append(self.config.default_max_tokens)
-        request_id = f"{kind.id_prefix}-{uuid.uuid4().hex}"
+        request_id = request_id or f"{kind.id_prefix}-{uuid.uuid4().hex}"
         return PreparedRequest(
             kind=kind, request_id=request_id, response_id=response_id or request_id,
             prompt_token_ids=prompt_token_ids, options=options, priority=priority, max_tokens=min(budget),
