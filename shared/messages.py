@@ -147,6 +147,24 @@ class TokenChunk(Struct):
 class AbortRequest(Struct):
     request_id: RequestId
     reason: str = "client disconnected"
+    # The gateway that sent it; an abort from anyone else (an operator, another gateway) ends the
+    # request's stream with an error, since its own gateway is still waiting for tokens.
+    gateway_id: InstanceId | None = None
+
+
+class SchedulerHeartbeat(Struct):
+    """Each global scheduler replica, every few hundred ms: the live one with the lowest id pairs
+    migrations (services/global_scheduler/leadership.py)."""
+
+    scheduler_id: InstanceId
+
+
+class GatewayHeartbeat(Struct):
+    """Each gateway, every `interval_s`: llumlets abort the requests of a gateway gone silent
+    (nobody would read their tokens)."""
+
+    gateway_id: InstanceId
+    interval_s: Annotated[float, Meta(gt=0.0, le=60.0)]
 
 
 class Ack(Struct):

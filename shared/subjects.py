@@ -51,12 +51,23 @@ def gateway_output(gateway_id: str) -> str:
     return f"{PREFIX}.gateway.{valid_token(gateway_id)}.out"
 
 
+def gateway_heartbeat(gateway_id: str) -> str:
+    """A gateway's heartbeat (llumlets watch every gateway's)."""
+    return f"{PREFIX}.gateway.{valid_token(gateway_id)}.alive"
+
+
+GATEWAY_HEARTBEATS_ALL = f"{PREFIX}.gateway.*.alive"
+
+# Scheduler replicas' heartbeats: the leader of migration pairing is chosen from them.
+SCHEDULER_HEARTBEAT = f"{PREFIX}.scheduler.heartbeat"
+
+
 # Autoscaler events (scale decisions, drains) for observers and tests.
 SCALING_EVENTS = f"{PREFIX}.scaling.events"
 
 
 _PER_ID = {"load": 3, "llumlet": 4, "migration": 4, "gateway": 4}  # role -> tokens in its subjects
-_FIXED = {DISPATCH, ABORT_ALL, SCALING_EVENTS}
+_FIXED = {DISPATCH, ABORT_ALL, SCALING_EVENTS, SCHEDULER_HEARTBEAT}
 
 
 def pattern_of(subject: str) -> str:

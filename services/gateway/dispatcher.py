@@ -7,6 +7,7 @@ reports spreads instead of piling onto the instance that looked freest at the la
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -16,6 +17,7 @@ from nats.errors import NoRespondersError
 
 from services.gateway.instances import GatewayInstances
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.scheduler_breaker import SchedulerBreaker
 from services.gateway.errors import ApiError, refusal_error
 from shared import subjects, tracing
 from shared.messages import DispatchReply, DispatchRequest, Refusal, WireError, decode, encode
@@ -34,6 +36,7 @@ class Dispatcher:
         self._timeout_s = timeout_s
         self._policy = policy or PolicyConfig()
         self.bypassing = False  # inside a bypass episode: logged once when it starts and when it ends
+        self.breaker = SchedulerBreaker()  # a frozen scheduler costs one timeout, not one per request
 
     async def choose(self, request: DispatchRequest, prompt_param: str = "prompt") -> str:
         """The instance to run `request` on; ApiError (400/429/503, see `refusal_error`) when there
@@ -45,21 +48,31 @@ class Dispatcher:
             self._metrics.dispatch_latency.observe(time.perf_counter() - started)
 
     async def _choose(self, request: DispatchRequest, prompt_param: str) -> str:
+        if not self.breaker.may_ask():
+            return self._bypass(request, "the global scheduler stopped answering", prompt_param)
         try:
             msg = await self._nc.request(subjects.DISPATCH, encode(request), timeout=self._timeout_s,
                                          headers=tracing.inject())
+        except asyncio.CancelledError:
+            self.breaker.abandoned()  # the client left mid-probe: the next request probes
+            raise
         except NoRespondersError:
+            self.breaker.answered()  # (an instant answer: nobody to wait for)
             return self._bypass(request, "no global scheduler is running", prompt_param)
         except TimeoutError:
+            self.breaker.failed()
             return self._bypass(request, f"the global scheduler did not answer within {self._timeout_s:g} s",
                                 prompt_param)
         except NatsError as exc:
+            self.breaker.answered()  # (not the scheduler's fault; never leave a probe hanging)
             raise ApiError(503, f"the gateway is not connected to NATS: {exc}") from exc
         try:
             reply = decode(msg.data, DispatchReply)
         except WireError as exc:
             log.warning("bad dispatch reply: %s", exc)
+            self.breaker.failed()
             return self._bypass(request, "the global scheduler sent a bad reply", prompt_param)
+        self.breaker.answered()
         self._end_bypass()
         if reply.instance_id is not None:
             return reply.instance_id

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import uuid
 from dataclasses import dataclass, field
 
+from shared import subjects
 from shared.config import add_nats_argument, env
 from shared.policy.config import PolicyConfig
 from shared.policy.migration import DEFAULT_GUARD, MigrationGuard
@@ -21,6 +23,10 @@ class SchedulerConfig:
     # The pairing's anti-thrash rules (the llumlets apply the destination's part themselves).
     guard: MigrationGuard = DEFAULT_GUARD
     metrics_port: int = 0  # Prometheus /metrics (0: off)
+    # Replicas: each answers dispatch; the live one with the lowest id pairs migrations.
+    scheduler_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    heartbeat_interval_s: float = 0.2
+    leader_lease_s: float = 1.0  # a replica silent this long is gone (and a new one waits this long)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--instance-timeout-s", type=float, default=env("INSTANCE_TIMEOUT_S", 3.0),
                         help="drop an instance that has not reported for this long")
     parser.add_argument("--migration-interval-s", type=float, default=env("MIGRATION_INTERVAL_S", 0.1))
+    parser.add_argument("--scheduler-id", default=env("SCHEDULER_ID", None),
+                        help="this replica's id (letters, digits, '_', '-'; default: random): the live replica "
+                             "with the lowest id pairs migrations")
+    parser.add_argument("--leader-lease-s", type=float, default=env("LEADER_LEASE_S", 1.0),
+                        help="a scheduler replica silent this long no longer leads migration pairing")
     parser.add_argument("--metrics-port", type=int, default=env("METRICS_PORT", 0),
                         help="serve Prometheus metrics on this port (0: off)")
     parser.add_argument("--enable-migration", action=argparse.BooleanOptionalAction,
@@ -46,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    if args.leader_lease_s <= 0:
+        raise SystemExit("--leader-lease-s must be positive")
     return SchedulerConfig(
         nats_url=args.nats_url,
         instance_timeout_s=args.instance_timeout_s,
@@ -54,7 +67,17 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         policy=policy_from_args(args),
         guard=guard_from_args(args),
         metrics_port=args.metrics_port,
+        **({"scheduler_id": _scheduler_id(args.scheduler_id)} if args.scheduler_id else {}),
+        heartbeat_interval_s=min(0.2, args.leader_lease_s / 4),
+        leader_lease_s=args.leader_lease_s,
     )
+
+
+def _scheduler_id(value: str) -> str:
+    try:
+        return subjects.valid_token(value)
+    except ValueError as exc:
+        raise SystemExit(f"bad --scheduler-id: {exc}") from exc
 
 
 def guard_from_args(args: argparse.Namespace) -> MigrationGuard:

@@ -42,6 +42,13 @@ class MigrationPairer:
         self._prefix = uuid.uuid4().hex[:8]  # pair ids stay unique across scheduler restarts
         self._ids = itertools.count(1)
 
+    def release(self) -> list[Order]:
+        """Cancel every standing pair (this replica stops pairing: another leads now)."""
+        orders = [Order(src, MigrateOrder(standing.pair_id, standing.dst_instance_id, cancel=True))
+                  for src, standing in self.pairs.items()]
+        self.pairs.clear()
+        return orders
+
     def plan(self, loads: Sequence[LoadReport]) -> list[Order]:
         round_no = next(self._rounds)
         migratable = [load for load in loads if load.kv_address]  # (no KV receiver: migration is off there)
@@ -66,17 +73,30 @@ class MigrationLoop:
     """Runs the pairer every `interval_s` over the live loads and publishes its orders."""
 
     def __init__(self, pairer: MigrationPairer, live_loads: Callable[[], list[LoadReport]], publish: Publish,
-                 interval_s: float, on_order: Callable[[MigrateOrder], None] | None = None) -> None:
+                 interval_s: float, on_order: Callable[[MigrateOrder], None] | None = None,
+                 leads: Callable[[], bool] = lambda: True) -> None:
         assert interval_s > 0, interval_s
         self.pairer = pairer
         self.live_loads = live_loads
         self.publish = publish
         self.interval_s = interval_s
         self.on_order = on_order
+        self.leads = leads  # only the leading scheduler replica pairs (leadership.py)
+        self.leading = False
         self.orders_sent = 0
 
     async def round(self) -> None:
-        for order in self.pairer.plan(self.live_loads()):
+        leads = self.leads()
+        if leads != self.leading:
+            log.info("this scheduler %s migration pairing", "leads" if leads else "no longer leads")
+            self.leading = leads
+            if not leads:
+                await self._send(self.pairer.release())
+        if leads:
+            await self._send(self.pairer.plan(self.live_loads()))
+
+    async def _send(self, orders: list[Order]) -> None:
+        for order in orders:
             await self.publish(subjects.llumlet(order.src, "migrate"), encode(order.message))
             self.orders_sent += 1
             if self.on_order is not None:

@@ -10,6 +10,7 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.global_scheduler.config import SchedulerConfig
+from services.global_scheduler.leadership import Leadership
 from services.global_scheduler.metrics import SchedulerMetrics
 from services.global_scheduler.migration_loop import MigrationLoop, MigrationPairer
 from shared import bus_guard, subjects, tracing
@@ -19,6 +20,7 @@ from shared.messages import (
     DispatchRequest,
     LoadReport,
     Refusal,
+    SchedulerHeartbeat,
     WireError,
     decode,
     decode_or_drop,
@@ -39,6 +41,7 @@ class GlobalScheduler:
         self.nc: Client | None = None
         self._tasks: list[asyncio.Task] = []
         self.migration_loop: MigrationLoop | None = None
+        self.leadership = Leadership(config.scheduler_id, config.leader_lease_s)
         self.metrics = SchedulerMetrics(self.table.live, self._standing_pairs)
         bus_guard.register(self.metrics.registry)
 
@@ -51,14 +54,19 @@ class GlobalScheduler:
         self.nc = await connect(self.config.nats_url, "global-scheduler")
         await self.nc.subscribe(subjects.LOAD_REPORTS_ALL, cb=self._on_report)
         await self.nc.subscribe(subjects.DISPATCH, queue=subjects.SCHEDULER_QUEUE, cb=self._on_dispatch)
+        await self.nc.subscribe(subjects.SCHEDULER_HEARTBEAT, cb=self._on_peer_heartbeat)
         self._tasks = [asyncio.create_task(self._expiry_loop(), name="expiry")]
         if self.config.enable_migration:
             pairer = MigrationPairer(self.config.policy, self.config.guard)
             self.migration_loop = MigrationLoop(pairer, self.table.live, self.nc.publish,
                                                 self.config.migration_interval_s,
-                                                on_order=lambda order: self.metrics.order_sent(order.cancel))
+                                                on_order=lambda order: self.metrics.order_sent(order.cancel),
+                                                leads=self.leadership.leads)
             self._tasks.append(asyncio.create_task(self.migration_loop.run(), name="migration-pairing"))
-        log.info("global scheduler up (migration %s)", "on" if self.config.enable_migration else "off")
+            # Only replicas that pair are candidates (dispatch-only replicas stay out of the election).
+            self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+        log.info("global scheduler %s up (migration %s)", self.config.scheduler_id,
+                 "on" if self.config.enable_migration else "off")
 
     def not_ready_reason(self) -> str | None:
         """The metrics port's `/ready`: it answers dispatch once connected (called from that port's thread)."""
@@ -106,6 +114,21 @@ class GlobalScheduler:
                                      "corral.rejected": reply.rejected or "",
                                      "corral.instances_live": len(self.table.live())})
             await msg.respond(encode(reply))
+
+    async def _on_peer_heartbeat(self, msg: Msg) -> None:
+        beat = decode_or_drop(msg.data, SchedulerHeartbeat, log, "scheduler heartbeat", msg.subject)
+        if beat is not None:
+            self.leadership.heard(beat.scheduler_id)
+
+    async def _heartbeat_loop(self) -> None:
+        beat = encode(SchedulerHeartbeat(self.config.scheduler_id))
+        while True:
+            if self.nc is not None and self.nc.is_connected:
+                try:
+                    await self.nc.publish(subjects.SCHEDULER_HEARTBEAT, beat)
+                except Exception as exc:  # (NATS away) the next beat tries again
+                    log.debug("scheduler heartbeat not sent: %s", exc)
+            await asyncio.sleep(self.config.heartbeat_interval_s)
 
     async def _expiry_loop(self) -> None:
         while True:
