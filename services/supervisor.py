@@ -27,6 +27,11 @@ from shared.embedded_nats import EmbeddedNats, start_nats
 log = logging.getLogger("corral.up")
 
 TAIL_LINES = 20  # of a dead child's output, shown when it dies
+# A child that dies is started again after this long, doubled (up to the cap) each time it dies
+# again within STABLE_S of its start: a crash loop backs off instead of spinning.
+RESTART_FIRST_S = 1.0
+RESTART_MAX_S = 60.0
+STABLE_S = 60.0
 
 
 def own_session(setup: Callable[[], None]) -> Callable[[], None]:
@@ -54,8 +59,10 @@ class Child:
     process: subprocess.Popen | None = None
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     _forwarder: threading.Thread | None = None
+    started_at: float = 0.0  # time.monotonic() of the last start
 
     def start(self) -> None:
+        self.started_at = time.monotonic()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "services.cli", *self.argv], preexec_fn=child_setup(self.cpus),
             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -258,11 +265,20 @@ def plan_children(nats_url: str, instances: int, gateway_args: list[str], llumle
 
 
 def watch(cluster: Cluster, stop_requested: Callable[[], bool]) -> None:
-    """Until asked to stop: a child that dies is named, with its last lines; the rest keeps running."""
-    reported: set[str] = set()
+    """Until asked to stop: a child that dies is named, with its last lines, and started again
+    (a llumlet, say, that a fault killed: the rest keeps running meanwhile)."""
+    waits: dict[str, float] = {}  # the next restart's delay, per child
+    due: dict[str, float] = {}  # when a dead child starts again
     while not stop_requested():
+        now = time.monotonic()
         for child in cluster.dead():
-            if child.name not in reported:
-                reported.add(child.name)
-                log.error("%s (the rest keeps running)", child.death_notice())
+            if child.name not in due:
+                stable = now - child.started_at > STABLE_S
+                wait = RESTART_FIRST_S if stable else waits.get(child.name, RESTART_FIRST_S)
+                waits[child.name] = min(RESTART_MAX_S, wait * 2)
+                due[child.name] = now + wait
+                log.error("%s; restarting it in %.0f s", child.death_notice(), wait)
+            elif now >= due[child.name]:
+                del due[child.name]
+                child.start()
         time.sleep(0.2)

@@ -108,6 +108,10 @@ class GenerateRequest(Struct):
     arrival_time: float = 0.0
     # Output length a trace asked for (the simulated engine stops there); None: until max_tokens/EOS.
     target_output_len: int | None = None
+    # A resume by recompute (the request's instance died or left): the prompt ends with this many
+    # tokens the request already output. Output indices continue from here, and an engine whose
+    # tokens are not a function of the text (the simulator's synthetic stream) continues its own.
+    resume_from: Count = 0
     # W3C trace context (`traceparent`, `tracestate`) of the gateway's request span. It arrives in
     # the generate message's NATS headers; the llumlet keeps it here so that it travels with the
     # request through migrations (the commit carries the request).
@@ -139,6 +143,9 @@ class TokenChunk(Struct):
     # The destination of a migration, taking the request over (its first chunk repeats the output
     # so far): the gateway watches this instance from now on, even when the chunk adds nothing.
     handover: bool = False
+    # On an error chunk: the instance gave the request up whole (it is stopping, or its engine
+    # failed), so the gateway may resume it elsewhere from the tokens it delivered.
+    resumable: bool = False
     # One per token of `token_ids`, when the request asked for logprobs (None on a handover's
     # repeat of the output so far: the destination never saw those probabilities).
     logprobs: list[TokenLogprob] | None = None

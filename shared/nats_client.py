@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 
 import nats
 from nats.aio.client import Client
@@ -10,8 +11,40 @@ from nats.aio.client import Client
 log = logging.getLogger(__name__)
 
 
+# Reconnect backoff: a server not tried since the last success is tried at once (a cluster node
+# gone: move to another now); each further failed try waits twice as long, up to the cap, with
+# jitter so that a fleet reconnecting to a restarted server does not arrive in one wave. The cap
+# keeps the time from NATS coming back to every service reconnected under ~1.5 s.
+RECONNECT_FIRST_WAIT_S = 0.1
+RECONNECT_MAX_WAIT_S = 1.0
+
+
+def server_urls(url: str) -> list[str]:
+    """Several servers of one cluster, comma-separated (`--nats-url a:4222,b:4222`)."""
+    urls = [part.strip() for part in url.split(",") if part.strip()]
+    if not urls:
+        raise ValueError(f"no NATS server URL in {url!r}")
+    return urls
+
+
+def reconnect_wait_s(failed_tries: int, rng: random.Random | None = None) -> float:
+    """How long to wait before another try at a server that failed `failed_tries` times in a row."""
+    if failed_tries <= 0:
+        return 0.0
+    base = min(RECONNECT_MAX_WAIT_S, RECONNECT_FIRST_WAIT_S * 2 ** (failed_tries - 1))
+    return base * (rng or random).uniform(0.5, 1.5)
+
+
+def _next_server(servers: list[NatsServer], _info: dict) -> tuple[NatsServer, float]:
+    """nats-py's reconnect handler: the server that failed least lately (ties at random)."""
+    least = min(s.reconnects for s in servers)
+    chosen = random.choice([s for s in servers if s.reconnects == least])
+    return chosen, reconnect_wait_s(chosen.reconnects)
+
+
 async def connect(url: str, name: str) -> Client:
-    """Connect with unlimited reconnects; load reports serve as our own heartbeats."""
+    """Connect with unlimited reconnects; load reports serve as our own heartbeats. `url` may
+    name several servers of a cluster, comma-separated."""
 
     async def on_disconnect() -> None:
         log.warning("%s: disconnected from NATS", name)
@@ -23,10 +56,11 @@ async def connect(url: str, name: str) -> Client:
         log.warning("%s: NATS error: %s", name, exc)
 
     return await nats.connect(
-        servers=[url],
+        servers=server_urls(url),
         name=name,
         max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
+        reconnect_time_wait=0.5,  # unused: `_next_server` decides the wait
+        reconnect_to_server_handler=_next_server,
         ping_interval=10,
         max_outstanding_pings=3,
         disconnected_cb=on_disconnect,

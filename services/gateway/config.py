@@ -35,6 +35,12 @@ class GatewayConfig:
     dispatch_timeout_s: float = 0.5
     generate_timeout_s: float = 5.0
     instance_timeout_s: float = 3.0
+    # An instance holding requests and silent this long (its load reports are a 50 ms heartbeat)
+    # is dead: its requests resume elsewhere (services/gateway/resume.py).
+    death_timeout_s: float = 0.6
+    max_resumes: int = 2  # per request; past it, the request ends with an error
+    # Streams end with an error once this gateway has been away from NATS this long.
+    nats_outage_fail_s: float = 30.0
     request_inactivity_timeout_s: float = 600.0
     # max_tokens when a request gives none: vLLM's rule (the rest of the context window),
     # capped by this when set.
@@ -60,9 +66,12 @@ class GatewayConfig:
             raise ConfigError(f"gateway id: {exc}") from None
         if not 0 < self.port < 65536:
             raise ConfigError(f"port {self.port} is out of range")
-        for name in ("dispatch_timeout_s", "generate_timeout_s", "instance_timeout_s", "request_inactivity_timeout_s"):
+        for name in ("dispatch_timeout_s", "generate_timeout_s", "instance_timeout_s", "request_inactivity_timeout_s",
+                     "death_timeout_s", "nats_outage_fail_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_resumes < 0:
+            raise ConfigError(f"max_resumes must not be negative, got {self.max_resumes}")
         if any(not key or key != key.strip() for key in self.api_keys):
             raise ConfigError("an API key is empty or has surrounding spaces")
         for name in ("default_max_tokens", "max_model_len"):
@@ -102,7 +111,7 @@ def _flag(text: str) -> bool:
 _Option = tuple[str, str, str, Callable[[str], Any], str]
 _OPTIONS: list[_Option] = [
     ("model_dir", "--model", "CORRAL_MODEL_DIR", str, "local model directory (tokenizer, chat template, config.json)"),
-    ("nats_url", "--nats-url", "CORRAL_NATS_URL", str, "NATS server URL"),
+    ("nats_url", "--nats-url", "CORRAL_NATS_URL", str, "NATS server URL (several servers of a cluster: comma-separated)"),
     ("host", "--host", "CORRAL_GATEWAY_HOST", str, "HTTP listen address"),
     ("port", "--port", "CORRAL_GATEWAY_PORT", int, "HTTP listen port"),
     ("served_model_name", "--served-model-name", "CORRAL_SERVED_MODEL_NAME", str, "model name clients use"),
@@ -113,6 +122,12 @@ _OPTIONS: list[_Option] = [
      "wait this long for a llumlet to acknowledge a request"),
     ("instance_timeout_s", "--instance-timeout-s", "CORRAL_INSTANCE_TIMEOUT_S", float,
      "an instance with no load report for this long is dead"),
+    ("death_timeout_s", "--death-timeout-s", "CORRAL_DEATH_TIMEOUT_S", float,
+     "an instance holding requests with no load report for this long is dead: its requests resume elsewhere"),
+    ("max_resumes", "--max-resumes", "CORRAL_MAX_RESUMES", int,
+     "how many times one request may resume on another instance after its instance died (0: never)"),
+    ("nats_outage_fail_s", "--nats-outage-fail-s", "CORRAL_NATS_OUTAGE_FAIL_S", float,
+     "end open streams with an error once NATS has been unreachable this long"),
     ("request_inactivity_timeout_s", "--request-inactivity-timeout-s", "CORRAL_REQUEST_INACTIVITY_TIMEOUT_S", float,
      "fail a request that receives no output for this long"),
     ("default_max_tokens", "--default-max-tokens", "CORRAL_DEFAULT_MAX_TOKENS", int,

@@ -22,10 +22,24 @@ class GatewayInstances:
         self._clock = clock
         self._table = InstanceTable(timeout_s, clock)
         self._marked_dead: dict[str, float] = {}  # instance id -> when; until it reports again
+        self._heard: dict[str, float] = {}  # instance id -> when its last report arrived
+        self._latest = float("-inf")  # when the last report of any instance arrived
 
     def update(self, load: LoadReport) -> None:
         if self._table.update(load):
             self._marked_dead.pop(load.instance_id, None)
+            self._heard[load.instance_id] = self._latest = self._clock()
+
+    def silent_for(self, instance_id: str, since: float) -> float:
+        """How long the instance has been silent while others were heard: from its last report
+        (or `since`, if later) to the latest report of any instance; infinite once marked dead.
+
+        Relative, so that a gateway too busy to read its reports for a while (or a bus that
+        delivers them late) does not take every instance for dead at once: their reports then
+        arrive late together. A lone instance's silence is left to `is_silent`."""
+        if instance_id in self._marked_dead:
+            return float("inf")
+        return self._latest - max(since, self._heard.get(instance_id, since))
 
     def mark_dead(self, instance_id: str) -> None:
         """Declare an instance dead at once (nobody listens on its subjects any more)."""
@@ -69,3 +83,5 @@ class GatewayInstances:
         now = self._clock()
         for instance_id in [i for i, t in self._marked_dead.items() if now - t > older_than_s]:
             del self._marked_dead[instance_id]
+        for instance_id in [i for i, t in self._heard.items() if now - t > older_than_s]:
+            del self._heard[instance_id]

@@ -20,11 +20,13 @@ from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
 from services.gateway.config import GatewayConfig
+from services.gateway import heartbeat
 from services.gateway.dispatcher import Dispatcher
 from services.gateway.instances import GatewayInstances
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.errors import TRY_ANOTHER_INSTANCE, ApiError, bad_request, refusal_error
 from services.gateway.protocol import GenerationOptions, RequestKind
+from services.gateway.resume import Resumer
 from services.gateway.streams import OutputStream, StreamRegistry
 from services.gateway.tokenizer import ModelTokenizer
 from shared import bus_guard, subjects, tracing
@@ -35,6 +37,16 @@ from shared.messages import (
 from shared.nats_client import connect
 
 log = logging.getLogger(__name__)
+
+# After NATS comes back, instances get this long to reconnect and report before their silence
+# counts as death (their reconnect backoff, shared/nats_client.py, is at most ~1.5 s).
+RECONNECT_GRACE_S = 3.0
+# A 503 because NATS is away: clients may retry soon (a broker restart takes seconds).
+NATS_AWAY_HEADERS = {"retry-after": "1"}
+
+
+class _InstanceGone(Exception):
+    """The instance chosen for a request died, or never acknowledged it: try another."""
 
 
 @dataclass(frozen=True)
@@ -61,14 +73,18 @@ class GatewayService:
         bus_guard.register(self.metrics.registry)
         self.instances = GatewayInstances(config.instance_timeout_s)
         self.metrics.watch_instances(lambda: [load.instance_id for load in self.instances.live_loads()])
+        self.resumer = Resumer(self._place, config.max_resumes, self._spawn)
         self.streams = StreamRegistry(on_handover_stall=self.metrics.migration_stalled,
-                                      vocab_size=self.tokenizer.vocab_size)
+                                      vocab_size=self.tokenizer.vocab_size, on_lost=self.resumer.lost)
         self.started_at = int(time.time())
         self.output_subject = subjects.gateway_output(config.gateway_id)
         self._nc: Client | None = None
         self._dispatcher: Dispatcher | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        self._heartbeat: asyncio.Task[None] | None = None  # llumlets abort a silent gateway's requests
+        self._silence_floor = 0.0  # monotonic: no instance's silence counts from before this
+        self._away_since: float | None = None  # when this gateway lost NATS (None: connected)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -94,6 +110,7 @@ class GatewayService:
         self._dispatcher = Dispatcher(nc, self.instances, self.metrics, self.config.dispatch_timeout_s)
         self._watchdog = asyncio.create_task(self._watch_holders(), name="gateway-watchdog")
         log.info("gateway %s connected to %s, serving %s", self.config.gateway_id, self.config.nats_url,
+        self._heartbeat = asyncio.create_task(heartbeat.beat(nc, self.config.gateway_id), name="gateway-heartbeat")
                  self.config.model_name)
 
     def fail_all(self, reason: str) -> None:
@@ -105,9 +122,10 @@ class GatewayService:
         self.fail_all("the gateway is shutting down")
         for stream in self.streams:
             self.release(stream, abort=True)
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            await asyncio.gather(self._watchdog, return_exceptions=True)
+        for task in (self._watchdog, self._heartbeat):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._background:
             await asyncio.wait(self._background, timeout=2.0)
         if self._nc is not None and not self._nc.is_closed:
@@ -136,21 +154,42 @@ class GatewayService:
             self.instances.update(report)
 
     async def _watch_holders(self) -> None:
-        """Fail requests whose instance went silent; a dead holder would otherwise hang them."""
-        interval = min(0.5, self.config.instance_timeout_s / 4)
+        """Resume requests whose instance died (its 50 ms load reports stopped) or lost a chunk;
+        a dead holder would otherwise hang them."""
+        interval = min(0.1, self.config.death_timeout_s / 4)
         while True:
             await asyncio.sleep(interval)
             try:
-                self._fail_orphans()
+                self._check_holders()
             except Exception:  # a bug here must not stop the watchdog for good
                 log.exception("instance watchdog failed")
 
-    def _fail_orphans(self) -> None:
+    def holder_dead(self, instance_id: str, since: float) -> bool:
+        """No load report from the instance for `death_timeout_s` while other instances reported
+        (or for the generic `instance_timeout_s` at all), counting from `since` (when we started
+        relying on it) and never from before NATS came back to this gateway."""
+        since = max(since, self._silence_floor)
+        return (self.instances.silent_for(instance_id, since) > self.config.death_timeout_s
+                or self.instances.is_silent(instance_id, since))
+
+    def _check_holders(self) -> None:
+        now = time.monotonic()
+        if not self.connected:  # silence means nothing while we hear no one
+            self._away_since = self._away_since or now
+            self._silence_floor = now + RECONNECT_GRACE_S
+            if now - self._away_since > self.config.nats_outage_fail_s:
+                self.fail_all(f"the gateway lost NATS {now - self._away_since:.0f} s ago")
+            return
+        self._away_since = None
         for stream in self.streams:
-            if not stream.finished and stream.holder and self.instances.is_silent(stream.holder, stream.holder_since):
-                log.warning("request %s: instance %s stopped responding", stream.request_id, stream.holder)
-                stream.fail(f"instance {stream.holder} stopped responding (no load report for "
-                            f"{self.config.instance_timeout_s:g} s)", 503)
+            holder = stream.holder
+            if stream.finished or holder is None or holder in stream.left:
+                continue
+            if self.holder_dead(holder, stream.holder_since):
+                self.instances.mark_dead(holder)
+                self.resumer.lost(stream, holder, f"instance {holder} stopped reporting")
+            elif stream.gap_since is not None and now - stream.gap_since > self.config.death_timeout_s:
+                self.resumer.lost(stream, holder, f"a token chunk from instance {holder} was lost")
         self.instances.forget_marks(older_than_s=60 * self.config.instance_timeout_s)
 
     # ---- requests ---------------------------------------------------------------------------
@@ -192,10 +231,11 @@ class GatewayService:
         """Dispatch and hand the request to an instance; its output then flows into the stream.
         Raises ApiError when no instance takes it."""
         if self._nc is None or self._dispatcher is None or not self._nc.is_connected:
-            raise ApiError(503, "the gateway is not connected to NATS")
+            raise ApiError(503, "the gateway is not connected to NATS", headers=NATS_AWAY_HEADERS)
         # Open the stream first: the instance may publish tokens before its Ack reaches us.
         stream = self.streams.open(request.request_id, request.max_tokens)
         self.metrics.in_flight_changed(+1)
+        self.resumer.track(request)
         try:
             await self._place(request, stream)
         except asyncio.CancelledError:
@@ -206,22 +246,37 @@ class GatewayService:
             raise
         return stream
 
-    async def _place(self, request: PreparedRequest, stream: OutputStream) -> None:
+    async def _place(self, request: PreparedRequest, stream: OutputStream, exclude: list[str] | None = None,
+                     resume_from: int = 0) -> None:
+        """Choose an instance and hand it the request (`resume_from`: see GenerateRequest)."""
         assert self._dispatcher is not None
-        exclude: list[str] = []
-        for _attempt in range(2):  # a second try when the chosen instance is gone or leaving
+        exclude = list(exclude or ())
+        gone: list[str] = []  # why the instances tried so far did not take it
+        for _attempt in range(3):  # more tries when the chosen instance is gone or leaving
             dispatch = DispatchRequest(request.request_id, len(request.prompt_token_ids), request.max_tokens,
                                        request.priority, list(exclude))
-            instance_id = await self._dispatcher.choose(dispatch, request.kind.prompt_param)
+            try:
+                instance_id = await self._dispatcher.choose(dispatch, request.kind.prompt_param)
+            except ApiError as error:
+                if not gone:
+                    raise
+                raise ApiError(error.status, f"{'; '.join(gone)}; {error.message}", error.param, error.headers,
+                               error.reason) from error
             stream.set_holder(instance_id)
             try:
-                await self._send_generate(instance_id, request)
+                await self._send_generate(instance_id, request, stream, resume_from)
+                if not self.streams.is_open(stream.request_id):  # released meanwhile (a resume)
+                    self._publish_abort(request.request_id, "released while it was placed")
                 log.debug("request %s (%d prompt tokens, max_tokens %d, priority %d) → %s", request.request_id,
                           len(request.prompt_token_ids), request.max_tokens, request.priority, instance_id)
                 return
             except NoRespondersError:
                 log.warning("instance %s has no responders: marking it dead", instance_id)
                 self.instances.mark_dead(instance_id)
+                exclude.append(instance_id)
+            except _InstanceGone as why:
+                log.warning("request %s: %s; trying another instance", request.request_id, why)
+                gone.append(str(why))
                 exclude.append(instance_id)
             except ApiError as error:
                 if error.reason not in TRY_ANOTHER_INSTANCE:
@@ -232,7 +287,8 @@ class GatewayService:
         raise ApiError(503, f"the instances chosen for the request are gone or leaving ({', '.join(exclude)})",
                        reason=Refusal.NO_INSTANCE)
 
-    async def _send_generate(self, instance_id: str, request: PreparedRequest) -> None:
+    async def _send_generate(self, instance_id: str, request: PreparedRequest, stream: OutputStream,
+                             resume_from: int = 0) -> None:
         assert self._nc is not None
         try:
             subject = subjects.llumlet(instance_id, "generate")
@@ -242,18 +298,25 @@ class GatewayService:
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling=request.options.sampling_params(self._max_tokens_on(instance_id, request)),
             reply_subject=self.output_subject, priority=request.priority, arrival_time=time.time(),
+            resume_from=resume_from,
         )
         try:
-            msg = await self._nc.request(subject, encode(generate), timeout=self.config.generate_timeout_s,
-                                         headers=tracing.inject())
+            msg = await self._acknowledged(instance_id, subject, encode(generate), stream)
         except NoRespondersError:
             raise
         except TimeoutError as exc:
+            if stream.holder == instance_id and stream.orderer.next_index > resume_from:
+                return  # the acknowledgement was lost, not the request: its tokens are flowing
             self._publish_abort(request.request_id, "no acknowledgement")  # it may still have queued it
-            raise ApiError(503, f"instance {instance_id} did not acknowledge the request within "
+            raise _InstanceGone(f"instance {instance_id} did not acknowledge the request within "
                                 f"{self.config.generate_timeout_s:g} s") from exc
         except NatsError as exc:
-            raise ApiError(503, f"the gateway is not connected to NATS: {exc}") from exc
+            raise ApiError(503, f"the gateway is not connected to NATS: {exc}",
+                           headers=NATS_AWAY_HEADERS) from exc
+        if msg is None:
+            self.instances.mark_dead(instance_id)
+            self._publish_abort(request.request_id, "instance died before acknowledging")
+            raise _InstanceGone(f"instance {instance_id} died before acknowledging the request")
         try:
             ack = decode(msg.data, Ack)
         except WireError as exc:
@@ -264,6 +327,23 @@ class GatewayService:
             raise refusal_error(ack.reason or Refusal.ENGINE_FAILED,
                                 f"instance {instance_id} refused the request: {ack.error or 'refused'}",
                                 request.kind.prompt_param)
+
+    async def _acknowledged(self, instance_id: str, subject: str, payload: bytes, stream: OutputStream) -> Msg | None:
+        """The instance's answer to a generate order; None when it died while we waited (its load
+        reports stopped): a request sent at the moment of death goes elsewhere at once."""
+        assert self._nc is not None
+        since = time.monotonic()
+        answer = asyncio.ensure_future(self._nc.request(subject, payload, timeout=self.config.generate_timeout_s,
+                                                        headers=tracing.inject()))
+        try:
+            while True:
+                done, _ = await asyncio.wait({answer}, timeout=0.05)
+                if done:
+                    return answer.result()
+                if self.holder_dead(instance_id, since):
+                    return None
+        finally:
+            answer.cancel()
 
     def _max_tokens_on(self, instance_id: str, request: PreparedRequest) -> int:
         """An instance may run with a shorter context than the model's: fit the budget to it."""
@@ -276,6 +356,7 @@ class GatewayService:
         False when it was released already."""
         if not self.streams.close(stream.request_id):
             return False
+        self.resumer.forget(stream.request_id)
         self.metrics.in_flight_changed(-1)
         if abort:
             self._publish_abort(stream.request_id, "client disconnected or request ended early")
@@ -289,7 +370,7 @@ class GatewayService:
         if self._nc is None or self._nc.is_closed:
             return
         try:
-            await self._nc.publish(subjects.ABORT_ALL, encode(AbortRequest(request_id, reason)))
+            await self._nc.publish(subjects.ABORT_ALL, encode(AbortRequest(request_id, reason, self.config.gateway_id)))
         except NatsError as exc:
             log.warning("could not publish abort of %s: %s", request_id, exc)
 

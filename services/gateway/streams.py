@@ -143,7 +143,8 @@ class OutputStream:
     """One request's ordered output, fed from the NATS callback and read by the HTTP handler."""
 
     def __init__(self, request_id: str, instance_id: str | None = None,
-                 on_handover_stall: Callable[[float], None] | None = None, max_tokens: int | None = None) -> None:
+                 on_handover_stall: Callable[[float], None] | None = None, max_tokens: int | None = None,
+                 on_lost: Callable[[OutputStream, str, str], None] | None = None) -> None:
         self.request_id = request_id
         self.orderer = TokenOrderer(max_tokens=max_tokens)
         self.handover = HandoverClock()
@@ -154,6 +155,15 @@ class OutputStream:
         self.num_prompt_tokens = 0
         self._queue: asyncio.Queue[Delivery] = asyncio.Queue()
         self._failed = False
+        # Resume by recompute (services/gateway/resume.py): every token delivered so far (the
+        # new instance's prompt ends with them), the instances left behind (their late chunks
+        # are dropped: after a resume they may disagree), and who to tell when the holder gives
+        # the request up (stream, instance, why).
+        self.delivered: list[int] = []
+        self.left: set[str] = set()
+        self.resumes = 0
+        self.gap_since: float | None = None  # when chunks first waited past a gap (a lost chunk)
+        self._on_lost = on_lost
 
     @property
     def finished(self) -> bool:
@@ -171,7 +181,11 @@ class OutputStream:
             self.holders.append(instance_id)
 
     def feed(self, chunk: TokenChunk) -> None:
-        if self.finished:
+        if self.finished or chunk.instance_id in self.left:
+            return
+        if chunk.error is not None and chunk.resumable and self._on_lost is not None:
+            if chunk.instance_id == self.holder:
+                self._on_lost(self, chunk.instance_id, chunk.error)
             return
         if chunk.handover or not self.orderer.is_stale(chunk):
             self.set_holder(chunk.instance_id)
@@ -179,7 +193,9 @@ class OutputStream:
             self.num_prompt_tokens = chunk.num_prompt_tokens
         deliveries = self.orderer.accept(chunk)
         for delivery in deliveries:
+            self.delivered += delivery.token_ids
             self._queue.put_nowait(delivery)
+        self.gap_since = (self.gap_since or time.monotonic()) if self.orderer.pending else None
         if any(d.token_ids for d in deliveries):
             stall = self.handover.delivered(chunk.instance_id, time.monotonic())
             if stall is not None and self._on_handover_stall is not None:
@@ -209,8 +225,10 @@ class OutputStream:
 class StreamRegistry:
     """Open streams by request id: the demultiplexer behind the gateway's output subject."""
 
-    def __init__(self, on_handover_stall: Callable[[float], None] | None = None, vocab_size: int | None = None) -> None:
+    def __init__(self, on_handover_stall: Callable[[float], None] | None = None, vocab_size: int | None = None,
+                 on_lost: Callable[[OutputStream, str, str], None] | None = None) -> None:
         self._streams: dict[str, OutputStream] = {}
+        self._on_lost = on_lost  # a holder gave a request up whole: resume it elsewhere
         self._on_handover_stall = on_handover_stall  # each migration's client-visible stall (seconds)
         self._vocab_size = vocab_size  # token ids past it are refused (None: not checked)
 
@@ -223,7 +241,7 @@ class StreamRegistry:
     def open(self, request_id: str, max_tokens: int | None = None) -> OutputStream:
         assert request_id not in self._streams, f"request id {request_id} is already in flight"
         stream = self._streams[request_id] = OutputStream(request_id, on_handover_stall=self._on_handover_stall,
-                                                          max_tokens=max_tokens)
+                                                          max_tokens=max_tokens, on_lost=self._on_lost)
         return stream
 
     def refusal(self, chunk: TokenChunk) -> str | None:
@@ -234,6 +252,9 @@ class StreamRegistry:
         if chunk.logprobs is not None and len(chunk.logprobs) != len(chunk.token_ids):
             return f"{len(chunk.logprobs)} logprobs for {len(chunk.token_ids)} tokens"
         return None
+
+    def is_open(self, request_id: str) -> bool:
+        return request_id in self._streams
 
     def close(self, request_id: str) -> bool:
         """Forget a stream; False when it was not open (closed already)."""

@@ -9,6 +9,7 @@ import time
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
+from nats.errors import OutboundBufferLimitError
 
 from services.llumlet.config import LlumletConfig
 from services.llumlet.engine import Engine
@@ -18,6 +19,7 @@ from services.llumlet.metrics import LlumletMetrics
 from services.llumlet.tracing import RequestSpans, trace_context_of
 from shared.metrics_server import serve_metrics
 from services.llumlet.readiness import not_ready_reason
+from services.llumlet.gateway_watch import GatewayWatch
 from services.llumlet.routes import OutputRoutes
 from services.llumlet.migration.runtime import LlumletMigration
 from shared import bus_guard, subjects, tracing
@@ -27,6 +29,7 @@ from shared.messages import (
     DrainOrder,
     FinishReason,
     GenerateRequest,
+    GatewayHeartbeat,
     LoadReport,
     MigrationCommit,
     Refusal,
@@ -51,10 +54,14 @@ class Llumlet:
         self.leaving = False  # stopping: new requests are refused (DRAINING) so the gateway tries another
         self.routes = OutputRoutes()  # where each request's output goes
         self._work = asyncio.Event()
+        self.gateways = GatewayWatch()  # a gateway gone silent: its requests have no reader
         self._report_now = asyncio.Event()
         self._seq = 0
         self._last_report: LoadReport | None = None
         self._tasks: list[asyncio.Task] = []
+        # Token chunks NATS could not take (its reconnect buffer full): published, in order,
+        # once it is back. The engine pauses while NATS is away, so this stays small.
+        self._held: list[tuple[str, bytes]] = []
         self.migration: LlumletMigration | None = None
         self.metrics: LlumletMetrics | None = None
         self.spans = RequestSpans(self.instance_id, "")  # replaced once tracing is set up in start()
@@ -88,6 +95,7 @@ class Llumlet:
         await nc.subscribe(subjects.ABORT_ALL, cb=self._on_abort)
         await nc.subscribe(subjects.llumlet(self.instance_id, "drain"), cb=self._on_drain)
         self._tasks = [
+        await nc.subscribe(subjects.GATEWAY_HEARTBEATS_ALL, cb=self._on_gateway_heartbeat)
             asyncio.create_task(self._engine_loop(), name="engine-loop"),
             asyncio.create_task(self._report_loop(), name="report-loop"),
         ]
@@ -117,15 +125,29 @@ class Llumlet:
 
     async def stop(self) -> None:
         await self._announce_leaving()
+        await self._empty_out(self.config.stop_grace_s)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.migration is not None:
             await self.migration.stop()  # outgoing requests resume here, incoming leases are freed
-        await self._fail_all("instance stopped")
+        await self._fail_all("instance stopped", resumable=True)
         if self.nc is not None and not self.nc.is_closed:
             await self.nc.drain()
         await self.engine.stop()
+
+    async def _empty_out(self, grace_s: float) -> None:
+        """Stopping: the scheduler migrates requests out of a draining instance (live, no
+        recompute) and the rest keep decoding here, for up to `grace_s`."""
+        deadline = time.monotonic() + grace_s
+        if self.routes:
+            log.info("llumlet %s stopping: migrating %d request(s) out (grace %.1f s)", self.instance_id,
+                     len(self.routes), grace_s)
+        while self.routes and time.monotonic() < deadline and not any(t.done() for t in self._tasks):
+            await asyncio.sleep(0.02)
+        if self.routes:
+            log.info("llumlet %s stopping: %d request(s) left after the grace period: the gateways resume them",
+                     self.instance_id, len(self.routes))
 
     async def _announce_leaving(self) -> None:
         """A last report marked draining: dispatch goes elsewhere now, not after the instance
@@ -157,7 +179,7 @@ class Llumlet:
         except EngineError as exc:
             await msg.respond(encode(Ack(ok=False, error=str(exc), reason=exc.reason)))
             return
-        self.routes.open(request.request_id, request.reply_subject)
+        self.routes.open(request.request_id, request.reply_subject, request.resume_from)
         self.metrics.request_arrived(request.request_id, time.monotonic())
         self.spans.started(request)
         self._work.set()
@@ -170,7 +192,7 @@ class Llumlet:
             return
         if self.migration is not None:
             self.migration.on_request_aborted(order.request_id)
-        if self.routes.close(order.request_id) is not None:
+        if (subject := self.routes.close(order.request_id)) is not None:
             self.engine.abort_request(order.request_id)
             self.metrics.request_left(order.request_id)
             self.spans.ended(order.request_id, "aborted")
@@ -178,6 +200,36 @@ class Llumlet:
 
     async def _on_drain(self, msg: Msg) -> None:
         order = decode_or_drop(msg.data, DrainOrder, log, "drain order", msg.subject)
+            if order.gateway_id is None or subjects.gateway_output(order.gateway_id) != subject:
+                # Not its gateway's abort: that gateway still waits for tokens; end its stream.
+                error = f"request aborted ({order.reason}) by {order.gateway_id or 'another party'} ({self.instance_id})"
+                chunk = TokenChunk(order.request_id, self.instance_id, 0, [], finish_reason=FinishReason.ERROR, error=error)
+                await self.publish_chunk(subject, encode(chunk))
+
+    async def _on_gateway_heartbeat(self, msg: Msg) -> None:
+        beat = decode_or_drop(msg.data, GatewayHeartbeat, log, "gateway heartbeat", msg.subject)
+        if beat is not None:
+            self.gateways.heard(beat.gateway_id, beat.interval_s)
+
+    async def _watch_gateways(self) -> None:
+        """Abort the requests of a gateway gone silent (killed): nobody reads their tokens."""
+        while True:
+            await asyncio.sleep(0.1)
+            if not self._bus_up():
+                self.gateways.pause()
+                continue
+            for gateway_id in self.gateways.gone():
+                orphans = self.routes.routed_to(subjects.gateway_output(gateway_id))
+                if orphans:
+                    log.warning("gateway %s went silent: aborting its %d request(s)", gateway_id, len(orphans))
+                for request_id in orphans:
+                    if self.migration is not None:
+                        self.migration.on_request_aborted(request_id)
+                    self.routes.close(request_id)
+                    self.engine.abort_request(request_id)
+                    self.metrics.request_left(request_id)
+                    self.spans.ended(request_id, "aborted", error=f"gateway {gateway_id} went silent")
+                self._report_now.set()
         if order is None:
             if msg.reply:  # a request is answered, a bad one too
                 await msg.respond(encode(Ack(ok=False, error="bad drain order", reason=Refusal.INVALID)))
@@ -192,6 +244,9 @@ class Llumlet:
 
     async def _engine_loop(self) -> None:
         while True:
+            if not self._bus_up():
+                await self._wait_for_bus()  # pause output rather than pile it up
+                continue
             if not self.engine.has_work():
                 self._work.clear()
                 await self._work.wait()
@@ -201,7 +256,7 @@ class Llumlet:
                 outputs = await self.engine.step()
             except Exception:
                 log.exception("engine step failed; failing in-flight requests")
-                await self._fail_all("engine failure")
+                await self._fail_all("engine failure", resumable=True)
                 raise
             views = self.engine.request_views() if self.metrics.wants_views(started) else ()
             self.metrics.step_done(started, time.monotonic(), outputs, views)
@@ -210,24 +265,54 @@ class Llumlet:
             if outputs:
                 self._maybe_report_now()
 
+    def _bus_up(self) -> bool:
+        """NATS is connected and everything held back has gone out."""
+        return self.nc is not None and self.nc.is_connected and not self._held
+
+    async def _wait_for_bus(self) -> None:
+        while self.nc is not None and not self.nc.is_closed:
+            if self.nc.is_connected:
+                if not self._held:
+                    return
+                subject, payload = self._held[0]
+                try:
+                    await self.nc.publish(subject, payload)
+                except OutboundBufferLimitError:
+                    await asyncio.sleep(0.05)
+                    continue
+                self._held.pop(0)
+                continue
+            await asyncio.sleep(0.05)
+
+    async def publish_chunk(self, subject: str, payload: bytes) -> None:
+        """A token chunk must arrive: if NATS cannot take it now, hold it (`_wait_for_bus`)."""
+        if not self._held:
+            try:
+                await self.nc.publish(subject, payload)
+                return
+            except OutboundBufferLimitError:
+                log.warning("llumlet %s: NATS is away and its buffer full: holding output", self.instance_id)
+        self._held.append((subject, payload))
+
     async def _publish_output(self, output: StepOutput) -> None:
         subject = self.routes.subject(output.request_id)
         if subject is None:
             return  # aborted meanwhile
+        offset = self.routes.offset(output.request_id)
         if output.finish_reason is not None:
             self.routes.close(output.request_id)
         self.spans.output(output)
         chunk = TokenChunk(
             request_id=output.request_id,
             instance_id=self.instance_id,
-            start_index=output.start_index,
+            start_index=output.start_index + offset,
             token_ids=output.token_ids,
             finish_reason=output.finish_reason,
-            num_prompt_tokens=output.num_prompt_tokens,
+            num_prompt_tokens=max(0, output.num_prompt_tokens - offset),
             num_preemptions=output.num_preemptions,
             logprobs=output.logprobs,
         )
-        await self.nc.publish(subject, encode(chunk))
+        await self.publish_chunk(subject, encode(chunk))
 
     async def fail_request(self, request_id: str, reason: str) -> None:
         subject = self.routes.close(request_id)
@@ -239,8 +324,9 @@ class Llumlet:
             chunk = TokenChunk(request_id, self.instance_id, 0, [], finish_reason=FinishReason.ERROR, error=error)
             await self.nc.publish(subject, encode(chunk))
 
-    async def _fail_all(self, reason: str) -> None:
-        """Every request this instance holds ends with an error, never silence."""
+    async def _fail_all(self, reason: str, resumable: bool = False) -> None:
+        """Every request this instance holds ends with an error, never silence (`resumable`: the
+        gateway resumes it elsewhere from the tokens it delivered)."""
         if self.nc is None or self.nc.is_closed:
             return
         for request_id, subject in self.routes.close_all():
@@ -251,8 +337,9 @@ class Llumlet:
                 token_ids=[],
                 finish_reason=FinishReason.ERROR,
                 error=f"{reason} ({self.instance_id})",
+                resumable=resumable,
             )
-            await self.nc.publish(subject, encode(chunk))
+            await self.publish_chunk(subject, encode(chunk))
             self.engine.abort_request(request_id)
         self.spans.end_all("failed", error=reason)
         await self.nc.flush()
@@ -286,7 +373,12 @@ class Llumlet:
         report = self.current_load()
         self._last_report = report
         self.metrics.observe_report(report)
-        await self.nc.publish(subjects.load_report(self.instance_id), encode(report))
+        if not self.nc.is_connected:
+            return  # a report is rebuilt every interval: not worth buffering while NATS is away
+        try:
+            await self.nc.publish(subjects.load_report(self.instance_id), encode(report))
+        except OutboundBufferLimitError:
+            pass  # as above: the next one will do
 
     def wake_engine(self) -> None:
         """There is work for the engine loop (a request arrived, migrated in or resumed)."""
@@ -340,7 +432,7 @@ class _MigrationHooks:
         """Publish from now on; first, everything output so far: the source may not have
         published its last token before it stopped (the gateway drops what it has seen)."""
         llumlet, request = self.llumlet, commit.request
-        llumlet.routes.open(request.request_id, request.reply_subject)
+        llumlet.routes.open(request.request_id, request.reply_subject, request.resume_from)
         llumlet.metrics.migrated("in")
         llumlet.spans.started(request, migrated_in=True, num_output_tokens=len(commit.output_token_ids))
         llumlet.wake_engine()
@@ -348,10 +440,10 @@ class _MigrationHooks:
         catch_up = TokenChunk(
             request_id=request.request_id,
             instance_id=llumlet.instance_id,
-            start_index=0,
+            start_index=request.resume_from,
             token_ids=commit.output_token_ids,
-            num_prompt_tokens=len(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids) - request.resume_from,
             num_preemptions=commit.num_preemptions,
             handover=True,
         )
-        await llumlet.nc.publish(request.reply_subject, encode(catch_up))
+        await llumlet.publish_chunk(request.reply_subject, encode(catch_up))

@@ -209,7 +209,10 @@ class SimEngine:
 
     def _emit(self, request: SimRequest) -> StepOutput:
         index = request.num_output_tokens - 1
-        token = self.tokens.token(self._keys[request.request_id], index)
+        # A resumed request's prompt ends with its output so far: its synthetic stream goes on
+        # from there, as a model's continuation of that text would.
+        resumed = self._inputs[request.request_id].resume_from
+        token = self.tokens.token(self._keys[request.request_id], index + resumed)
         request.output_token_ids.append(token)
         return StepOutput(
             request_id=request.request_id,
