@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 from shared.messages import LoadReport
 
@@ -14,13 +16,26 @@ class _Entry:
     last_seen: float
 
 
-class InstanceTable:
-    """Instances that stop reporting for `timeout_s` drop out; the table holds no per-request state."""
+class LoadListener(Protocol):
+    """Kept in step with the table (the scheduler's `DispatchIndex`)."""
 
-    def __init__(self, timeout_s: float, clock=time.monotonic) -> None:
+    def put(self, load: LoadReport) -> None: ...
+
+    def remove(self, instance_id: str) -> None: ...
+
+
+class InstanceTable:
+    """Instances that stop reporting for `timeout_s` drop out; the table holds no per-request state.
+
+    `listener` sees every load stored and every instance dropped. Expiry costs O(instances
+    dropped), not a scan: entries are also kept in the order they were last seen."""
+
+    def __init__(self, timeout_s: float, clock=time.monotonic, listener: LoadListener | None = None) -> None:
         self.timeout_s = timeout_s
         self._clock = clock
-        self._entries: dict[str, _Entry] = {}
+        self._listener = listener
+        self._entries: dict[str, _Entry] = {}  # in order of arrival: the order `live()` lists them
+        self._by_seen: OrderedDict[str, None] = OrderedDict()  # least recently seen first
 
     def update(self, report: LoadReport) -> bool:
         """Store a report; False if it is older than what we have (reordered delivery)."""
@@ -28,6 +43,10 @@ class InstanceTable:
         if entry is not None and report.seq <= entry.report.seq and report.seq > 1:
             return False
         self._entries[report.instance_id] = _Entry(report, self._clock())
+        self._by_seen[report.instance_id] = None
+        self._by_seen.move_to_end(report.instance_id)
+        if self._listener is not None:
+            self._listener.put(report)
         return True
 
     def replace_load(self, report: LoadReport) -> None:
@@ -35,16 +54,25 @@ class InstanceTable:
         entry = self._entries.get(report.instance_id)
         if entry is not None:
             entry.report = report
+            if self._listener is not None:
+                self._listener.put(report)
 
     def expire(self) -> list[str]:
         now = self._clock()
-        dead = [iid for iid, e in self._entries.items() if now - e.last_seen > self.timeout_s]
+        dead = []
+        for iid in self._by_seen:
+            if now - self._entries[iid].last_seen <= self.timeout_s:
+                break
+            dead.append(iid)
         for iid in dead:
-            del self._entries[iid]
+            self.remove(iid)
         return dead
 
     def remove(self, instance_id: str) -> None:
-        self._entries.pop(instance_id, None)
+        if self._entries.pop(instance_id, None) is not None:
+            del self._by_seen[instance_id]
+            if self._listener is not None:
+                self._listener.remove(instance_id)
 
     def live(self) -> list[LoadReport]:
         self.expire()

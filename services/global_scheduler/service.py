@@ -28,7 +28,8 @@ from shared.messages import (
 )
 from shared.metrics_server import serve_metrics
 from shared.nats_client import connect
-from shared.policy.dispatch import account_dispatch, choose_instance
+from shared.policy.dispatch import account_dispatch
+from shared.policy.dispatch_index import DispatchIndex
 
 log = logging.getLogger(__name__)
 _tracer = tracing.tracer("corral.global_scheduler")
@@ -37,7 +38,9 @@ _tracer = tracing.tracer("corral.global_scheduler")
 class GlobalScheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.table = InstanceTable(config.instance_timeout_s)
+        # Loads ranked by dispatch score as reports arrive: a dispatch reads the top, not every instance.
+        self.index = DispatchIndex(config.policy)
+        self.table = InstanceTable(config.instance_timeout_s, listener=self.index)
         self.nc: Client | None = None
         self._tasks: list[asyncio.Task] = []
         self.migration_loop: MigrationLoop | None = None
@@ -89,7 +92,8 @@ class GlobalScheduler:
 
     def decide(self, request: DispatchRequest) -> DispatchReply:
         with self.metrics.decision_seconds.time():
-            decision = choose_instance(self.table.live(), request, self.config.policy)
+            self.table.expire()
+            decision = self.index.choose(request)  # = choose_instance(self.table.live(), ...)
         self.metrics.dispatched(decision.reason if decision.instance_id is None else None)
         if decision.instance_id is None:
             return DispatchReply(rejected=decision.rejected, reason=decision.reason)
@@ -112,7 +116,7 @@ class GlobalScheduler:
                 span.set_attributes({"corral.request_id": request.request_id,
                                      "corral.instance_id": reply.instance_id or "",
                                      "corral.rejected": reply.rejected or "",
-                                     "corral.instances_live": len(self.table.live())})
+                                     "corral.instances_live": len(self.table)})
             await msg.respond(encode(reply))
 
     async def _expiry_loop(self) -> None:

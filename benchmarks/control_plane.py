@@ -1,0 +1,401 @@
+"""Control plane at fleet scale: a real scheduler and gateway over a real nats-server, N llumlets
+impersonated (benchmarks/fleet_impersonator.py: real subjects, real report builder, 20 reports/s each).
+
+For each N it measures, side by side:
+- dispatch round trip P50/P99 (request/reply on the scheduler's dispatch subject, open loop at
+  --rate dispatches/s, from a process of its own) and the rate achieved;
+- the scheduler's CPU seconds per second and the load reports delivered to it per second
+  (nats-server's /connz for its connection);
+- NATS messages per streamed request through the gateway's HTTP API, load reports excluded
+  (nats-server's /varz in and out counts, less the impersonators' reports and their fan-out);
+- the gateway's CPU per streamed token (and its CPU while idle: the load reports alone).
+
+Every process's CPU share is printed, the impersonators' and the clients' too: this machine's
+cores are shared, so a slow figure may be the load generator's, not the control plane's.
+
+    .venv/bin/python -m benchmarks.control_plane --instances 16 100 1000 --seconds 5
+
+Writes results/control_plane.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import psutil
+
+from benchmarks.fleet_impersonator import BUSY_S, CHUNKS, NUM_COUNTERS, REPORTS, run_impersonator
+from shared import subjects
+from shared.embedded_nats import nats_server_binary
+from shared.messages import DispatchReply, DispatchRequest, decode, encode
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.load(response)
+
+
+def _wait_for(check, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} did not come up in {timeout_s:g} s")
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return times.user + times.system
+
+
+# ------------------------------------------------------------------------------- clients
+async def _dispatch_open_loop(nats_url: str, rate: float, seconds: float) -> tuple[list[float], float, int]:
+    """Sends at `rate`/s on a fixed schedule (late sends go at once: open loop); round trips in s."""
+    import nats
+
+    nc = await nats.connect(nats_url, name="bench-dispatch")
+    latencies: list[float] = []
+    failures = 0
+
+    async def one(i: int) -> None:
+        nonlocal failures
+        request = DispatchRequest(request_id=f"bench-{uuid.uuid4().hex}", num_prompt_tokens=64 + (i * 37) % 2000,
+                                  max_tokens=128)
+        started = time.perf_counter()
+        try:
+            reply = decode((await nc.request(subjects.DISPATCH, encode(request), timeout=2.0)).data, DispatchReply)
+        except Exception:  # noqa: BLE001 - timeouts counted
+            failures += 1
+            return
+        latencies.append(time.perf_counter() - started)
+        if reply.instance_id is None:
+            failures += 1
+
+    tasks = []
+    begin = time.perf_counter()
+    for i in range(int(rate * seconds)):
+        delay = begin + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+    sent_over = time.perf_counter() - begin
+    await asyncio.gather(*tasks)
+    await nc.close()
+    return latencies, len(tasks) / sent_over, failures
+
+
+async def _stream_closed_loop(base_url: str, model: str, concurrency: int, seconds: float,
+                              max_tokens: int) -> tuple[int, int, int]:
+    """`concurrency` clients streaming completions back to back; (requests, tokens, failures)."""
+    import httpx
+
+    done = tokens = failures = 0
+    deadline = time.perf_counter() + seconds
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as client:
+        async def worker() -> None:
+            nonlocal done, tokens, failures
+            while time.perf_counter() < deadline:
+                body = {"model": model, "prompt": "hello world", "max_tokens": max_tokens, "stream": True,
+                        "ignore_eos": True}
+                try:
+                    async with client.stream("POST", "/v1/completions", json=body) as response:
+                        if response.status_code != 200:
+                            failures += 1
+                            await response.aread()
+                            continue
+                        async for line in response.aiter_lines():
+                            if line.startswith("data: ") and line != "data: [DONE]":
+                                tokens += 1
+                    done += 1
+                except Exception:  # noqa: BLE001 - counted
+                    failures += 1
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return done, tokens, failures
+
+
+def _client_main(kind: str, args: tuple, out) -> None:
+    import uvloop
+
+    coroutine = _dispatch_open_loop(*args) if kind == "dispatch" else _stream_closed_loop(*args)
+    out.put(uvloop.run(coroutine))
+
+
+def _in_child(kind: str, args: tuple) -> tuple[object, float]:
+    """Runs a client in a process of its own; (its result, its CPU seconds)."""
+    queue = mp.Queue()
+    child = mp.Process(target=_client_main, args=(kind, args, queue))
+    child.start()
+    proc = psutil.Process(child.pid)
+    cpu = 0.0
+    result = None
+    while result is None:
+        try:
+            cpu = _cpu_s(proc)
+        except psutil.Error:
+            pass
+        try:
+            result = queue.get(timeout=0.2)
+        except Exception:  # noqa: BLE001 - queue.Empty: keep polling the CPU
+            if not child.is_alive():
+                raise RuntimeError(f"{kind} client died") from None
+    child.join()
+    return result, cpu
+
+
+# ------------------------------------------------------------------------------- the cluster
+class Cluster:
+    def __init__(self, model_dir: str, log_dir: Path, scheduler_args: list[str], scheduler_root: Path) -> None:
+        self.monitor_port = _free_port()
+        nats_port = _free_port()
+        self.nats_url = f"nats://127.0.0.1:{nats_port}"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs["nats"] = subprocess.Popen(
+            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(nats_port), "-m", str(self.monitor_port)],
+            stdout=subprocess.DEVNULL, stderr=open(log_dir / "nats.log", "wb"))
+        _wait_for(lambda: self.varz(), 10, "nats-server")
+        python = sys.executable
+        self.procs["scheduler"] = subprocess.Popen(
+            [python, "-m", "services.cli", "scheduler", "--nats-url", self.nats_url, *scheduler_args],
+            cwd=scheduler_root, stdout=subprocess.DEVNULL, stderr=open(log_dir / "scheduler.log", "wb"))
+        self.http_port = _free_port()
+        self.procs["gateway"] = subprocess.Popen(
+            [python, "-m", "services.cli", "gateway", "--model", model_dir, "--nats-url", self.nats_url,
+             "--port", str(self.http_port), "--log-level", "warning"],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log_dir / "gateway.log", "wb"))
+        self.base_url = f"http://127.0.0.1:{self.http_port}"
+        _wait_for(lambda: _get_json(self.base_url + "/v1/models"), 60, "gateway")
+        _wait_for(lambda: self.connection("global-scheduler"), 30, "scheduler")
+        self.model = _get_json(self.base_url + "/v1/models")["data"][0]["id"]
+        self.ps = {name: psutil.Process(p.pid) for name, p in self.procs.items()}
+
+    def varz(self) -> dict:
+        return _get_json(f"http://127.0.0.1:{self.monitor_port}/varz")
+
+    def connection(self, name: str) -> dict | None:
+        for conn in _get_json(f"http://127.0.0.1:{self.monitor_port}/connz?limit=1024")["connections"]:
+            if conn.get("name") == name:
+                return conn
+        return None
+
+    def cpu(self) -> dict[str, float]:
+        return {name: _cpu_s(p) for name, p in self.ps.items()}
+
+    def stop(self) -> None:
+        for name in ("gateway", "scheduler", "nats"):
+            proc = self.procs[name]
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+class Fleet:
+    """N impersonated llumlets over `processes` processes."""
+
+    def __init__(self, nats_url: str, n: int, processes: int, step_s: float) -> None:
+        ids = [f"fake-{i:05d}" for i in range(n)]
+        self.stop_event = mp.Event()
+        self.counters = [mp.Array("d", NUM_COUNTERS, lock=False) for _ in range(processes)]
+        self.children = [mp.Process(target=run_impersonator,
+                                    args=(nats_url, ids[k::processes], 0.05, step_s, self.counters[k],
+                                          self.stop_event, k), daemon=True)
+                         for k in range(processes)]
+        for child in self.children:
+            child.start()
+        self.ps = [psutil.Process(c.pid) for c in self.children]
+
+    def total(self, slot: int) -> float:
+        return sum(c[slot] for c in self.counters)
+
+    def cpu(self) -> float:
+        return sum(_cpu_s(p) for p in self.ps)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        for child in self.children:
+            child.join(5)
+            if child.is_alive():
+                child.kill()
+
+
+class Window:
+    """Counters over one measurement phase."""
+
+    def __init__(self, cluster: Cluster, fleet: Fleet) -> None:
+        self.cluster, self.fleet = cluster, fleet
+        self.t = time.perf_counter()
+        self.cpu = cluster.cpu()
+        self.fleet_cpu = fleet.cpu()
+        self.fleet_busy = fleet.total(BUSY_S)
+        self.reports = fleet.total(REPORTS)
+        self.chunks = fleet.total(CHUNKS)
+        varz = cluster.varz()
+        self.in_msgs, self.out_msgs = varz["in_msgs"], varz["out_msgs"]
+        self.sched_out = cluster.connection("global-scheduler")["out_msgs"]
+
+    def close(self) -> dict:
+        now = Window(self.cluster, self.fleet)
+        elapsed = now.t - self.t
+        return {
+            "seconds": elapsed,
+            "cpu_per_s": {name: (now.cpu[name] - self.cpu[name]) / elapsed for name in self.cpu},
+            "impersonators_cpu_per_s": (now.fleet_cpu - self.fleet_cpu) / elapsed,
+            "impersonators_busy_per_s": (now.fleet_busy - self.fleet_busy) / elapsed,
+            "reports_published": now.reports - self.reports,
+            "chunks_published": now.chunks - self.chunks,
+            "nats_in": now.in_msgs - self.in_msgs,
+            "nats_out": now.out_msgs - self.out_msgs,
+            "scheduler_delivered": now.sched_out - self.sched_out,
+        }
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def measure(n: int, args: argparse.Namespace, model_dir: str, log_dir: Path, scheduler: str, root: Path) -> dict:
+    cluster = Cluster(model_dir, log_dir, args.scheduler_arg, root)
+    processes = args.impersonators or (1 if n <= 200 else 2)
+    fleet = Fleet(cluster.nats_url, n, processes, args.step_s)
+    try:
+        time.sleep(2.0)  # every instance reported; the scheduler's table is full
+        idle = Window(cluster, fleet)
+        time.sleep(args.seconds)
+        idle_stats = idle.close()
+
+        window = Window(cluster, fleet)
+        (latencies, achieved, failures), client_cpu = _in_child("dispatch", (cluster.nats_url, args.rate, args.seconds))
+        dispatch = window.close()
+        dispatch["client_cpu_per_s"] = client_cpu / dispatch["seconds"]
+
+        window = Window(cluster, fleet)
+        (done, tokens, stream_failures), stream_client_cpu = _in_child(
+            "stream", (cluster.base_url, cluster.model, args.streams, args.seconds, args.max_tokens))
+        stream = window.close()
+        stream["client_cpu_per_s"] = stream_client_cpu / stream["seconds"]
+    finally:
+        fleet.stop()
+        cluster.stop()
+
+    reports_per_s = idle_stats["reports_published"] / idle_stats["seconds"]
+    delivered_per_s = idle_stats["scheduler_delivered"] / idle_stats["seconds"]
+    # Report traffic in the streaming window: each report in once, out to the scheduler and the gateway.
+    stream_reports = stream["reports_published"]
+    per_request_in = (stream["nats_in"] - stream_reports) / max(done, 1)
+    per_request_out = (stream["nats_out"] - 2 * stream_reports) / max(done, 1)
+    gateway_idle = idle_stats["cpu_per_s"]["gateway"]
+    gateway_stream = stream["cpu_per_s"]["gateway"]
+    tokens_per_s = tokens / stream["seconds"]
+    return {
+        "scheduler": scheduler,
+        "instances": n,
+        "impersonator_processes": processes,
+        "reports_per_s_published": reports_per_s,
+        "reports_per_s_delivered_to_scheduler": delivered_per_s,
+        "dispatch": {
+            "target_per_s": args.rate, "achieved_per_s": achieved, "answered": len(latencies), "failures": failures,
+            "p50_ms": 1e3 * _percentile(latencies, 0.5), "p99_ms": 1e3 * _percentile(latencies, 0.99),
+            "max_ms": 1e3 * max(latencies, default=float("nan")),
+        },
+        "scheduler_cpu_per_s": {"idle": idle_stats["cpu_per_s"]["scheduler"],
+                                "dispatching": dispatch["cpu_per_s"]["scheduler"]},
+        "nats_messages_per_streamed_request": {"in": per_request_in, "out": per_request_out,
+                                               "tokens_per_request": tokens / max(done, 1)},
+        "gateway": {
+            "cpu_per_s_idle": gateway_idle, "cpu_per_s_streaming": gateway_stream,
+            "streams": args.streams, "requests": done, "failures": stream_failures, "tokens_per_s": tokens_per_s,
+            "cpu_us_per_token": 1e6 * gateway_stream / max(tokens_per_s, 1e-9),
+            "cpu_us_per_token_net_of_idle": 1e6 * (gateway_stream - gateway_idle) / max(tokens_per_s, 1e-9),
+        },
+        "cpu_share_per_s": {"idle": {**idle_stats["cpu_per_s"], "impersonators": idle_stats["impersonators_cpu_per_s"]},
+                            "dispatching": {**dispatch["cpu_per_s"], "impersonators": dispatch["impersonators_cpu_per_s"],
+                                            "client": dispatch["client_cpu_per_s"]},
+                            "streaming": {**stream["cpu_per_s"], "impersonators": stream["impersonators_cpu_per_s"],
+                                          "client": stream["client_cpu_per_s"]}},
+        "machine_cpus": os.cpu_count(),
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'scheduler':>10} {'N':>5} {'rep/s pub':>9} {'rep/s sch':>9} {'disp/s':>7} {'P50 ms':>7} {'P99 ms':>7} "
+          f"{'sched cpu':>9} {'msg/req':>8} {'gw us/tok':>9} {'gw idle':>7} {'imp cpu':>7} {'client':>6}")
+    for r in rows:
+        d, share = r["dispatch"], r["cpu_share_per_s"]["dispatching"]
+        print(f"{r['scheduler']:>10} {r['instances']:>5} {r['reports_per_s_published']:>9.0f} {r['reports_per_s_delivered_to_scheduler']:>9.0f} "
+              f"{d['achieved_per_s']:>7.0f} {d['p50_ms']:>7.3f} {d['p99_ms']:>7.3f} "
+              f"{r['scheduler_cpu_per_s']['dispatching']:>9.2f} "
+              f"{r['nats_messages_per_streamed_request']['in']:>8.1f} {r['gateway']['cpu_us_per_token']:>9.0f} "
+              f"{r['gateway']['cpu_per_s_idle']:>7.2f} {share['impersonators']:>7.2f} {share['client']:>6.2f}")
+    print("rep/s pub: reports the impersonators published; rep/s sch: delivered to the scheduler; sched cpu: "
+          "scheduler CPU s/s while dispatching; msg/req: NATS messages published per streamed request (reports "
+          "excluded); gw us/tok: gateway CPU per streamed token; gw idle: gateway CPU s/s from reports alone; "
+          "imp cpu / client: the load generators' CPU s/s during the dispatch phase")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--instances", type=int, nargs="+", default=[16, 100, 1000])
+    parser.add_argument("--rate", type=float, default=1000.0, help="dispatches per second (open loop)")
+    parser.add_argument("--seconds", type=float, default=5.0, help="each phase's length")
+    parser.add_argument("--streams", type=int, default=50, help="concurrent streaming HTTP clients")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per streamed request")
+    parser.add_argument("--step-s", type=float, default=0.02, help="the impersonated engines' step time")
+    parser.add_argument("--impersonators", type=int, default=0, help="processes for the fake fleet (0: 1, 2 past 200)")
+    parser.add_argument("--scheduler-arg", action="append", default=[], help="passed to `corral scheduler`")
+    parser.add_argument("--scheduler-root", action="append", default=[], metavar="LABEL=DIR",
+                        help="also run the scheduler from DIR (e.g. `git archive <commit> | tar -x -C DIR`), "
+                             "side by side with this tree's (labelled 'current')")
+    parser.add_argument("--label", default="", help="kept in the JSON")
+    parser.add_argument("--out", default=str(ROOT / "results" / "control_plane.json"))
+    args = parser.parse_args(argv)
+
+    from services.tools.make_model import make_tiny_model
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "tiny"
+        make_tiny_model(model_dir, seed=0)
+        roots = [tuple(item.split("=", 1)) for item in args.scheduler_root] + [("current", str(ROOT))]
+        for n in args.instances:
+            for label, root in roots:  # (the scheduler from the tree given runs from it; the rest from here)
+                log_dir = Path(tmp) / f"logs-{label}-{n}"
+                log_dir.mkdir()
+                rows.append(measure(n, args, str(model_dir), log_dir, label, Path(root)))
+                print(json.dumps(rows[-1]), file=sys.stderr)
+    print_table(rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"label": args.label, "args": vars(args), "rows": rows}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
