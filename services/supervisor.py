@@ -23,6 +23,8 @@ import httpx
 from services.cpu_layout import CpuLayout, format_cpus
 from services.process_helpers import child_setup
 from shared.embedded_nats import EmbeddedNats, start_nats
+from services.llumlet.migration import kv_auth
+from shared.nats_auth import EmbeddedAuth
 
 log = logging.getLogger("corral.up")
 
@@ -205,15 +207,22 @@ def run_cluster(
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    auth: EmbeddedAuth | None = None
+    # The llumlets' KV data plane: peers prove this secret (kv_auth); in the environment, not argv.
+    os.environ.setdefault(kv_auth.ENV_SECRET, kv_auth.new_secret())
     try:
-        if nats_url is None:
-            cluster.nats = start_nats(preexec_fn=own_session(child_setup(control)))
+        if nats_url is None:  # with a user per role, each allowed only its own subjects
+            auth = EmbeddedAuth.create()
+            cluster.nats = start_nats(preexec_fn=own_session(child_setup(control)), config=auth.config)
             nats_url = cluster.nats.url
-            say(f"embedded NATS up at {nats_url}")
+            say(f"embedded NATS up at {nats_url} (credentials per role in {auth.directory}; "
+                f"tools: --nats-creds {auth.paths['admin']})")
         else:
             say(f"using NATS at {nats_url}")
         cluster.children = plan_children(nats_url, instances, gateway_args, llumlet_args, scheduler_args,
                                          autoscaler_args, cpu_layout, url, metrics_port)
+        for child in cluster.children if auth is not None else ():
+            child.argv = auth.argv_for(child.argv)
         for child in reversed(cluster.children):  # scheduler first, gateway last
             child.start()
         count = "initial " if autoscaler_args is not None else ""
@@ -233,6 +242,8 @@ def run_cluster(
     finally:
         log.info("stopping Corral")
         cluster.stop()
+        if auth is not None:
+            auth.remove()
 
 
 def plan_children(nats_url: str, instances: int, gateway_args: list[str], llumlet_args: list[str],

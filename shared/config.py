@@ -10,6 +10,8 @@ import argparse
 import os
 import uuid
 
+from shared import nats_auth
+
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 
@@ -32,6 +34,7 @@ def add_nats_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nats-url", default=env("NATS_URL", DEFAULT_NATS_URL), help="NATS server URL (env CORRAL_NATS_URL)"
     )
+    nats_auth.add_arguments(parser)
 
 
 def short_id(prefix: str) -> str:

@@ -52,12 +52,14 @@ class EmbeddedNats:
 
 
 def start_nats(
-    port: int = -1, host: str = "127.0.0.1", timeout_s: float = 10.0, preexec_fn: Callable[[], None] | None = None
+    port: int = -1, host: str = "127.0.0.1", timeout_s: float = 10.0, preexec_fn: Callable[[], None] | None = None,
+    config: Path | None = None,
 ) -> EmbeddedNats:
     """Start nats-server; port -1 lets the server pick a free one, which we read from its log.
-    `preexec_fn` runs in the child before exec (`corral up`: the cores it may use)."""
+    `preexec_fn` runs in the child before exec (`corral up`: the cores it may use). `config`: a
+    configuration file (`shared.nats_auth.server_config`: users, permissions, TLS)."""
     proc = subprocess.Popen(
-        [nats_server_binary(), "-a", host, "-p", str(port), "-m", "0"],
+        [nats_server_binary(), *(["-c", str(config)] if config else []), "-a", host, "-p", str(port), "-m", "0"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         preexec_fn=preexec_fn,

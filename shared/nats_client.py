@@ -8,6 +8,8 @@ import random
 import nats
 from nats.aio.client import Client
 
+from shared import nats_auth
+
 log = logging.getLogger(__name__)
 
 
@@ -66,4 +68,5 @@ async def connect(url: str, name: str) -> Client:
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
         error_cb=on_error,
+        **nats_auth.client_options(),  # credentials and TLS (--nats-creds, --nats-tls-*)
     )

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared import subjects
+from shared import nats_auth, subjects
 
 
 class ConfigError(ValueError):
@@ -149,6 +149,7 @@ _REPEATABLE = {"api_keys"}  # a repeated flag adds to the list
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags for `corral gateway`; unset flags fall back to env vars, then to the defaults."""
     defaults = {f.name: f.default for f in dataclasses.fields(GatewayConfig)}
+    nats_auth.add_arguments(parser)  # --nats-creds, --nats-tls-*: read by every NATS connection
     for name, flag, env, parse, help_text in _OPTIONS:
         default = defaults.get(name)
         shown = "" if default in (None, dataclasses.MISSING, ()) or name in _REPEATABLE else f"; default {default}"

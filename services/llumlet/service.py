@@ -22,6 +22,7 @@ from services.llumlet.readiness import not_ready_reason
 from services.llumlet.gateway_watch import GatewayWatch
 from services.llumlet.routes import OutputRoutes
 from services.llumlet.migration.runtime import LlumletMigration
+from services.llumlet.migration import kv_auth
 from shared import bus_guard, subjects, tracing
 from shared.messages import (
     AbortRequest,
@@ -88,6 +89,7 @@ class Llumlet:
         self.migration = self._build_migration()
         self.metrics = LlumletMetrics(self.engine.model_name, self.instance_id)
         bus_guard.register(self.metrics.registry)
+        kv_auth.register(self.metrics.registry)
         serve_metrics(self.metrics.registry, self.config.metrics_port, ready=self.not_ready_reason)
         self.nc = await connect(self.config.nats_url, f"llumlet-{self.instance_id}")
         nc = self.nc

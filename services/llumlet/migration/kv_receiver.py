@@ -24,6 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
+from services.llumlet.migration import kv_auth
 from services.llumlet.migration.kv_wire import (
     HEADER_SIZE,
     MAX_COMMIT_BYTES,
@@ -95,8 +96,13 @@ class KVReceiver:
         self._server: asyncio.Server | None = None
         self._connections: set[_FrameConnection] = set()
         self._workers: set[asyncio.Task] = set()  # one per connection; outlives it by its last frames
+        # Peers must prove they hold it before any frame (`kv_auth`); None: no handshake.
+        self.secret = kv_auth.deployment_secret()
 
     async def start(self) -> str:
+        if self.secret is None:
+            log.warning("KV receiver without a KV secret (CORRAL_KV_SECRET): any peer that reaches its port "
+                        "may send frames")
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _FrameConnection(self), self.host, self.port)
         port = self._server.sockets[0].getsockname()[1]
@@ -135,6 +141,7 @@ def _reachable_host(bind_host: str) -> str:
 
 
 class _Reading(enum.Enum):
+    AUTH = "auth"  # the peer's proof of the deployment's secret (`kv_auth`), before any frame
     HEADER = "header"
     PAYLOAD = "payload"
     TRAILER = "trailer"
@@ -179,6 +186,8 @@ class _FrameConnection(asyncio.BufferedProtocol):
         self._sock: socket.socket | None = None
         self._lowat = 1  # the socket's SO_RCVLOWAT now (0: the kernel does not take it)
         self._payload_left = 0  # bytes of the current frame's payload not yet received
+        self._nonce = b""  # this connection's challenge (`kv_auth`)
+        self._auth_timer: asyncio.TimerHandle | None = None
 
     # -- asyncio callbacks ----------------------------------------------------------------------
 
@@ -190,6 +199,29 @@ class _FrameConnection(asyncio.BufferedProtocol):
             self._sock = sock
         self.receiver._connections.add(self)
         self.receiver._track(asyncio.get_running_loop().create_task(self._process(), name="kv-receiver"))
+        if self.receiver.secret is not None:
+            self._nonce, message = kv_auth.challenge()
+            transport.write(message)
+            self._expect(_Reading.AUTH, memoryview(bytearray(kv_auth.MESSAGE_SIZE)))
+            self._auth_timer = asyncio.get_running_loop().call_later(
+                self.receiver.limits.connect_timeout_s, self._auth_timed_out)
+
+    def _auth_timed_out(self) -> None:
+        if self._reading is _Reading.AUTH and self.transport is not None and not self.transport.is_closing():
+            kv_auth.rejected("timeout", self._peer(), log)
+            self.close()
+
+    def _auth_done(self) -> None:
+        self._auth_timer.cancel()
+        if not kv_auth.verify(self.receiver.secret, self._nonce, self._target):
+            kv_auth.rejected("bad_proof", self._peer(), log)
+            self._reading = _Reading.AUTH  # (stays: nothing more is read as a frame)
+            self.close()
+            return
+        self._expect(_Reading.HEADER, memoryview(self._header))
+
+    def _peer(self) -> object:
+        return self.transport.get_extra_info("peername") if self.transport is not None else None
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._reading is _Reading.PAYLOAD:  # a piece at a time: checksummed while in cache
@@ -207,6 +239,8 @@ class _FrameConnection(asyncio.BufferedProtocol):
             return
         if self._reading is _Reading.HEADER:
             self._header_done()
+        elif self._reading is _Reading.AUTH:
+            self._auth_done()
         elif self._reading is _Reading.PAYLOAD:
             self._next_target()
         elif self._reading is _Reading.TRAILER:
@@ -219,6 +253,8 @@ class _FrameConnection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.receiver._connections.discard(self)
+        if self._auth_timer is not None:
+            self._auth_timer.cancel()
         if self._frame is not None:  # a frame was cut short: that migration cannot go on
             header, lent = self._frame, self._lent
             self._end_frame()

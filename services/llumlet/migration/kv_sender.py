@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from services.llumlet.migration import kv_auth
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.kv_wire import (
     ACK_SIZE,
@@ -158,6 +159,7 @@ class KVConnection:
         self._sock: socket.socket | None = None
         self._ack = bytearray(ACK_SIZE)
         self._commit_out = False  # a frame carrying the commit started going out in this stage
+        self.secret = kv_auth.deployment_secret()  # proves us to the receiver (`kv_auth`); None: no handshake
 
     @property
     def connected(self) -> bool:
@@ -177,6 +179,18 @@ class KVConnection:
             sock.close()
             raise DestinationGone(f"cannot connect to KV receiver {self.address}: {exc!r}") from exc
         self._sock = sock
+        if self.secret is not None:
+            await self._authenticate(loop)
+
+    async def _authenticate(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Answer the receiver's challenge (`kv_auth`) before the first frame."""
+        try:
+            async with asyncio.timeout(self.limits.connect_timeout_s):
+                nonce = kv_auth.nonce_of(await self._recv_exactly(kv_auth.MESSAGE_SIZE))
+                await loop.sock_sendall(self._sock, kv_auth.proof(self.secret, nonce))
+        except (TimeoutError, OSError, ValueError, EOFError) as exc:
+            self.close()
+            raise DestinationGone(f"KV receiver {self.address} did not authenticate us: {exc!r}") from exc
 
     def close(self) -> None:
         if self._sock is not None:
