@@ -95,11 +95,12 @@ class Llumlet:
         nc = self.nc
         await nc.subscribe(subjects.llumlet(self.instance_id, "generate"), cb=self._on_generate)
         await nc.subscribe(subjects.ABORT_ALL, cb=self._on_abort)
+        await nc.subscribe(subjects.GATEWAY_HEARTBEATS_ALL, cb=self._on_gateway_heartbeat)
         await nc.subscribe(subjects.llumlet(self.instance_id, "drain"), cb=self._on_drain)
         self._tasks = [
-        await nc.subscribe(subjects.GATEWAY_HEARTBEATS_ALL, cb=self._on_gateway_heartbeat)
             asyncio.create_task(self._engine_loop(), name="engine-loop"),
             asyncio.create_task(self._report_loop(), name="report-loop"),
+            asyncio.create_task(self._watch_gateways(), name="gateway-watch"),
         ]
         if self.migration is not None:
             for loop in await self.migration.start(nc):
@@ -199,9 +200,6 @@ class Llumlet:
             self.metrics.request_left(order.request_id)
             self.spans.ended(order.request_id, "aborted")
             self._report_now.set()
-
-    async def _on_drain(self, msg: Msg) -> None:
-        order = decode_or_drop(msg.data, DrainOrder, log, "drain order", msg.subject)
             if order.gateway_id is None or subjects.gateway_output(order.gateway_id) != subject:
                 # Not its gateway's abort: that gateway still waits for tokens; end its stream.
                 error = f"request aborted ({order.reason}) by {order.gateway_id or 'another party'} ({self.instance_id})"
@@ -232,6 +230,9 @@ class Llumlet:
                     self.metrics.request_left(request_id)
                     self.spans.ended(request_id, "aborted", error=f"gateway {gateway_id} went silent")
                 self._report_now.set()
+
+    async def _on_drain(self, msg: Msg) -> None:
+        order = decode_or_drop(msg.data, DrainOrder, log, "drain order", msg.subject)
         if order is None:
             if msg.reply:  # a request is answered, a bad one too
                 await msg.respond(encode(Ack(ok=False, error="bad drain order", reason=Refusal.INVALID)))
