@@ -233,3 +233,33 @@ class EmbeddedAuth:
 
     def remove(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# A deployment's credentials (docker compose's one-shot `credentials` service runs this)
+# ---------------------------------------------------------------------------------------------
+
+KV_SECRET_FILE = "kv.secret"
+SERVER_CONFIG_FILE = "nats-server.conf"
+
+
+def write_deployment(directory: Path, tls_cert: str | None = None, tls_key: str | None = None) -> bool:
+    """Credentials for every role, the server's configuration and a KV secret, in `directory`;
+    kept as they are when there already (False), so restarts keep one set. True: made now."""
+    if (directory / SERVER_CONFIG_FILE).exists():
+        return False
+    credentials = new_credentials()
+    write_credentials(directory, credentials)
+    for name, text in ((SERVER_CONFIG_FILE, server_config(credentials, tls_cert, tls_key)),
+                       (KV_SECRET_FILE, secrets.token_urlsafe(32) + "\n")):
+        fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+    return True
+
+
+if __name__ == "__main__":  # python -m shared.nats_auth DIR
+    import sys
+
+    made = write_deployment(Path(sys.argv[1]))
+    print(f"{'made' if made else 'kept'} Corral's NATS credentials and KV secret in {sys.argv[1]}")

@@ -27,7 +27,7 @@ needs_compose = pytest.mark.skipif(
                             "scripts/install_compose.sh installs one (apt); scripts/test.sh runs it")
 PROFILES = ["sim", "cpu", "gpu", "autoscale"]
 ENGINE = {"sim": "sim", "cpu": "vllm", "gpu": "vllm"}
-NO_HEALTH_ENDPOINT = {"autoscaler"}  # it serves no port (its llumlets report over NATS)
+NO_HEALTH_ENDPOINT = {"autoscaler", "credentials"}  # no port (the credentials service runs once and exits)
 
 
 def default_profiles() -> set[str]:
@@ -53,7 +53,9 @@ def corral_argv(service: dict) -> list[str]:
 
 
 def is_corral(service: dict) -> bool:
-    return re.match(r"^corral(-cuda)?:", service.get("image", "")) is not None
+    """A service that runs a `corral` command (the credentials service runs python in the image)."""
+    return re.match(r"^corral(-cuda)?:", service.get("image", "")) is not None and service.get(
+        "entrypoint", [""])[0] != "python"
 
 
 def published(service: dict) -> list[tuple[str, str, str]]:
@@ -154,6 +156,8 @@ def test_mounted_files_exist_and_prometheus_scrapes_the_compose_services(resolve
     for name, service in resolved["services"].items():
         for volume in service.get("volumes", []):
             source = volume["source"] if isinstance(volume, dict) else volume.split(":")[0]
+            if source == "corral-credentials":  # the named volume the credentials service fills
+                continue
             if "/models/gpu" in source:  # the gpu profile's model: the user's directory
                 continue
             assert os.path.exists(source), f"{name} mounts {source}, which is not in the repository"
@@ -219,3 +223,25 @@ def test_prometheus_config_is_valid_for_promtool():
     done = subprocess.run([promtool, "check", "config", str(REPO / "deploy" / "prometheus" / "prometheus.yml")],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@needs_compose
+def test_every_corral_service_reads_its_roles_nats_credentials(resolved):
+    """Each Corral service gets its own role's file from the credentials volume, the NATS server
+    the configuration made with them, the llumlets the KV secret (SECURITY.md)."""
+    from shared.nats_auth import ROLES
+
+    services = resolved["services"]
+    assert services["credentials"]["entrypoint"][:3] == ["python", "-m", "shared.nats_auth"]
+    assert "/run/corral/nats-server.conf" in services["nats"]["command"]
+    for name, service in services.items():
+        if not is_corral(service):
+            continue
+        args = parse_corral(corral_argv(service))
+        creds = service["environment"]["CORRAL_NATS_CREDS"]
+        assert creds == f"/run/corral/{args.command}.creds" and args.command in ROLES, (name, creds)
+        assert service["environment"]["CORRAL_KV_SECRET_FILE"] == "/run/corral/kv.secret"
+        assert any("corral-credentials" in (v.get("source", "") if isinstance(v, dict) else v)
+                   for v in service["volumes"]), name
+        if args.command == "autoscaler":
+            assert "--nats-creds /run/corral/llumlet.creds" in args.llumlet_args

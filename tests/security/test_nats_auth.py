@@ -168,3 +168,23 @@ async def test_tls_by_flag(tmp_path):
         server.stop()
 
 
+
+
+async def test_a_deployments_credentials_are_made_once_and_work(tmp_path):
+    """What docker compose's `credentials` service makes (python -m shared.nats_auth DIR)."""
+    from services.llumlet.migration import kv_auth
+
+    assert nats_auth.write_deployment(tmp_path)
+    config = (tmp_path / nats_auth.SERVER_CONFIG_FILE).read_text()
+    assert not nats_auth.write_deployment(tmp_path)  # a restart keeps them
+    assert (tmp_path / nats_auth.SERVER_CONFIG_FILE).read_text() == config
+    assert all((tmp_path / f"{role}.creds").stat().st_mode & 0o077 == 0 for role in nats_auth.ROLES)
+    secret = kv_auth.deployment_secret({kv_auth.ENV_SECRET_FILE: str(tmp_path / nats_auth.KV_SECRET_FILE)})
+    assert secret and len(secret) >= 32
+    server = start_nats(config=tmp_path / nats_auth.SERVER_CONFIG_FILE)
+    try:
+        nc = await nats.connect(server.url, allow_reconnect=False,
+                                **nats_auth.read_credentials(str(tmp_path / "llumlet.creds")))
+        await nc.close()
+    finally:
+        server.stop()
