@@ -2,11 +2,17 @@
 
 Only counts and ids; the bytes (when there are any) live in `kv_pool.KVPool`. Reservations hold
 blocks for an incoming migration under a lease id until it commits (`adopt`) or is dropped
-(`release`). Each owner belongs to a group (the scheduler uses its priority) whose block total is
+(`release`). With a `PrefixCache`, full computed blocks may be cached under their prefix hash
+and shared by several tables; cached blocks nobody holds count as free and are evicted (least
+recently freed first) only when no plain free block is left. Each owner belongs to a group (the scheduler uses its priority) whose block total is
 kept up to date, so a load report never walks the block tables.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+from shared.engine_model.prefix_cache import PrefixCache
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -14,7 +20,7 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
         assert num_blocks > 0 and block_size > 0, (num_blocks, block_size)
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -25,12 +31,16 @@ class BlockManager:
         self._num_reserved = 0
         self._group_of: dict[str, int] = {}
         self._group_blocks: dict[int, int] = {}  # group -> blocks its owners hold (0s dropped)
+        self.cache: PrefixCache | None = PrefixCache() if prefix_caching else None
+        self._num_hashed: dict[str, int] = {}  # owner -> leading table blocks already offered to the cache
 
     # -- counts --------------------------------------------------------------------------------
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks that can be handed out: plain free ones and cached ones nobody holds."""
+        cache = self.cache
+        return len(self._free) if cache is None else len(self._free) + cache.num_evictable
 
     @property
     def num_reserved(self) -> int:
@@ -38,8 +48,9 @@ class BlockManager:
 
     @property
     def num_used(self) -> int:
-        """Blocks owned by requests (reservations not included)."""
-        return self.num_blocks - len(self._free) - self._num_reserved
+        """Physical blocks owned by requests (reservations not included; a shared cached block
+        counts once, while `group_blocks` counts it for each owner)."""
+        return self.num_blocks - self.num_free - self._num_reserved
 
     def has_owner(self, owner: str) -> bool:
         return owner in self._tables
@@ -58,12 +69,20 @@ class BlockManager:
     # -- allocation ----------------------------------------------------------------------------
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
+        return num_blocks <= self.num_free
 
-    def allocate(self, owner: str, num_blocks: int, group: int = 0) -> list[int]:
+    def allocate(self, owner: str, num_blocks: int, group: int = 0, cached: Sequence[int] = ()) -> list[int]:
+        """A table of `num_blocks` blocks whose leading ones are the prefix-cache hits `cached`."""
         assert owner not in self._tables, f"double allocate for {owner}"
-        assert 0 <= num_blocks <= len(self._free), (num_blocks, len(self._free))
-        table = self._take(num_blocks)
+        assert len(cached) <= num_blocks, (len(cached), num_blocks)
+        if cached:
+            cache = self.cache
+            assert cache is not None
+            for block in cached:
+                cache.acquire(block)
+            self._num_hashed[owner] = len(cached)
+        assert num_blocks - len(cached) <= self.num_free, (num_blocks, len(cached), self.num_free)
+        table = list(cached) + self._take(num_blocks - len(cached))
         self._tables[owner] = table
         self._group_of[owner] = group
         self._count(group, num_blocks)
@@ -75,22 +94,45 @@ class BlockManager:
         return need if need > 0 else 0
 
     def can_append(self, owner: str, num_tokens_total: int) -> bool:
-        return self.blocks_needed(owner, num_tokens_total) <= len(self._free)
+        return self.blocks_needed(owner, num_tokens_total) <= self.num_free
 
     def append_slots(self, owner: str, num_tokens_total: int) -> None:
         """Grow the owner's table to ceil(num_tokens_total / block_size) blocks."""
         table = self._tables[owner]
         need = -(-num_tokens_total // self.block_size) - len(table)
         if need > 0:
-            assert need <= len(self._free), (owner, need, len(self._free))
+            assert need <= self.num_free, (owner, need, self.num_free)
             table.extend(self._take(need))
             self._count(self._group_of[owner], need)
 
     def free(self, owner: str) -> int:
         table = self._tables.pop(owner)  # KeyError: freeing an unknown owner is a bug
-        self._free.extend(reversed(table))
+        cache = self.cache
+        if cache is None:
+            self._free.extend(reversed(table))
+        else:  # tail first, as vLLM: a request's last blocks are evicted before its prefix
+            self._num_hashed.pop(owner, None)
+            free = self._free
+            for block in reversed(table):
+                if not cache.release(block):
+                    free.append(block)
         self._count(self._group_of.pop(owner), -len(table))
         return len(table)
+
+    def cache_full_blocks(self, owner: str, hashes: Sequence[int], num_computed_tokens: int) -> None:
+        """Offer the owner's blocks that are now full and computed to the prefix cache, under the
+        request's chained hashes (`hashes` covers the full blocks whose tokens are known)."""
+        cache = self.cache
+        if cache is None:
+            return
+        upto = min(len(hashes), num_computed_tokens // self.block_size)
+        start = self._num_hashed.get(owner, 0)
+        if upto <= start:
+            return
+        table = self._tables[owner]
+        for i in range(start, upto):
+            cache.register(table[i], hashes[i])
+        self._num_hashed[owner] = upto
 
     # -- reservations for incoming migrations --------------------------------------------------
 
@@ -98,7 +140,7 @@ class BlockManager:
         """Take `num_blocks` more blocks out of the free pool for a lease (a lease may grow
         stage by stage); None, and nothing taken, if there are not enough."""
         assert num_blocks >= 0, num_blocks
-        if num_blocks > len(self._free):
+        if num_blocks > self.num_free:
             return None
         blocks = self._take(num_blocks)
         self._reserved.setdefault(lease_id, []).extend(blocks)
@@ -140,6 +182,12 @@ class BlockManager:
         if num_blocks == 0:
             return []
         free = self._free
+        if num_blocks > len(free):  # only with a prefix cache: evict what the plain blocks lack
+            cache = self.cache
+            assert cache is not None, (num_blocks, len(free))
+            evicted = [cache.evict() for _ in range(num_blocks - len(free))]
+            evicted.reverse()
+            free[:0] = evicted  # taken last, i.e. after the plain free blocks
         taken = free[-num_blocks:]
         del free[-num_blocks:]
         taken.reverse()
@@ -148,7 +196,16 @@ class BlockManager:
     def check_invariants(self) -> None:
         owned = [b for table in self._tables.values() for b in table]
         reserved = [b for blocks in self._reserved.values() for b in blocks]
-        everything = self._free + owned + reserved
+        cache = self.cache
+        if cache is not None:
+            cache.check_invariants(list(self._tables.values()))
+            evictable = cache.evictable_blocks()
+            assert not set(evictable) & set(owned), "an evictable block is held by a table"
+            assert not any(cache.is_cached(b) for b in self._free + reserved), "a cached block is plain free"
+            owned = sorted(set(owned))  # shared cached blocks count once
+        else:
+            evictable = []
+        everything = self._free + evictable + owned + reserved
         assert len(everything) == self.num_blocks, (len(self._free), len(owned), len(reserved))
         assert sorted(everything) == list(range(self.num_blocks)), "a block is lost or duplicated"
         assert self._num_reserved == len(reserved)

@@ -30,6 +30,10 @@ class SchedulerConfig:
     # Priority queue only: when the head of the waiting queue cannot be admitted, preempt
     # running requests of strictly lower priority until it can (vLLM V0's priority preemption).
     preempt_for_priority: bool = True
+    # vLLM's automatic prefix caching (shared.engine_model.prefix_cache): requests that carry
+    # block hashes reuse the cached full blocks of their prefix and skip that prefill. Off by
+    # default so that results measured without it stay as they were.
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.queue_policy not in QUEUE_POLICIES:

@@ -52,6 +52,10 @@ class SimRequest:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_output_tokens: int = 0
+    # Chained hashes of the prompt's full blocks (shared.prefix_hash), for the prefix cache.
+    block_hashes: tuple[int, ...] = ()
+    # Prompt tokens found in the prefix cache at the first admission (vLLM's num_cached_tokens).
+    num_cached_tokens: int = 0
     # Token ids are kept by the live engine only; the simulator leaves this empty.
     output_token_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
@@ -101,12 +105,16 @@ class SimRequest:
 
     # -- transitions ---------------------------------------------------------------------------
 
-    def start_running(self, now: float) -> None:
+    def start_running(self, now: float, num_cached_tokens: int = 0) -> None:
+        """Into the batch; the first `num_cached_tokens` come from the prefix cache (computed)."""
         assert self.status in _QUEUED, (self.request_id, self.status)
         assert self.num_computed_tokens == 0
+        assert 0 <= num_cached_tokens < self.num_tokens, (self.request_id, num_cached_tokens)
         self.status = RequestStatus.RUNNING
+        self.num_computed_tokens = num_cached_tokens
         if self.first_scheduled_time is None:
             self.first_scheduled_time = now
+            self.num_cached_tokens = num_cached_tokens
 
     def start_migrated_in(self) -> None:
         """Destination side of a migration: enter the batch with the KV that was copied in."""

@@ -35,7 +35,8 @@ class SimScheduler:
     def __init__(self, config: SchedulerConfig | None = None) -> None:
         self.config = config = config or SchedulerConfig()
         self.block_size = config.block_size
-        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.prefix_cache = self.block_manager.cache  # None unless enable_prefix_caching
         self.max_seq_len = config.max_seq_len
         self.waiting = create_request_queue(config.queue_policy)
         self.running: list[SimRequest] = []
@@ -106,11 +107,14 @@ class SimScheduler:
         suspended or preempted while the step ran are skipped (their work is discarded)."""
         new_token: list[SimRequest] = []
         finished: list[SimRequest] = []
+        caching = self.prefix_cache is not None
         for request, num_new in zip(out.requests, out.num_new_tokens):
             if request.status is not _RUNNING:
                 continue
             computed = request.num_computed_tokens + num_new
             request.num_computed_tokens = computed
+            if caching and request.block_hashes:  # blocks computed now may be reused (only now)
+                self.block_manager.cache_full_blocks(request.request_id, request.block_hashes, computed)
             if computed < request.prompt_len + request.num_output_tokens:
                 continue  # a prefill chunk that did not reach the end of the sequence
             num_output = request.num_output_tokens = request.num_output_tokens + 1
@@ -250,7 +254,7 @@ class SimScheduler:
             live[r.priority] = live.get(r.priority, 0) + 1
         assert live == counts.live, (live, counts.live)
         owners = {r.request_id for r in self.running} | set(self.suspended)
-        assert bm.num_used == sum(bm.num_blocks_of(o) for o in owners)
+        assert bm.num_used == len({b for o in owners for b in bm.blocks_of(o)})
 
     # -- internals: scheduling -----------------------------------------------------------------
 
@@ -310,36 +314,51 @@ class SimScheduler:
         while waiting and len(running) < config.max_num_seqs:
             budget = config.max_num_batched_tokens - out.num_scheduled_tokens
             request = waiting.peek()
-            num_new = request.num_tokens
+            hit = self._prefix_hit(request)
+            cached_tokens = len(hit) * self.block_size
+            num_new = request.num_tokens - cached_tokens
             if num_new > budget:
                 if chunked and budget > 0:
                     num_new = budget
                 elif chunked or out.requests:
                     break  # (an unchunked prompt above the budget runs alone in its step)
-            num_blocks = blocks_for_tokens(num_new, self.block_size)
-            gate = self._admission_blocks(request) if config.reserve_full_sequence else num_blocks
+            num_blocks = blocks_for_tokens(cached_tokens + num_new, self.block_size)
+            gate = self._admission_blocks(request, cached_tokens) if config.reserve_full_sequence else num_blocks
+            if hit:  # hits held by others cost nothing; evictable ones leave the free pool
+                gate -= len(hit) - self.prefix_cache.count_evictable(hit)
             watermark = config.watermark_blocks if running else 0  # (as vLLM: only next to others)
             if gate + watermark > bm.num_free - self.committed_blocks():
                 break
             waiting.pop()
             self.counts.count_waiting(request, -1)
-            bm.allocate(request.request_id, num_blocks, group=request.priority)
-            if config.reserve_full_sequence and num_new < request.num_tokens:
+            bm.allocate(request.request_id, num_blocks, group=request.priority, cached=hit)
+            if config.reserve_full_sequence and cached_tokens + num_new < request.num_tokens:
                 self._prefilling[request.request_id] = (request, request.num_tokens)
-            request.start_running(now)
+            if self.prefix_cache is not None and request.first_scheduled_time is None:
+                self.prefix_cache.record_query(request.num_tokens, cached_tokens)
+            request.start_running(now, cached_tokens)
             running.append(request)
-            out.record(request, num_new, 0)
+            out.record(request, num_new, cached_tokens)
             admitted = True
         return admitted
 
-    def _admission_blocks(self, request: SimRequest) -> int:
-        """Free blocks the waiting request needs to be admitted (before the watermark): its whole
-        sequence, or with chunk-only admission its first chunk."""
+    def _admission_blocks(self, request: SimRequest, cached_tokens: int = 0) -> int:
+        """Blocks the waiting request's table must reach to be admitted (before the watermark
+        and before prefix-cache hits are taken off): its whole sequence, or with chunk-only
+        admission its cached prefix and first chunk."""
         config = self.config
         num_tokens = request.num_tokens
         if not config.reserve_full_sequence and config.step_mode == "v1" and config.enable_chunked_prefill:
-            num_tokens = min(num_tokens, config.max_num_batched_tokens)
+            num_tokens = min(num_tokens, cached_tokens + config.max_num_batched_tokens)
         return blocks_for_tokens(num_tokens, self.block_size)
+
+    def _prefix_hit(self, request: SimRequest) -> list[int]:
+        """The cached blocks of the request's leading prefix, leaving at least its last token
+        to compute (as vLLM: the step that computes it samples the next token)."""
+        cache = self.prefix_cache
+        if cache is None or not request.block_hashes:
+            return []
+        return cache.longest_hit(request.block_hashes, (request.num_tokens - 1) // self.block_size)
 
     def _preempt_for_waiting_priority(self, out: SchedulerOutput, now: float) -> None:
         """vLLM V0's `_schedule_priority_preemption`: when the head of the waiting queue (the most

@@ -1,0 +1,41 @@
+"""The one chained block-hash function (shared.prefix_hash) and the trace chains built with it."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.prefix_hash import HASH_BITS, ROOT_HASH, block_hashes, chain_hash, trace_block_hashes
+
+
+def test_only_full_blocks_are_hashed_and_each_hash_names_the_whole_prefix():
+    tokens = list(range(10))
+    hashes = block_hashes(tokens, 4)
+    assert len(hashes) == 2
+    assert hashes[0] == chain_hash(ROOT_HASH, block_hashes.__globals__["_token_content"](tokens[:4]))
+    assert block_hashes(tokens[:8] + [99], 4) == hashes  # the partial block changes nothing
+    assert block_hashes([0, 1, 2, 3, 9, 9, 9, 9], 4)[0] == hashes[0]
+    assert block_hashes([7, 1, 2, 3, 4, 5, 6, 7], 4)[1] != hashes[1]  # same block, other parent
+    assert all(0 <= h < 1 << HASH_BITS for h in hashes)
+
+
+def test_a_chain_continues_from_its_parent():
+    tokens = list(range(1000, 1032))
+    whole = block_hashes(tokens, 8)
+    assert block_hashes(tokens[16:], 8, parent=whole[1]) == whole[2:]
+
+
+def test_trace_chains_share_exactly_the_shared_hash_ids():
+    a = trace_block_hashes([1, 2, 3], 512, 3 * 512, 16)
+    b = trace_block_hashes([1, 2, 4], 512, 3 * 512, 16)
+    assert len(a) == len(b) == 96
+    assert a[:64] == b[:64] and not set(a[64:]) & set(b[64:])
+    assert trace_block_hashes([1, 2, 3], 512, 700, 16) == a[:700 // 16]  # full blocks of the prompt only
+    assert trace_block_hashes([1], 512, 4000, 16) == a[:32]  # tokens past the ids are unique
+    assert not set(a) & set(block_hashes(list(range(512)), 16))  # trace blocks never equal token blocks
+
+
+def test_block_size_must_divide_the_trace_block():
+    with pytest.raises(ValueError):
+        trace_block_hashes([1], 512, 512, 48)
+    with pytest.raises(ValueError):
+        block_hashes([1, 2], 0)
