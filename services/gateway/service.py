@@ -109,8 +109,8 @@ class GatewayService:
         self._nc = nc
         self._dispatcher = Dispatcher(nc, self.instances, self.metrics, self.config.dispatch_timeout_s)
         self._watchdog = asyncio.create_task(self._watch_holders(), name="gateway-watchdog")
-        log.info("gateway %s connected to %s, serving %s", self.config.gateway_id, self.config.nats_url,
         self._heartbeat = asyncio.create_task(heartbeat.beat(nc, self.config.gateway_id), name="gateway-heartbeat")
+        log.info("gateway %s connected to %s, serving %s", self.config.gateway_id, self.config.nats_url,
                  self.config.model_name)
 
     def fail_all(self, reason: str) -> None:

@@ -44,10 +44,10 @@ class GlobalScheduler:
         self.nc: Client | None = None
         self._tasks: list[asyncio.Task] = []
         self.migration_loop: MigrationLoop | None = None
+        self.leadership = Leadership(config.scheduler_id, config.leader_lease_s)
         self.metrics = SchedulerMetrics(self.table.live, self._standing_pairs)
         bus_guard.register(self.metrics.registry)
 
-        self.leadership = Leadership(config.scheduler_id, config.leader_lease_s)
     def _standing_pairs(self) -> int:
         return 0 if self.migration_loop is None else len(self.migration_loop.pairer.pairs)
 
@@ -57,10 +57,10 @@ class GlobalScheduler:
         self.nc = await connect(self.config.nats_url, "global-scheduler")
         await self.nc.subscribe(subjects.LOAD_REPORTS_ALL, cb=self._on_report)
         await self.nc.subscribe(subjects.DISPATCH, queue=subjects.SCHEDULER_QUEUE, cb=self._on_dispatch)
+        await self.nc.subscribe(subjects.SCHEDULER_HEARTBEAT, cb=self._on_peer_heartbeat)
         self._tasks = [asyncio.create_task(self._expiry_loop(), name="expiry")]
         if self.config.enable_migration:
             pairer = MigrationPairer(self.config.policy, self.config.guard)
-        await self.nc.subscribe(subjects.SCHEDULER_HEARTBEAT, cb=self._on_peer_heartbeat)
             self.migration_loop = MigrationLoop(pairer, self.table.live, self.nc.publish,
                                                 self.config.migration_interval_s,
                                                 on_order=lambda order: self.metrics.order_sent(order.cancel),
@@ -119,10 +119,6 @@ class GlobalScheduler:
                                      "corral.instances_live": len(self.table)})
             await msg.respond(encode(reply))
 
-    async def _expiry_loop(self) -> None:
-        # Compared with the live set rather than read from `expire()`: dispatch's `live()` expires
-        # entries too, silently, and a death must be logged whichever noticed it first.
-        known: set[str] = set()
     async def _on_peer_heartbeat(self, msg: Msg) -> None:
         beat = decode_or_drop(msg.data, SchedulerHeartbeat, log, "scheduler heartbeat", msg.subject)
         if beat is not None:
@@ -138,6 +134,10 @@ class GlobalScheduler:
                     log.debug("scheduler heartbeat not sent: %s", exc)
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
+    async def _expiry_loop(self) -> None:
+        # Compared with the live set rather than read from `expire()`: dispatch's `live()` expires
+        # entries too, silently, and a death must be logged whichever noticed it first.
+        known: set[str] = set()
         while True:
             await asyncio.sleep(min(0.25, self.config.instance_timeout_s / 4))
             live = {load.instance_id for load in self.table.live()}
