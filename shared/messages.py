@@ -234,12 +234,20 @@ class LoadReport(Struct):
             raise ValueError(f"{self.num_blocks_free} free blocks of {self.num_blocks_total}")
 
 
+MAX_BLOCK_HASHES = 1 << 16  # a million-token prompt at 16 tokens a block; ~0.6 MB on the wire
+BlockHash = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # shared.prefix_hash: 63 bits, non-negative
+
+
 class DispatchRequest(Struct):
     request_id: RequestId
     num_prompt_tokens: Count
     max_tokens: Count
     priority: int = 0
     exclude: Annotated[list[InstanceId], Meta(max_length=1024)] = []
+    # The prompt's chained full-block hashes (shared.prefix_hash) at `prefix_block_size` tokens
+    # a block, for prefix-aware dispatch; empty when the gateway did not hash the prompt.
+    block_hashes: Annotated[list[BlockHash], Meta(max_length=MAX_BLOCK_HASHES)] = []
+    prefix_block_size: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
 
 
 class DispatchReply(Struct):

@@ -39,3 +39,18 @@ def test_block_size_must_divide_the_trace_block():
         trace_block_hashes([1], 512, 512, 48)
     with pytest.raises(ValueError):
         block_hashes([1, 2], 0)
+
+
+def test_dispatch_request_carries_bounded_block_hashes():
+    import msgspec
+
+    from shared.messages import MAX_BLOCK_HASHES, DispatchRequest, WireError, decode, encode
+
+    hashes = block_hashes(list(range(64)), 16)
+    message = DispatchRequest("r1", 64, 8, block_hashes=hashes, prefix_block_size=16)
+    assert decode(encode(message), DispatchRequest) == message
+    assert decode(encode(DispatchRequest("r2", 64, 8)), DispatchRequest).block_hashes == []
+    for bad in ([-1], [1 << 63], [0] * (MAX_BLOCK_HASHES + 1)):
+        raw = msgspec.msgpack.encode({"request_id": "r", "num_prompt_tokens": 1, "max_tokens": 1, "block_hashes": bad})
+        with pytest.raises(WireError):
+            decode(raw, DispatchRequest)
