@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 
 import anyio
@@ -22,8 +21,6 @@ from services.gateway.middleware import middleware_for
 from services.gateway.openapi import openapi_document
 from services.gateway.protocol import RequestKind, parse_chat_request, parse_completion_request
 from services.gateway.service import GatewayService
-
-log = logging.getLogger(__name__)
 
 __all__ = ["EventStreamResponse", "create_app", "error_response"]
 
@@ -78,11 +75,6 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(ApiError(exc.status_code, exc.detail, headers=exc.headers))
 
 
-async def _unexpected_error(request: Request, exc: Exception) -> Response:
-    log.exception("unexpected error in %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
-
-
 def create_app(service: GatewayService) -> Starlette:
     info = InfoRoutes(service)
     completions = CompletionEndpoint(service, info.check_model, _event_stream_response)
@@ -112,7 +104,7 @@ def create_app(service: GatewayService) -> Starlette:
         return JSONResponse(document)
 
     routes.append(Route("/openapi.json", openapi, methods=["GET"]))
-    handlers: Mapping[type[Exception], Callable] = {ApiError: _api_error, HTTPException: _http_error,
-                                                    Exception: _unexpected_error}
+    # Other exceptions: middleware.UnexpectedErrorMiddleware (a 500 that keeps the connection).
+    handlers: Mapping[type[Exception], Callable] = {ApiError: _api_error, HTTPException: _http_error}
     return Starlette(routes=routes, middleware=middleware_for(service.config),
                      exception_handlers=handlers)  # type: ignore[arg-type]

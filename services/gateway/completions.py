@@ -27,7 +27,7 @@ from services.gateway.middleware import GENERATED_ID_STATE, REQUEST_ID_HEADER  #
 from services.gateway.protocol import ParsedRequest, RequestKind, parse_priority
 from services.gateway.responses import SSE_DONE, ResponseFormatter, Usage, json_bytes, sse_error, sse_event
 from services.gateway.service import GatewayService, PreparedRequest
-from services.gateway.tokenizer import PromptError
+from services.gateway.tokenizer import PromptError, refuse_unfit_prompt
 from services.gateway.tracing import RequestTrace
 
 PRIORITY_HEADER = "x-corral-priority"
@@ -260,6 +260,8 @@ class CompletionEndpoint:
 
     async def _tokenize(self, parsed: ParsedRequest) -> list[int]:
         tokenizer = self.service.tokenizer
+        refuse_unfit_prompt(parsed.prompt, parsed.messages, tokenizer, self.service.max_model_len,
+                            parsed.kind.prompt_param)
         if isinstance(parsed.prompt, list):
             return parsed.prompt
         try:

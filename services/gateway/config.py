@@ -51,6 +51,13 @@ class GatewayConfig:
     # Bearer tokens accepted on /v1 routes (vLLM's --api-key); empty: no authentication. Never
     # shown in a repr, so never in a log line.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # More keys from a file, one a line ('#' comments and blank lines skipped): kept out of
+    # argv and the environment, which other local users may read (ps, /proc).
+    api_key_file: str | None = None
+    # Bounds on what a client controls (hostile input, issue 15): a larger body is a 413 before
+    # it is parsed; tokenization runs on this many threads, each with its own tokenizer.
+    max_body_bytes: int = 4 * 1024 * 1024
+    tokenizer_workers: int = 2
     # CORS, as vLLM's flags: cross-origin browser access is off until origins are given.
     allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = ("*",)
@@ -72,8 +79,14 @@ class GatewayConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_resumes < 0:
             raise ConfigError(f"max_resumes must not be negative, got {self.max_resumes}")
+        if self.api_key_file is not None:
+            object.__setattr__(self, "api_keys", self.api_keys + _keys_from_file(self.api_key_file))
+            object.__setattr__(self, "api_key_file", None)  # read once: a replace() must not add them twice
         if any(not key or key != key.strip() for key in self.api_keys):
             raise ConfigError("an API key is empty or has surrounding spaces")
+        for name in ("max_body_bytes", "tokenizer_workers"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("default_max_tokens", "max_model_len"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -82,6 +95,17 @@ class GatewayConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model_dir.rstrip("/")).name
+
+
+def _keys_from_file(path: str) -> tuple[str, ...]:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read the API key file {path!r}: {type(exc).__name__}") from None
+    keys = tuple(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))
+    if not keys:
+        raise ConfigError(f"the API key file {path!r} holds no key")
+    return keys
 
 
 def _string_list(text: str) -> tuple[str, ...]:
@@ -137,6 +161,12 @@ _OPTIONS: list[_Option] = [
     ("log_level", "--log-level", "CORRAL_LOG_LEVEL", str, "logging level"),
     ("api_keys", "--api-key", "CORRAL_API_KEY", _string_list,
      "API key(s) required as `Authorization: Bearer KEY` on /v1 routes; repeat the flag or separate by commas"),
+    ("api_key_file", "--api-key-file", "CORRAL_API_KEY_FILE", str,
+     "a file of API keys, one a line ('#' comments allowed), added to --api-key's"),
+    ("max_body_bytes", "--max-body-bytes", "CORRAL_MAX_BODY_BYTES", int,
+     "largest request body accepted (larger: 413, before parsing)"),
+    ("tokenizer_workers", "--tokenizer-workers", "CORRAL_TOKENIZER_WORKERS", int,
+     "threads that tokenize prompts (each holds a copy of the tokenizer)"),
     ("allowed_origins", "--allowed-origins", "CORRAL_ALLOWED_ORIGINS", _string_list,
      "CORS origins allowed (JSON list or comma-separated; '*' for any)"),
     ("allowed_methods", "--allowed-methods", "CORRAL_ALLOWED_METHODS", _string_list, "CORS methods allowed"),

@@ -7,6 +7,7 @@ The statuses are what the openai SDK keys on (it maps by status alone and retrie
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from http import HTTPStatus
@@ -69,8 +70,16 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
 
+class _ErrorJSON(JSONResponse):
+    """ASCII JSON: an error may quote the client's text, and that may hold a lone surrogate
+    ("\\ud800"), which UTF-8 cannot encode (JSONResponse's render would fail with a 500)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    return _ErrorJSON(error.body(), status_code=error.status, headers=error.headers)
 
 
 def bad_request(message: str, param: str | None = None, reason: Refusal = Refusal.INVALID) -> ApiError:
@@ -79,10 +88,13 @@ def bad_request(message: str, param: str | None = None, reason: Refusal = Refusa
 
 async def read_json(request: Request) -> Any:
     """The request body as JSON; a 400 saying why when it is not."""
+    body = await request.body()
     try:
-        return await request.json()
+        return json.loads(body)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # arrays or objects nested ~1,000 deep
+        raise bad_request("the request body is not valid JSON: nested too deeply") from None
 
 
 def refusal_error(reason: Refusal, message: str, param: str | None = None,

@@ -14,7 +14,7 @@ from services.gateway.errors import ApiError, bad_request, read_json
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.protocol import _Body, parse_messages
 from services.gateway.service import GatewayService
-from services.gateway.tokenizer import PromptError
+from services.gateway.tokenizer import PromptError, refuse_unfit_prompt
 
 
 def corral_version() -> str:
@@ -76,7 +76,9 @@ class InfoRoutes:
         return Response(self.service.metrics.render(), media_type=CONTENT_TYPE)
 
     async def tokenize(self, request: Request) -> Response:
-        """vLLM's /tokenize: a completion prompt or chat messages → {count, max_model_len, tokens, token_strs}."""
+        """vLLM's /tokenize: a completion prompt or chat messages → {count, max_model_len, tokens, token_strs}.
+        A prompt too large to fit the context is refused before it is tokenized (its answer, a
+        list of every token, would cost the event loop as much as its tokenization)."""
         body = _Body(await read_json(request))
         self.check_model(body.string("model"))
         tokenizer = self.service.tokenizer
@@ -84,13 +86,15 @@ class InfoRoutes:
             if body.raw("messages") is not None:
                 if body.boolean("add_generation_prompt", True) and body.boolean("continue_final_message"):
                     raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+                messages = parse_messages(body.raw("messages"))
+                refuse_unfit_prompt(None, messages, tokenizer, self.service.max_model_len, "messages")
                 ids = await tokenizer.apply_chat_template_async(
-                    parse_messages(body.raw("messages")), body.boolean("add_generation_prompt", True),
-                    body.boolean("continue_final_message"))
+                    messages, body.boolean("add_generation_prompt", True), body.boolean("continue_final_message"))
             else:
                 prompt = body.string("prompt")
                 if prompt is None:
                     raise bad_request("`prompt` (a string) or `messages` is required", "prompt")
+                refuse_unfit_prompt(prompt, None, tokenizer, self.service.max_model_len, "prompt")
                 ids = await tokenizer.encode_async(prompt, body.boolean("add_special_tokens", True))
         except PromptError as exc:
             raise bad_request(str(exc), "messages") from None

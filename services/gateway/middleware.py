@@ -1,4 +1,5 @@
-"""ASGI middleware around the routes: API keys, request ids and CORS, as vLLM's server has them.
+"""ASGI middleware around the routes: API keys, request ids and CORS, as vLLM's server has them;
+a bound on the request body, and unexpected errors answered without dropping the connection.
 
 Pure ASGI (no BaseHTTPMiddleware): they must not buffer or delay a streamed response.
 """
@@ -6,6 +7,7 @@ Pure ASGI (no BaseHTTPMiddleware): they must not buffer or delay a streamed resp
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 import uuid
 from collections.abc import Sequence
@@ -17,6 +19,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError, error_response
+
+log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
 GENERATED_ID_STATE = "generated_request_id"
@@ -87,9 +91,75 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
+class BodySizeLimitMiddleware:
+    """413 for a body over `max_bytes`: at once when Content-Length says so, else as soon as the
+    bytes read pass it (a chunked body has no Content-Length), before anything parses it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def too_large(self) -> ApiError:
+        return ApiError(413, f"the request body is larger than this gateway's limit of {self.max_bytes} bytes "
+                             "(--max-body-bytes)")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > self.max_bytes:
+            await error_response(self.too_large())(scope, receive, send)
+            return
+        received = 0
+
+        async def bounded_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self.too_large()  # an ApiError: the routes' handler answers it
+            return message
+
+        await self.app(scope, bounded_receive, send)
+
+
+class UnexpectedErrorMiddleware:
+    """A bug's exception becomes an OpenAI-shaped 500 here, and goes no further: Starlette's own
+    last-resort handler re-raises it after answering, and uvicorn then closes the connection, so
+    the client's next request on that keep-alive connection would be reset."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_noting_start(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_start)
+        except Exception as exc:
+            if started:
+                raise  # half a response went out: nothing sensible can follow it
+            if isinstance(exc, ApiError):  # raised where no route's handler saw it (a 413 from receive)
+                await error_response(exc)(scope, receive, send)
+                return
+            log.exception("unexpected error in %s %s", scope["method"], scope["path"])
+            error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+            await error_response(error)(scope, receive, send)
+
+
 def middleware_for(config: GatewayConfig) -> list[Middleware]:
-    """Outermost first: CORS answers preflights and decorates every response (401s included),
-    then the request id, then the key check."""
+    """Outermost first: CORS answers preflights and decorates every response (401s and 413s
+    included), then the request id, then the key check, the body bound and the last-resort 500."""
     stack = [
         Middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=list(config.allowed_methods),
                    allow_headers=list(config.allowed_headers), allow_credentials=config.allow_credentials,
@@ -98,4 +168,6 @@ def middleware_for(config: GatewayConfig) -> list[Middleware]:
     ]
     if config.api_keys:
         stack.append(Middleware(ApiKeyMiddleware, keys=config.api_keys))
+    stack += [Middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes),
+              Middleware(UnexpectedErrorMiddleware)]
     return stack

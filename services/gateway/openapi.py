@@ -15,7 +15,10 @@ from msgspec import Meta
 from starlette.routing import Route
 
 from services.gateway.info_routes import corral_version
-from services.gateway.protocol import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N
+from services.gateway.protocol import (
+    INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_MESSAGES, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 
 Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 NonNegative = Annotated[int, Meta(ge=0, le=INT64_MAX)]
@@ -24,6 +27,8 @@ TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 Priority = Int64 | Literal["high", "normal"]
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 Content = str | list["TextPart"]
+StopString = Annotated[str, Meta(max_length=MAX_STOP_STRING_CHARS)]
+Messages = Annotated[list["ChatMessage"], Meta(min_length=1, max_length=MAX_MESSAGES)]
 
 
 class _Body(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
@@ -80,15 +85,15 @@ class _Sampling(_Body):
     seed: Int64 | None = None
     ignore_eos: bool | None = None
     min_tokens: NonNegative | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop: StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
     include_stop_str_in_output: bool | None = None
     priority: Priority | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    messages: Messages
     max_completion_tokens: Positive | None = None
     logprobs: bool | None = None  # the vLLM engine only (the simulated one answers 400)
     top_logprobs: TopLogprobs | None = None  # needs logprobs: true
@@ -107,7 +112,7 @@ class TokenizeCompletionRequest(_Body):
 
 
 class TokenizeChatRequest(_Body):
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    messages: Messages
     model: str | None = None
     add_generation_prompt: bool | None = None  # (null: the default, true)
     continue_final_message: bool | None = None  # not with add_generation_prompt true
@@ -235,7 +240,7 @@ class Readiness(_Body):
 
 # path -> (summary, request body model, JSON answer model for 200, error statuses, streams SSE, open)
 _Spec = tuple[str, Any, Any, tuple[int, ...], bool, bool]
-_GENERATION_ERRORS = (400, 401, 404, 409, 429, 503, 504)
+_GENERATION_ERRORS = (400, 401, 404, 409, 413, 429, 503, 504)  # 413: over --max-body-bytes
 ROUTE_SPECS: dict[str, _Spec] = {
     "/v1/chat/completions": ("Chat completion (JSON, or SSE with stream: true)", ChatCompletionRequest,
                              ChatCompletion, _GENERATION_ERRORS, True, False),
@@ -244,8 +249,8 @@ ROUTE_SPECS: dict[str, _Spec] = {
     "/v1/models": ("The served model", None, ModelList, (401,), False, False),
     "/v1/models/{model}": ("One model by id", None, Model, (401, 404), False, False),
     "/tokenize": ("vLLM's /tokenize", (TokenizeCompletionRequest, TokenizeChatRequest), TokenizeResponse,
-                  (400, 404), False, True),
-    "/detokenize": ("vLLM's /detokenize", DetokenizeRequest, DetokenizeResponse, (400, 404), False, True),
+                  (400, 404, 413), False, True),
+    "/detokenize": ("vLLM's /detokenize", DetokenizeRequest, DetokenizeResponse, (400, 404, 413), False, True),
     "/health": ("Liveness: 200 while the process serves", None, Health, (), False, True),
     "/healthz": ("Liveness (alias of /health)", None, Health, (), False, True),
     "/ready": ("Readiness: 200 when connected to NATS with a live instance, else 503", None, Readiness, (503,),

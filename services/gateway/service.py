@@ -68,7 +68,8 @@ class GatewayService:
     def __init__(self, config: GatewayConfig, tokenizer: ModelTokenizer | None = None) -> None:
         self.config = config
         self._owns_tokenizer = tokenizer is None
-        self.tokenizer = tokenizer or ModelTokenizer.load(config.model_dir, config.max_model_len)
+        self.tokenizer = tokenizer or ModelTokenizer.load(config.model_dir, config.max_model_len,
+                                                          config.tokenizer_workers)
         self.metrics = GatewayMetrics(config.model_name, self.tokenizer.max_model_len)
         bus_guard.register(self.metrics.registry)
         self.instances = GatewayInstances(config.instance_timeout_s)

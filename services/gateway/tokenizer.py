@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
+import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -12,11 +15,16 @@ from typing import Any
 from jinja2 import TemplateError
 
 from services.gateway.config import ConfigError
+from services.gateway.errors import bad_request
+from shared.messages import Refusal
 
 log = logging.getLogger(__name__)
 
 # config.json keys that hold the context length, in the order transformers' configs use them.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+# A normalizer may shorten text before it is split (NFC composes "e\u0301" into one character):
+# the bound on characters per token allows for text twice as long as the tokens' own strings.
+NORMALIZATION_MARGIN = 2
 
 
 class PromptError(ValueError):
@@ -24,29 +32,51 @@ class PromptError(ValueError):
 
 
 class ModelTokenizer:
-    """Encoding runs on a worker thread (long prompts would stall the event loop), on a tokenizer
-    object of its own: a Rust tokenizer used from two threads at once can fail with "Already
-    borrowed", and the event loop keeps decoding on the other one meanwhile."""
+    """Encoding runs on a pool of worker threads (long prompts would stall the event loop; one
+    thread would queue every request behind the longest prompt), each on a tokenizer object of its
+    own: a Rust tokenizer used from two threads at once can fail with "Already borrowed", and the
+    event loop keeps decoding on the decoder meanwhile. The Rust encoder releases the GIL, so a
+    long prompt costs the event loop little; `fewest_tokens` bounds how long a prompt can get here."""
 
-    def __init__(self, decoder: Any, encoder: Any, max_model_len: int) -> None:
+    def __init__(self, decoder: Any, encoder: Any, max_model_len: int, workers: int = 1) -> None:
+        assert workers >= 1
         self._decoder = decoder
-        self._encoder = encoder
         self.max_model_len = max_model_len
         self.vocab_size = len(decoder)
         self.has_chat_template = bool(getattr(encoder, "chat_template", None))
         self._fast_decode = _backend_decode(decoder)
         self._token_texts: dict[int, str] = {}
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self._chars_per_token = NORMALIZATION_MARGIN * _longest_token(decoder)
+        self._encoder = encoder  # the template for each thread's copy
+        self._spare_encoders = [encoder] + [copy.deepcopy(encoder) for _ in range(workers - 1)]
+        self._local = threading.local()
+        self._worker = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tokenizer",
+                                          initializer=self._take_encoder)
 
     @classmethod
-    def load(cls, model_dir: str, max_model_len: int | None = None) -> ModelTokenizer:
+    def load(cls, model_dir: str, max_model_len: int | None = None, workers: int = 1) -> ModelTokenizer:
         path = Path(model_dir)
         if not path.is_dir():
             raise ConfigError(f"model directory {model_dir!r} does not exist")
         limit = max_model_len or _context_length(path)
         if limit is None:
             raise ConfigError(f"{model_dir!r} has no context length in config.json: pass --max-model-len")
-        return cls(_load_hf_tokenizer(path), _load_hf_tokenizer(path), limit)
+        return cls(_load_hf_tokenizer(path), _load_hf_tokenizer(path), limit, workers)
+
+    def fewest_tokens(self, chars: int) -> int:
+        """A lower bound on the tokens of a text of `chars` characters, known before it is
+        tokenized: no token of this vocabulary stands for more characters than its own string."""
+        return math.ceil(chars / self._chars_per_token)
+
+    def _take_encoder(self) -> None:
+        """A pool thread's start: it gets an encoder of its own."""
+        self._local.encoder = self._spare_encoders.pop()
+
+    def _thread_encoder(self) -> Any:
+        encoder = getattr(self._local, "encoder", None)
+        if encoder is None:  # a caller outside the pool (tests, tools): a copy for its thread
+            encoder = self._local.encoder = copy.deepcopy(self._encoder)
+        return encoder
 
     def close(self) -> None:
         self._worker.shutdown(wait=False)
@@ -60,16 +90,18 @@ class ModelTokenizer:
             self._worker, self.apply_chat_template, messages, add_generation_prompt, continue_final_message)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """A raw completion prompt: special tokens (BOS) added, as vLLM does. Worker thread only."""
-        return list(self._encoder.encode(text, add_special_tokens=add_special_tokens))
+        """A raw completion prompt: special tokens (BOS) added, as vLLM does."""
+        _check_unicode(text, "the prompt")
+        return list(self._thread_encoder().encode(text, add_special_tokens=add_special_tokens))
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False) -> list[int]:
-        """Worker thread only (see the class comment)."""
         if not self.has_chat_template:
             raise PromptError("the model has no chat template; use /v1/completions")
+        for index, message in enumerate(messages):
+            _check_unicode(message["content"], f"messages[{index}].content")
         try:
-            ids = self._encoder.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+            ids = self._thread_encoder().apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                     continue_final_message=continue_final_message, tokenize=True,
                                                     return_dict=False)
         except (TemplateError, ValueError) as exc:  # the messages broke the template (raise_exception)
@@ -93,6 +125,37 @@ class ModelTokenizer:
         if self._fast_decode is not None:
             return self._fast_decode(token_ids, skip_special_tokens=True)
         return self._decoder.decode(token_ids, skip_special_tokens=True)
+
+
+def refuse_unfit_prompt(prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
+                        tokenizer: ModelTokenizer, limit: int, param: str) -> None:
+    """Before the tokenizer runs: a 400 in vLLM's words for a prompt that cannot fit `limit`
+    tokens whatever it says (the tokens it has at least, from its size), so that a 10 MB prompt
+    costs a length check, not seconds of a tokenizer thread."""
+    if isinstance(prompt, list):
+        fewest = len(prompt)
+    else:
+        texts = [m["content"] for m in messages] if messages is not None else [prompt or ""]
+        fewest = tokenizer.fewest_tokens(sum(len(text) for text in texts))
+    if fewest >= limit:  # (the rule of GatewayService.prepare: at least one token of room)
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+                          f"at least {fewest} input tokens, which leaves no room for output tokens. Please reduce "
+                          "the length of the input prompt.", param, Refusal.TOO_LONG)
+
+
+def _check_unicode(text: str, what: str) -> None:
+    """JSON may carry a lone surrogate ("\\ud800"), which is no Unicode text: the Rust tokenizer
+    would fail on it with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PromptError(f"{what} is not valid Unicode: {exc.reason} at character {exc.start}") from None
+
+
+def _longest_token(tokenizer: Any) -> int:
+    """The most characters one token's string has (a byte-level BPE token's string has one
+    character per byte; a byte-fallback token's, "<0xE2>", more): at least 1."""
+    return max(1, max((len(token) for token in tokenizer.get_vocab()), default=1))
 
 
 def _backend_decode(tokenizer: Any) -> Any:

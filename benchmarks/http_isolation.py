@@ -1,0 +1,201 @@
+"""One client's hostile request beside another's small one: how much does it delay the probe?
+
+    .venv/bin/python -m benchmarks.http_isolation [--probes 40] [--out results/http_isolation.json]
+
+A real gateway process (a nats-server of its own, no instance: generation requests end in a 503
+after parsing and tokenizing, which is the work under test) with --max-body-bytes 8 MiB and a
+64k-token context (the tiny test tokenizer: ~0.65 tokens per character of English). For each
+scenario a probe client sends a small POST /tokenize (parsing, the tokenizer pool, a JSON answer)
+every 10 ms on its keep-alive connection: first alone (the baseline), then while another
+connection sends the hostile request. Prints the probe's latency (p50, p99, max) alone and
+beside it, and the hostile request's status and duration; writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+MIB = 1024 * 1024
+MAX_BODY = 8 * MIB
+CONTEXT = 65_536  # tokens: a long-context model's
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    path: str
+    body: bytes
+    chunked: bool = False  # no Content-Length: the bound is counted while reading
+
+
+def scenarios() -> list[Scenario]:
+    hello = [{"role": "user", "content": "hello there " * 40}]
+    return [
+        Scenario("10 MB body, Content-Length (413)", "/v1/completions", json.dumps({"prompt": "x" * 10 * MIB}).encode()),
+        Scenario("10 MB body, chunked (413 while read)", "/v1/completions",
+                 json.dumps({"prompt": "x" * 10 * MIB}).encode(), chunked=True),
+        Scenario("7 MB prompt (400: cannot fit, before tokenizing)", "/v1/completions",
+                 json.dumps({"prompt": "word " * (7 * MIB // 5)}).encode()),
+        Scenario("1.2M token ids as prompt (400)", "/v1/completions", json.dumps({"prompt": [7] * 1_200_000}).encode()),
+        Scenario("2 MB prompt to /tokenize (400: cannot fit)", "/tokenize",
+                 json.dumps({"prompt": "word salad " * 190_000}).encode()),
+        Scenario("~56k-token prompt tokenized (/tokenize)", "/tokenize",
+                 json.dumps({"prompt": "word salad " * 8_000}).encode()),
+        Scenario("4,096 short messages (template, tokenizer, 503)", "/v1/chat/completions",
+                 json.dumps({"messages": [{"role": "user", "content": "hi"}] * 4096}).encode()),
+        Scenario("200k stop strings (400)", "/v1/chat/completions",
+                 json.dumps({"messages": hello, "stop": ["ab"] * 200_000}).encode()),
+    ]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def gateway_process(home: Path) -> Iterator[int]:
+    """A gateway on a port of its own, in front of a nats-server of its own (no instance)."""
+    from services.tools.make_model import build_tokenizer
+    from shared.embedded_nats import start_nats
+
+    model = home / "tiny-tok"
+    build_tokenizer().save_pretrained(model)
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": CONTEXT}))
+    nats = start_nats()
+    port = _free_port()
+    log = open(home / "gateway.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "services.gateway", "--model", str(model), "--nats-url", nats.url,
+                             "--port", str(port), "--max-body-bytes", str(MAX_BODY), "--log-level", "warning"],
+                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (home / "gateway.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the gateway did not start"
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.1)
+        yield port
+        assert proc.poll() is None, "the gateway died:\n" + (home / "gateway.log").read_text()[-3000:]
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
+        nats.stop()
+
+
+def _send(port: int, scenario: Scenario) -> tuple[int, float]:
+    """The hostile request on a connection of its own: (status, seconds)."""
+    started = time.perf_counter()
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        headers = {"Content-Type": "application/json"}
+        if scenario.chunked:
+            step = 256 * 1024
+            parts = (scenario.body[i:i + step] for i in range(0, len(scenario.body), step))
+            connection.request("POST", scenario.path, body=parts, headers=headers, encode_chunked=True)
+        else:
+            connection.request("POST", scenario.path, body=scenario.body, headers=headers)
+        response = connection.getresponse()
+        response.read()
+        return response.status, time.perf_counter() - started
+    except (ConnectionError, http.client.HTTPException):  # a 413 may close before the whole body is sent
+        return 413, time.perf_counter() - started
+    finally:
+        connection.close()
+
+
+class Probe:
+    def __init__(self, port: int) -> None:
+        self.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        self.body = json.dumps({"prompt": "hello probe"}).encode()
+
+    def once(self) -> float:
+        started = time.perf_counter()
+        self.connection.request("POST", "/tokenize", body=self.body, headers={"Content-Type": "application/json"})
+        response = self.connection.getresponse()
+        response.read()
+        assert response.status == 200, response.status
+        return time.perf_counter() - started
+
+    def series(self, count: int, until: threading.Event | None = None) -> list[float]:
+        latencies = []
+        while len(latencies) < count or (until is not None and not until.is_set()):
+            latencies.append(self.once())
+            time.sleep(0.01)
+        return latencies
+
+
+def _summary(latencies: list[float]) -> dict[str, float]:
+    ordered = sorted(latencies)
+    return {"n": len(ordered), "p50_ms": 1e3 * ordered[len(ordered) // 2],
+            "p99_ms": 1e3 * ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))], "max_ms": 1e3 * ordered[-1]}
+
+
+def measure(port: int, scenario: Scenario, probes: int) -> dict[str, object]:
+    probe = Probe(port)
+    probe.series(5)  # warm
+    baseline = probe.series(probes)
+    done = threading.Event()
+    outcome: list[tuple[int, float]] = []
+
+    def hostile() -> None:
+        try:
+            outcome.append(_send(port, scenario))
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=hostile)
+    thread.start()
+    beside = probe.series(probes, until=done)
+    thread.join()
+    probe.connection.close()
+    status, seconds = outcome[0]
+    return {"scenario": scenario.name, "status": status, "hostile_s": seconds, "body_bytes": len(scenario.body),
+            "baseline": _summary(baseline), "beside": _summary(beside)}
+
+
+def run(probes: int, names: list[str] | None = None) -> list[dict[str, object]]:
+    chosen = [s for s in scenarios() if names is None or s.name in names]
+    with tempfile.TemporaryDirectory(prefix="corral-isolation-") as home, gateway_process(Path(home)) as port:
+        return [measure(port, scenario, probes) for scenario in chosen]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--probes", type=int, default=40, help="probes alone and (at least) beside, per scenario")
+    parser.add_argument("--out", default="results/http_isolation.json", help="(results/ is git-ignored)")
+    args = parser.parse_args()
+    rows = run(args.probes)
+    print(f"{'scenario':52s} {'status':>6} {'took':>8}   probe alone p50/p99/max ms   beside p50/p99/max ms")
+    for row in rows:
+        b, s = row["baseline"], row["beside"]
+        print(f"{row['scenario']:52s} {row['status']:>6} {row['hostile_s']:7.2f}s   "  # type: ignore[index]
+              f"{b['p50_ms']:6.1f} {b['p99_ms']:6.1f} {b['max_ms']:6.1f}        "  # type: ignore[index]
+              f"{s['p50_ms']:6.1f} {s['p99_ms']:6.1f} {s['max_ms']:6.1f}")  # type: ignore[index]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"max_body_bytes": MAX_BODY, "context": CONTEXT, "runs": rows}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""Gateway API keys (issue 15, point 5): 401 on every /v1 route without a valid key; keys from a
+flag, the environment or a file; a key never reaches a log line or an error message."""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import logging
+
+import pytest
+
+from services.gateway.config import ConfigError, add_arguments, config_from_args
+from tests.security.http_gateway import scripted_gateway, served, tiny_model_dir
+
+SECRET_FILE_KEY = "sk-from-the-file-3f9a"
+SECRET_ENV_KEY = "sk-from-the-env-77c1"
+V1_ROUTES = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
+             ("GET", "/v1/models/tiny-tok"), ("GET", "/v1/models/other")]
+
+
+def parse(argv: list[str], env: dict[str, str]):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return config_from_args(parser.parse_args(argv), env)
+
+
+def test_keys_come_from_a_file_the_environment_and_flags_together(tmp_path):
+    key_file = tmp_path / "keys"
+    key_file.write_text(f"# one key a line\n\n  {SECRET_FILE_KEY}  \nsk-second\n")
+    config = parse(["--model", str(tmp_path), "--api-key-file", str(key_file), "--api-key", "sk-flag"],
+                   {"CORRAL_API_KEY": SECRET_ENV_KEY})
+    assert set(config.api_keys) == {"sk-flag", SECRET_FILE_KEY, "sk-second"}  # a flag wins over the env
+    config = parse(["--model", str(tmp_path)], {"CORRAL_API_KEY": SECRET_ENV_KEY,
+                                                  "CORRAL_API_KEY_FILE": str(key_file)})
+    assert set(config.api_keys) == {SECRET_ENV_KEY, SECRET_FILE_KEY, "sk-second"}
+    assert SECRET_FILE_KEY not in repr(config) and SECRET_ENV_KEY not in repr(config)
+
+
+@pytest.mark.parametrize("content", ["", "# only a comment\n\n"])
+def test_a_key_file_without_keys_or_unreadable_is_a_clear_error(tmp_path, content):
+    key_file = tmp_path / "keys"
+    key_file.write_text(content)
+    with pytest.raises(ConfigError, match="holds no key"):
+        parse(["--model", str(tmp_path), "--api-key-file", str(key_file)], {})
+    with pytest.raises(ConfigError, match="cannot read the API key file"):
+        parse(["--model", str(tmp_path), "--api-key-file", str(tmp_path / "missing")], {})
+
+
+@pytest.fixture(scope="module")
+def keyed_gateway(tmp_path_factory):
+    home = tmp_path_factory.mktemp("keys")
+    key_file = home / "keys"
+    key_file.write_text(SECRET_FILE_KEY + "\n")
+    gateway = scripted_gateway(tiny_model_dir(home), api_keys=(SECRET_ENV_KEY,), api_key_file=str(key_file))
+    with served(gateway) as address:
+        yield address
+
+
+def call(address, method: str, path: str, authorization: str | None) -> tuple[int, bytes]:
+    connection = http.client.HTTPConnection(*address, timeout=30)
+    headers = {"Content-Type": "application/json"}
+    if authorization is not None:
+        headers["Authorization"] = authorization
+    body = None
+    if method == "POST":
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+    try:
+        connection.request(method, path, body=body, headers=headers)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("method,path", V1_ROUTES)
+@pytest.mark.parametrize("authorization", [None, "", "Bearer", "Bearer ", "Bearer wrong", f"Basic {SECRET_FILE_KEY}",
+                                           f"Bearer {SECRET_FILE_KEY}x", f"Bearer {SECRET_FILE_KEY[:-1]}"])
+def test_every_v1_route_is_a_401_without_a_valid_key(keyed_gateway, caplog, method, path, authorization):
+    caplog.set_level(logging.DEBUG)
+    status, body = call(keyed_gateway, method, path, authorization)
+    error = json.loads(body)["error"]
+    assert status == 401 and error["code"] == 401 and error["type"] == "AuthenticationError"
+    assert SECRET_FILE_KEY not in body.decode() and SECRET_FILE_KEY not in caplog.text
+
+
+@pytest.mark.parametrize("key", [SECRET_FILE_KEY, SECRET_ENV_KEY])
+def test_each_key_opens_v1_and_is_never_logged(keyed_gateway, caplog, key):
+    caplog.set_level(logging.DEBUG)
+    for method, path in V1_ROUTES:
+        status, body = call(keyed_gateway, method, path, f"Bearer {key}")
+        assert status == (404 if path.endswith("other") else 200), (path, body[:200])
+        assert key not in body.decode()
+    assert key not in caplog.text
