@@ -18,7 +18,7 @@ from loadgen.simulator.report import format_table, results_document, write_json,
 from loadgen.simulator.sweep import run_sweep
 from loadgen.simulator.workload import Workload, WorkloadSpec
 from shared.engine_model.config import STEP_MODES, SchedulerConfig
-from shared.policy.baselines import POLICIES, POLICY_NAMES, SchedulingPolicy, get_policy
+from shared.policy.baselines import POLICIES, POLICY_NAMES, PREFIX_POLICY_NAMES, SchedulingPolicy, get_policy
 from shared.policy.config import HIGH_PRIORITY, PolicyConfig, ScalingConfig
 from shared.policy.migration import DEFAULT_GUARD
 
@@ -71,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--policy", default=",".join(POLICY_NAMES), metavar="P1,P2,..",
-                         help=f"policies to compare (default: all: {','.join(POLICY_NAMES)})")
+                         help=f"policies to compare (default: {','.join(POLICY_NAMES)}; prefix-aware: "
+                              f"{','.join(PREFIX_POLICY_NAMES)}, with --prefix-caching)")
     cluster.add_argument("--instances", type=int, default=defaults_sim.num_instances)
     cluster.add_argument("--gpu", default=defaults_sim.gpu, help="latency profile: A10 (default), A100, H100")
     cluster.add_argument("--fine-latency", action="store_true", help="the operator-level A10 latency form")
@@ -79,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="v1: mixed token-budget steps (default); v0: the paper's testbed, prefill stalls decode")
     cluster.add_argument("--num-blocks", type=int, default=engine.num_blocks, help="KV blocks per instance")
     cluster.add_argument("--block-size", type=int, default=engine.block_size)
+    cluster.add_argument("--prefix-caching", action="store_true",
+                         help="vLLM's automatic prefix caching in every instance: prompts with trace hash_ids "
+                              "(mooncake:, conversation:) reuse cached prefix blocks")
     cluster.add_argument("--max-model-len", type=int, default=engine.max_model_len,
                          help="longer prompts are cut to fit (a warning says how many)")
     cluster.add_argument("--max-num-batched-tokens", type=int, default=engine.max_num_batched_tokens, metavar="N",
@@ -179,7 +183,8 @@ def build_config(args: argparse.Namespace) -> SimConfig:
             fine_latency=args.fine_latency,
             scheduler=SchedulerConfig(num_blocks=args.num_blocks, block_size=args.block_size,
                                       max_model_len=args.max_model_len,
-                                      max_num_batched_tokens=args.max_num_batched_tokens, step_mode=args.step_mode),
+                                      max_num_batched_tokens=args.max_num_batched_tokens, step_mode=args.step_mode,
+                                      enable_prefix_caching=args.prefix_caching),
             kv_bytes_per_token=args.kv_bytes_per_token,
             report_interval_s=args.report_interval_s,
             migration_interval_s=args.migration_interval_s,

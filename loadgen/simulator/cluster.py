@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from loadgen.datasets import PREFIX_BLOCK_TOKENS
 from loadgen.simulator.autoscale import Autoscaler, ScalingEvent
 from loadgen.simulator.config import SimConfig
 from loadgen.simulator.events import EventQueue
@@ -25,6 +26,8 @@ from shared.engine_model.scheduler import SimScheduler
 from shared.messages import DispatchRequest, LoadReport
 from shared.policy.baselines import DispatchRule, SchedulingPolicy, dispatch
 from shared.policy.dispatch import account_dispatch
+from shared.policy.prefix_dispatch import PrefixContext
+from shared.prefix_hash import trace_block_hashes
 
 
 @dataclass
@@ -79,6 +82,9 @@ class ClusterSimulator:
         self._turn = 0
         self._next_arrival = 0
         self._fresh_reports = policy.dispatch is not DispatchRule.ROUND_ROBIN
+        # Block hashes travel with a request when an engine caches prefixes or dispatch reads them.
+        self._hash_prompts = config.scheduler.enable_prefix_caching or policy.dispatch.uses_prefix_index
+        self.prefix = PrefixContext(SimPrefixIndex(self.instances), self._prefill_s)
         self.migrator = Migrator(self) if policy.migration else None
         self.autoscaler = Autoscaler(self, config.autoscale) if config.autoscale else None
         self.timeline = Timeline()
@@ -191,12 +197,14 @@ class ClusterSimulator:
     def _dispatch(self, arrival: SimArrival) -> None:
         request_id = f"r{arrival.index}"
         priority = self.policy.effective_priority(arrival.priority)
-        message = DispatchRequest(request_id, arrival.prompt_len, arrival.output_len, priority)
+        hashes = self._block_hashes(arrival)
+        message = DispatchRequest(request_id, arrival.prompt_len, arrival.output_len, priority,
+                                  block_hashes=hashes, prefix_block_size=self.config.scheduler.block_size)
         if self._fresh_reports:
             loads = self.loads()
         else:  # round-robin reads no load; a report only tells it who is serving
             loads = [instance.report or self.report_of(instance) for instance in self.serving]
-        decision = dispatch(self.policy, loads, message, self.policy_config, self._turn)
+        decision = dispatch(self.policy, loads, message, self.policy_config, self._turn, self.prefix)
         self._turn += 1
         self.labels[request_id] = arrival.priority
         record = DispatchRecord(request_id, decision.instance_id, decision.rejected)
@@ -210,11 +218,22 @@ class ClusterSimulator:
         if self._fresh_reports:
             instance.report = account_dispatch(instance.report, message)
         request = SimRequest(
-            request_id, arrival.prompt_len, max_tokens=arrival.output_len, priority=priority, arrival_time=self.now
+            request_id, arrival.prompt_len, max_tokens=arrival.output_len, priority=priority, arrival_time=self.now,
+            block_hashes=tuple(hashes),
         )
         instance.scheduler.add_request(request)
         self.placed_at[request_id] = self.now
         self.kick(instance)
+
+    def _prefill_s(self, num_tokens: int) -> float:
+        return self.latency.prefill_ms(num_tokens) / 1e3 if num_tokens > 0 else 0.0
+
+    def _block_hashes(self, arrival: SimArrival) -> list[int]:
+        """The prompt's chain from the trace's hash_ids (none without them or when unused)."""
+        if not (self._hash_prompts and arrival.hash_ids):
+            return []
+        return trace_block_hashes(arrival.hash_ids, PREFIX_BLOCK_TOKENS, arrival.prompt_len,
+                                  self.config.scheduler.block_size)
 
     # -- timeline ----------------------------------------------------------------------------------
 
@@ -262,6 +281,18 @@ class ClusterSimulator:
         ]
         done = len(self.finished) + len(self.rejected)
         return f"{done} of {len(self.workload.arrivals)} requests done; {', '.join(stuck) or 'no instance holds work'}"
+
+
+class SimPrefixIndex:
+    """The global prefix index of the simulation: it reads the instances' caches directly,
+    through the interface a live index fed by KV events answers (`PrefixIndex`)."""
+
+    def __init__(self, instances: dict[str, SimInstance]) -> None:
+        self._instances = instances
+
+    def matched_blocks(self, instance_id: str, block_hashes: list[int]) -> int:
+        cache = self._instances[instance_id].scheduler.prefix_cache
+        return 0 if cache is None else cache.matched_blocks(block_hashes)
 
 
 def simulate(config: SimConfig, policy: SchedulingPolicy, workload: Workload) -> SimResult:

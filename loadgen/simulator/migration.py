@@ -129,10 +129,12 @@ def clone_for_destination(request: SimRequest) -> SimRequest:
         target_output_len=request.target_output_len,
         priority=request.priority,
         arrival_time=request.arrival_time,
+        block_hashes=request.block_hashes,  # the destination may cache the prompt blocks it adopts
     )
     clone.num_output_tokens = request.num_output_tokens
     clone.num_computed_tokens = request.num_computed_tokens
     clone.num_preemptions = request.num_preemptions
+    clone.num_cached_tokens = request.num_cached_tokens
     clone.first_scheduled_time = request.first_scheduled_time
     clone.first_token_time = request.first_token_time
     clone.preemption_loss_s = request.preemption_loss_s

@@ -21,6 +21,7 @@ class SimArrival:
     prompt_len: int
     output_len: int
     priority: int  # as labelled (HIGH_PRIORITY or NORMAL_PRIORITY); a policy may ignore it
+    hash_ids: tuple[int, ...] = ()  # the trace's prefix blocks (loadgen.datasets.PREFIX_BLOCK_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,8 @@ def build_workload(spec: WorkloadSpec, max_seq_len: int) -> Workload:
         if prompt + 1 > max_seq_len:  # the engine refuses a prompt that leaves no room for a token
             prompt, truncated = max_seq_len - 1, truncated + 1
         output = request.output_len if request.output_len else spec.default_output_len
-        arrivals.append(SimArrival(i, time_s, prompt, output, HIGH_PRIORITY if high else NORMAL_PRIORITY))
+        arrivals.append(SimArrival(i, time_s, prompt, output, HIGH_PRIORITY if high else NORMAL_PRIORITY,
+                                   tuple(request.hash_ids)))
     # Simultaneous arrivals: higher scheduling priority is dispatched first.
     arrivals.sort(key=lambda a: (a.time_s, a.priority, a.index))
     description = _describe(spec)

@@ -7,6 +7,12 @@
 - `corral`: freeness dispatch, migration (de-fragmentation), scheduling priority (a local
   priority queue) and execution priority (headroom); auto-scaling when enabled.
 
+Prefix-aware ones (shared.policy.prefix_dispatch; they need a prefix index, without one every
+instance holds nothing), not in the default comparison set `POLICY_NAMES`:
+- `corral-prefix`: corral with dispatch by predicted TTFT under the freeness guard.
+- `prefix-only`: longest cached prefix wins, ties by freeness; no migration.
+- `kv-cost`: NVIDIA Dynamo's KV router cost (prefill blocks + decode blocks); no migration.
+
 The simulator and the services select a policy by name and call the same functions.
 """
 
@@ -20,12 +26,26 @@ from dataclasses import dataclass, replace
 from shared.messages import DispatchRequest, LoadReport
 from shared.policy.config import PolicyConfig
 from shared.policy.dispatch import DispatchDecision, choose_instance, dispatchable, pick_tied
+from shared.policy.prefix_dispatch import (
+    EmptyPrefixIndex,
+    PrefixContext,
+    choose_by_predicted_ttft,
+    choose_longest_prefix,
+    choose_min_kv_cost,
+)
 
 
 class DispatchRule(enum.Enum):
     ROUND_ROBIN = "round-robin"
     LEAST_MEMORY = "least-memory"  # INFaaS++
     FREENESS = "freeness"  # choose_instance (dispatch_score): Llumnix-style freeness dispatch
+    PREDICTED_TTFT = "predicted-ttft"  # prefix-aware: queued + uncached prefill, freeness guard
+    LONGEST_PREFIX = "longest-prefix"  # cache affinity, ties by freeness
+    KV_COST = "kv-cost"  # Dynamo's KV router cost
+
+    @property
+    def uses_prefix_index(self) -> bool:
+        return self in _PREFIX_RULES
 
 
 @dataclass(frozen=True)
@@ -61,15 +81,24 @@ POLICIES: dict[str, SchedulingPolicy] = {
                          description="freeness dispatch + migration; one priority for all"),
         SchedulingPolicy("corral", DispatchRule.FREENESS, migration=True, priorities=True,
                          description="freeness dispatch + migration + priorities (+ auto-scaling)"),
+        SchedulingPolicy("corral-prefix", DispatchRule.PREDICTED_TTFT, migration=True, priorities=True,
+                         description="corral, dispatching by predicted TTFT (cached prefix + queue) under freeness"),
+        SchedulingPolicy("prefix-only", DispatchRule.LONGEST_PREFIX, migration=False, priorities=False,
+                         description="longest cached prefix, ties by freeness; no migration"),
+        SchedulingPolicy("kv-cost", DispatchRule.KV_COST, migration=False, priorities=False,
+                         description="Dynamo's KV cost: uncached + queued prefill blocks + decode blocks; no migration"),
     )
 }
-POLICY_NAMES = tuple(POLICIES)
+_PREFIX_RULES = frozenset({DispatchRule.PREDICTED_TTFT, DispatchRule.LONGEST_PREFIX, DispatchRule.KV_COST})
+# The default comparison set (the Llumnix paper's); the prefix-aware ones are asked for by name.
+POLICY_NAMES = ("round-robin", "infaas++", "llumnix-base", "corral")
+PREFIX_POLICY_NAMES = tuple(name for name in POLICIES if name not in POLICY_NAMES)
 
 
 def get_policy(name: str) -> SchedulingPolicy:
     policy = POLICIES.get(name.strip().lower())
     if policy is None:
-        raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
+        raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}")
     return policy
 
 
@@ -105,11 +134,21 @@ def choose_round_robin(loads: Sequence[LoadReport], request: DispatchRequest, tu
 
 
 def dispatch(
-    policy: SchedulingPolicy, loads: Sequence[LoadReport], request: DispatchRequest, config: PolicyConfig, turn: int
+    policy: SchedulingPolicy, loads: Sequence[LoadReport], request: DispatchRequest, config: PolicyConfig, turn: int,
+    prefix: PrefixContext | None = None,
 ) -> DispatchDecision:
-    """The policy's choice for one request. `config` must already be `policy.policy_config(...)`."""
-    if policy.dispatch is DispatchRule.ROUND_ROBIN:
+    """The policy's choice for one request. `config` must already be `policy.policy_config(...)`;
+    `prefix` is needed by the prefix-aware rules (without it they see no cached prefix)."""
+    rule = policy.dispatch
+    if rule is DispatchRule.ROUND_ROBIN:
         return choose_round_robin(loads, request, turn)
-    if policy.dispatch is DispatchRule.LEAST_MEMORY:
+    if rule is DispatchRule.LEAST_MEMORY:
         return choose_least_loaded(loads, request)
+    if rule.uses_prefix_index:
+        prefix = prefix or PrefixContext(EmptyPrefixIndex(), prefill_s=float)  # (time ∝ tokens)
+        if rule is DispatchRule.PREDICTED_TTFT:
+            return choose_by_predicted_ttft(loads, request, config, prefix)
+        if rule is DispatchRule.LONGEST_PREFIX:
+            return choose_longest_prefix(loads, request, config, prefix)
+        return choose_min_kv_cost(loads, request, config, prefix)
     return choose_instance(loads, request, config)

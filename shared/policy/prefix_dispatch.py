@@ -1,0 +1,128 @@
+"""Prefix-aware dispatch (Mooncake's conductor, with Llumnix's freeness as the load guard) and
+the two cache-affinity baselines, as pure functions over load reports and a prefix index.
+
+- `choose_by_predicted_ttft` (corral-prefix): per instance, the predicted time to first token =
+  prefill of what is queued ahead there + prefill of the request's uncached suffix (its longest
+  cached prefix from the index). Instances that keep room for the request after their queue
+  (dispatch freeness >= 0) rank ahead of those without, whatever their cache holds; the queue
+  term grows with every request dispatched there (`account_dispatch`), so affinity alone never
+  piles a popular prefix onto one instance.
+- `choose_longest_prefix` (prefix-only): the longest cached prefix wins, ties by dispatch
+  freeness: what a pure cache-affinity router does (it piles).
+- `choose_min_kv_cost` (kv-cost): NVIDIA Dynamo's KV router cost, weight × prefill blocks
+  (queued + the request's uncached ones) + decode blocks (held by running requests); lowest wins.
+
+The index answers how many of a request's leading block hashes an instance holds: the simulator
+reads the instances' caches through it; the live scheduler will feed one from the llumlets' KV
+events. Hashes are in the request's own block size (`DispatchRequest.prefix_block_size`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from shared.messages import DispatchRequest, LoadReport
+from shared.policy.config import PolicyConfig
+from shared.policy.dispatch import DispatchDecision, blocks_for_tokens, dispatch_score, dispatchable, pick_tied
+
+
+class PrefixIndex(Protocol):
+    def matched_blocks(self, instance_id: str, block_hashes: Sequence[int]) -> int:
+        """How many leading `block_hashes` the instance holds (0 if unknown)."""
+        ...
+
+
+class EmptyPrefixIndex:
+    def matched_blocks(self, instance_id: str, block_hashes: Sequence[int]) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class PrefixContext:
+    index: PrefixIndex
+    prefill_s: Callable[[int], float]  # seconds to prefill that many tokens (the latency model)
+    kv_cost_overlap_weight: float = 1.0  # Dynamo's overlap_score_weight
+    ttft_tie_s: float = 1e-3  # predictions this close are a tie, broken by freeness
+
+
+def cached_tokens(load: LoadReport, request: DispatchRequest, index: PrefixIndex) -> int:
+    """Prompt tokens the instance holds in its cache (at most all but the last prompt token)."""
+    if not request.block_hashes or request.prefix_block_size < 1:
+        return 0
+    matched = index.matched_blocks(load.instance_id, request.block_hashes)
+    return min(matched * request.prefix_block_size, max(request.num_prompt_tokens - 1, 0))
+
+
+def queued_prefill_tokens(load: LoadReport) -> int:
+    """Prefill still ahead of a new request there: the waiting prompts' demand and what admitted
+    prompts have still to prefill (both in blocks: a report carries no token counts)."""
+    return (load.waiting_demand_blocks + load.committed_blocks) * load.block_size
+
+
+def predicted_ttft_s(load: LoadReport, request: DispatchRequest, context: PrefixContext) -> float:
+    uncached = request.num_prompt_tokens - cached_tokens(load, request, context.index)
+    return context.prefill_s(queued_prefill_tokens(load)) + context.prefill_s(uncached)
+
+
+def choose_by_predicted_ttft(
+    loads: Sequence[LoadReport], request: DispatchRequest, config: PolicyConfig, context: PrefixContext
+) -> DispatchDecision:
+    live = dispatchable(loads, request)
+    if isinstance(live, DispatchDecision):
+        return live
+    ranked = []
+    for load in live:
+        score = dispatch_score(load, config.headroom_blocks)
+        uncached_blocks = blocks_for_tokens(request.num_prompt_tokens + 1 - cached_tokens(load, request, context.index),
+                                            load.block_size)
+        # Room after the queue and this request's new blocks: the freeness rule.
+        has_room = score >= 0 and _free_after_queue(load) >= uncached_blocks
+        ranked.append((not has_room, predicted_ttft_s(load, request, context), -score, load.instance_id))
+    ranked.sort()
+    first_no_room, best_ttft, _, _ = ranked[0]
+    tied = [iid for no_room, ttft, _, iid in ranked
+            if no_room == first_no_room and ttft <= best_ttft + context.ttft_tie_s]
+    if len(tied) > 1:  # near-equal predictions: the freer instance, then the request's hash
+        best_score = min(neg for no_room, ttft, neg, iid in ranked if iid in tied)
+        tied = [iid for no_room, ttft, neg, iid in ranked if iid in tied and neg <= best_score + config.tie_epsilon]
+    return DispatchDecision(pick_tied(tied, request))
+
+
+def choose_longest_prefix(
+    loads: Sequence[LoadReport], request: DispatchRequest, config: PolicyConfig, context: PrefixContext
+) -> DispatchDecision:
+    live = dispatchable(loads, request)
+    if isinstance(live, DispatchDecision):
+        return live
+    scored = [(cached_tokens(l, request, context.index), dispatch_score(l, config.headroom_blocks), l.instance_id)
+              for l in live]
+    best = max((hit, score) for hit, score, _ in scored)
+    tied = [iid for hit, score, iid in scored if hit == best[0] and score >= best[1] - config.tie_epsilon]
+    return DispatchDecision(pick_tied(tied, request))
+
+
+def kv_cost(load: LoadReport, request: DispatchRequest, context: PrefixContext) -> float:
+    """Dynamo's cost in blocks: weight × (queued prefill + uncached request blocks) + decode blocks."""
+    uncached = request.num_prompt_tokens - cached_tokens(load, request, context.index)
+    prefill_blocks = load.waiting_demand_blocks + blocks_for_tokens(uncached, load.block_size)
+    decode_blocks = sum(level.running_blocks for level in load.by_priority)
+    return context.kv_cost_overlap_weight * prefill_blocks + decode_blocks
+
+
+def choose_min_kv_cost(
+    loads: Sequence[LoadReport], request: DispatchRequest, config: PolicyConfig, context: PrefixContext
+) -> DispatchDecision:
+    live = dispatchable(loads, request)
+    if isinstance(live, DispatchDecision):
+        return live
+    scored = [(kv_cost(l, request, context), l.instance_id) for l in live]
+    best = min(cost for cost, _ in scored)
+    return DispatchDecision(pick_tied([iid for cost, iid in scored if cost <= best + config.tie_epsilon], request))
+
+
+def _free_after_queue(load: LoadReport) -> int:
+    """Blocks left once the queued prompts and admitted prefills have claimed theirs."""
+    claimed = load.waiting_demand_blocks + load.committed_blocks + load.reserved_blocks
+    return load.num_blocks_free - claimed
