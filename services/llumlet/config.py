@@ -123,6 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--sim-reserve-full-sequence", action=argparse.BooleanOptionalAction,
                      default=env("SIM_RESERVE_FULL_SEQUENCE", scheduler.reserve_full_sequence),
                      help="admit a waiting request only when its whole prompt fits (vLLM 0.32's default)")
+    sim.add_argument("--sim-prefix-caching", action=argparse.BooleanOptionalAction,
+                     default=env("SIM_PREFIX_CACHING", scheduler.enable_prefix_caching),
+                     help="vLLM's automatic prefix caching: reuse the cached full blocks of a prompt's prefix")
     sim.add_argument("--sim-preempt-for-priority", action=argparse.BooleanOptionalAction,
                      default=env("SIM_PREEMPT_FOR_PRIORITY", scheduler.preempt_for_priority),
                      help="with --sim-queue-policy priority, a waiting request preempts less important "
@@ -167,6 +170,7 @@ def sim_engine_from_args(args: argparse.Namespace) -> SimEngineConfig:
             step_mode=args.sim_step_mode,
             reserve_full_sequence=args.sim_reserve_full_sequence,
             preempt_for_priority=args.sim_preempt_for_priority,
+            enable_prefix_caching=args.sim_prefix_caching,
         )
         return SimEngineConfig(scheduler=scheduler, gpu=args.sim_gpu, time_scale=args.sim_time_scale,
                                kv_bytes_per_token=args.sim_kv_bytes_per_token)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 
+from shared.prefix_hash import block_hashes
 from shared.engine_model.views import EngineError, RequestView, StepOutput
 from shared.engine_model.kv_pool import KVPool, request_key
 from shared.engine_model.latency import LatencyModel
@@ -182,6 +183,9 @@ class SimEngine:
             target_output_len=target,
             priority=request.priority,
             arrival_time=request.arrival_time or self._clock(),
+            # The gateway's chain (shared.prefix_hash) over the prompt, when this engine caches.
+            block_hashes=tuple(block_hashes(request.prompt_token_ids, self.block_size))
+            if self.scheduler.prefix_cache is not None else (),
         )
 
     def admit(self, request: GenerateRequest, sim: SimRequest, migrated_lease: str | None = None) -> None:
