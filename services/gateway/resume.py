@@ -89,7 +89,7 @@ class Resumer:
         or end the stream with a terminal error that says why it cannot be."""
         if stream.finished or instance_id != stream.holder or instance_id in stream.left:
             return  # not its holder (any more), or being resumed already
-        stream.left.add(instance_id)  # its late chunks may disagree with the new instance's
+        stream.abandon(instance_id)
         request = self._requests.get(stream.request_id)
         if request is None:
             stream.fail(f"{why}; the request cannot be resumed", 503)

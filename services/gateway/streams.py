@@ -144,8 +144,10 @@ class OutputStream:
 
     def __init__(self, request_id: str, instance_id: str | None = None,
                  on_handover_stall: Callable[[float], None] | None = None, max_tokens: int | None = None,
-                 on_lost: Callable[[OutputStream, str, str], None] | None = None) -> None:
+                 on_lost: Callable[[OutputStream, str, str], None] | None = None,
+                 max_buffered: int | None = None) -> None:
         self.request_id = request_id
+        self._max_buffered = max_buffered  # deliveries waiting for a slow client (None: no bound)
         self.orderer = TokenOrderer(max_tokens=max_tokens)
         self.handover = HandoverClock()
         self._on_handover_stall = on_handover_stall
@@ -195,11 +197,29 @@ class OutputStream:
         for delivery in deliveries:
             self.delivered += delivery.token_ids
             self._queue.put_nowait(delivery)
+        if self._max_buffered is not None and self._queue.qsize() > self._max_buffered and not self.orderer.done:
+            self._overflow()
         self.gap_since = (self.gap_since or time.monotonic()) if self.orderer.pending else None
         if any(d.token_ids for d in deliveries):
             stall = self.handover.delivered(chunk.instance_id, time.monotonic())
             if stall is not None and self._on_handover_stall is not None:
                 self._on_handover_stall(stall)
+
+    def _overflow(self) -> None:
+        """The client reads slower than the engine writes: drop what waits for it and end the
+        stream with an error at once (its handler then aborts the engine's copy), rather than
+        hold an ever longer queue."""
+        log.warning("request %s: %d deliveries wait for a slow client: ending it", self.request_id, self._queue.qsize())
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self.fail(f"the client read too slowly: more than {self._max_buffered} engine steps' output waited for it", 503)
+
+    def abandon(self, instance_id: str) -> None:
+        """A resume leaves `instance_id` behind: its chunks, late or held past a gap, are dropped
+        (after the resume the new instance's tokens may disagree with them)."""
+        self.left.add(instance_id)
+        self.orderer.pending.clear()
+        self.gap_since = None
 
     def fail(self, message: str, code: int = 503) -> None:
         """End the stream from the gateway's side (holder died, shutdown): an error delivery."""
@@ -226,8 +246,10 @@ class StreamRegistry:
     """Open streams by request id: the demultiplexer behind the gateway's output subject."""
 
     def __init__(self, on_handover_stall: Callable[[float], None] | None = None, vocab_size: int | None = None,
-                 on_lost: Callable[[OutputStream, str, str], None] | None = None) -> None:
+                 on_lost: Callable[[OutputStream, str, str], None] | None = None,
+                 max_buffered: int | None = None) -> None:
         self._streams: dict[str, OutputStream] = {}
+        self._max_buffered = max_buffered  # per stream: see OutputStream
         self._on_lost = on_lost  # a holder gave a request up whole: resume it elsewhere
         self._on_handover_stall = on_handover_stall  # each migration's client-visible stall (seconds)
         self._vocab_size = vocab_size  # token ids past it are refused (None: not checked)
@@ -241,7 +263,8 @@ class StreamRegistry:
     def open(self, request_id: str, max_tokens: int | None = None) -> OutputStream:
         assert request_id not in self._streams, f"request id {request_id} is already in flight"
         stream = self._streams[request_id] = OutputStream(request_id, on_handover_stall=self._on_handover_stall,
-                                                          max_tokens=max_tokens, on_lost=self._on_lost)
+                                                          max_tokens=max_tokens, on_lost=self._on_lost,
+                                                          max_buffered=self._max_buffered)
         return stream
 
     def refusal(self, chunk: TokenChunk) -> str | None:

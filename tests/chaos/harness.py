@@ -38,6 +38,7 @@ class Outcome:
     status: int = 0
     hung: bool = False
     started: float = field(default_factory=time.monotonic)
+    first_at: float = 0.0  # when the first token event arrived (0: none)
     ended: float = 0.0
 
     @property
@@ -66,6 +67,7 @@ async def stream_completion(http: httpx.AsyncClient, model: str, prompt: list[in
                         outcome.error = event["error"]["message"]
                         continue
                     outcome.request_id = event["id"]
+                    outcome.first_at = outcome.first_at or time.monotonic()
                     outcome.events += 1
                     for choice in event["choices"]:
                         outcome.text += choice["text"]
@@ -107,7 +109,7 @@ class GenerateLog:
         self.orders: list[GenerateRequest] = []
 
     async def __aenter__(self) -> GenerateLog:
-        self.nc = await nats.connect(self.url)
+        self.nc = await nats.connect(self.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
 
         async def on_order(msg) -> None:
             self.orders.append(decode(msg.data, GenerateRequest))
@@ -121,7 +123,8 @@ class GenerateLog:
 
     def request_id(self, prompt: list[int]) -> str:
         """The internal id of the (one) request sent with `prompt`."""
-        ids = {o.request_id for o in self.orders if o.resume_from == 0 and o.prompt_token_ids[-len(prompt):] == prompt}
+        ids = {o.request_id for o in self.orders if o.resume_from == 0 and o.prompt_token_ids[-len(prompt):] == prompt
+               and len(o.prompt_token_ids) <= len(prompt) + 1}  # a BOS token the gateway may add
         assert len(ids) == 1, f"{len(ids)} requests with this prompt"
         return ids.pop()
 
