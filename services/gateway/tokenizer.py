@@ -129,18 +129,20 @@ class ModelTokenizer:
 
 def refuse_unfit_prompt(prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
                         tokenizer: ModelTokenizer, limit: int, param: str) -> None:
-    """Before the tokenizer runs: a 400 in vLLM's words for a prompt that cannot fit `limit`
+    """Before the tokenizer runs: a 400 in vLLM's words for a text prompt that cannot fit `limit`
     tokens whatever it says (the tokens it has at least, from its size), so that a 10 MB prompt
-    costs a length check, not seconds of a tokenizer thread."""
+    costs a length check, not seconds of a tokenizer thread. (Token ids: GatewayService.prepare
+    counts them exactly.)"""
     if isinstance(prompt, list):
-        fewest = len(prompt)
-    else:
-        texts = [m["content"] for m in messages] if messages is not None else [prompt or ""]
-        fewest = tokenizer.fewest_tokens(sum(len(text) for text in texts))
+        return
+    texts = [m["content"] for m in messages] if messages is not None else [prompt or ""]
+    fewest = tokenizer.fewest_tokens(sum(len(text) for text in texts))
     if fewest >= limit:  # (the rule of GatewayService.prepare: at least one token of room)
+        room = ("which exceeds this limit even without any output tokens" if fewest > limit
+                else "which leaves no room for output tokens")
         raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt contains "
-                          f"at least {fewest} input tokens, which leaves no room for output tokens. Please reduce "
-                          "the length of the input prompt.", param, Refusal.TOO_LONG)
+                          f"at least {fewest} input tokens, {room}. Please reduce the length of the input prompt.",
+                          param, Refusal.TOO_LONG)
 
 
 def _check_unicode(text: str, what: str) -> None:
