@@ -12,28 +12,36 @@ import time
 import urllib.request
 
 import nats
+import pytest
 import yaml
+from nats.errors import Error as NatsError
 
+from shared import nats_auth
 from shared.embedded_nats import nats_server_binary
 from tests.deploy.manifests import KUBERNETES, find
 from tests.support.cluster import free_port
 
 
-def nats_conf() -> str:
+def nats_conf(tmp_path) -> str:
+    """The ConfigMap's nats.conf, its `include` of the corral-credentials Secret's nats-server.conf
+    pointed at one made here as the operator would (python -m shared.nats_auth DIR)."""
     docs = [d for d in yaml.safe_load_all((KUBERNETES / "base" / "nats.yaml").read_text()) if d]
-    return find(docs, "ConfigMap", "nats-config")["data"]["nats.conf"]
+    conf = find(docs, "ConfigMap", "nats-config")["data"]["nats.conf"]
+    assert "include ../auth/nats-server.conf" in conf  # beside the ConfigMap's directory: the Secret's
+    nats_auth.write_deployment(tmp_path / "auth")
+    return conf.replace("include ../auth/", "include auth/")  # (the test writes its configs in tmp_path)
 
 
 def test_the_config_parses(tmp_path):
     path = tmp_path / "nats.conf"
-    path.write_text(nats_conf().replace("/var/run/nats/", f"{tmp_path}/"))
+    path.write_text(nats_conf(tmp_path).replace("/var/run/nats/", f"{tmp_path}/"))
     done = subprocess.run([nats_server_binary(), "-t", "-c", str(path)], capture_output=True, text=True,
                           timeout=30, env={**os.environ, "POD_NAME": "nats-0"})
     assert done.returncode == 0, done.stderr
 
 
 async def test_three_servers_from_it_form_a_cluster(tmp_path):
-    conf = nats_conf()
+    conf = nats_conf(tmp_path)
     ports = [{"client": free_port(), "cluster": free_port(), "monitor": free_port()} for _ in range(3)]
     processes = []
     try:
@@ -60,8 +68,12 @@ async def test_three_servers_from_it_form_a_cluster(tmp_path):
         assert routes and all(n >= 2 for n in routes), routes
         names = {_varz(p["monitor"])["server_name"] for p in ports}
         assert names == {"nats-0", "nats-1", "nats-2"}  # server_name from $POD_NAME
-        first = await nats.connect(f"nats://127.0.0.1:{ports[0]['client']}")
-        last = await nats.connect(f"nats://127.0.0.1:{ports[2]['client']}")
+        with pytest.raises(NatsError, match="Authorization Violation"):  # anonymous: refused
+            await nats.connect(f"nats://127.0.0.1:{ports[0]['client']}", allow_reconnect=False,
+                               max_reconnect_attempts=0)
+        creds = {role: nats_auth.read_credentials(str(tmp_path / "auth" / f"{role}.creds")) for role in nats_auth.ROLES}
+        first = await nats.connect(f"nats://127.0.0.1:{ports[0]['client']}", **creds["llumlet"])
+        last = await nats.connect(f"nats://127.0.0.1:{ports[2]['client']}", **creds["scheduler"])
         try:
             got = asyncio.get_running_loop().create_future()
 
@@ -69,11 +81,11 @@ async def test_three_servers_from_it_form_a_cluster(tmp_path):
                 if not got.done():
                     got.set_result(msg.data)
 
-            await last.subscribe("corral.test", cb=on_message)
+            await last.subscribe("corral.load.test", cb=on_message)
             await last.flush()
             deadline = time.monotonic() + 10
             while not got.done() and time.monotonic() < deadline:  # interest reaches the other server
-                await first.publish("corral.test", b"across the route")
+                await first.publish("corral.load.test", b"across the route")
                 await asyncio.sleep(0.1)
             assert await asyncio.wait_for(got, 1) == b"across the route"
         finally:
