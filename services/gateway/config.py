@@ -58,6 +58,11 @@ class GatewayConfig:
     # it is parsed; tokenization runs on this many threads, each with its own tokenizer.
     max_body_bytes: int = 4 * 1024 * 1024
     tokenizer_workers: int = 2
+    # No unbounded queues (issue 14): requests past this many in flight get a 503 with
+    # Retry-After; a stream whose client reads so slowly that this many engine steps' output
+    # waits for it ends with an error (and the engine's copy is aborted).
+    max_requests_in_flight: int = 4096
+    max_buffered_chunks: int = 2048
     # CORS, as vLLM's flags: cross-origin browser access is off until origins are given.
     allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = ("*",)
@@ -84,7 +89,7 @@ class GatewayConfig:
             object.__setattr__(self, "api_key_file", None)  # read once: a replace() must not add them twice
         if any(not key or key != key.strip() for key in self.api_keys):
             raise ConfigError("an API key is empty or has surrounding spaces")
-        for name in ("max_body_bytes", "tokenizer_workers"):
+        for name in ("max_body_bytes", "tokenizer_workers", "max_requests_in_flight", "max_buffered_chunks"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("default_max_tokens", "max_model_len"):
@@ -165,6 +170,10 @@ _OPTIONS: list[_Option] = [
      "a file of API keys, one a line ('#' comments allowed), added to --api-key's"),
     ("max_body_bytes", "--max-body-bytes", "CORRAL_MAX_BODY_BYTES", int,
      "largest request body accepted (larger: 413, before parsing)"),
+    ("max_requests_in_flight", "--max-requests-in-flight", "CORRAL_MAX_REQUESTS_IN_FLIGHT", int,
+     "requests (choices) this gateway serves at once; past it: 503 with Retry-After"),
+    ("max_buffered_chunks", "--max-buffered-chunks", "CORRAL_MAX_BUFFERED_CHUNKS", int,
+     "engine steps' output held for one slow client; past it the stream ends with an error"),
     ("tokenizer_workers", "--tokenizer-workers", "CORRAL_TOKENIZER_WORKERS", int,
      "threads that tokenize prompts (each holds a copy of the tokenizer)"),
     ("allowed_origins", "--allowed-origins", "CORRAL_ALLOWED_ORIGINS", _string_list,

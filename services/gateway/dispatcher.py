@@ -12,6 +12,7 @@ import logging
 import time
 
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
@@ -37,6 +38,7 @@ class Dispatcher:
         self._policy = policy or PolicyConfig()
         self.bypassing = False  # inside a bypass episode: logged once when it starts and when it ends
         self.breaker = SchedulerBreaker()  # a frozen scheduler costs one timeout, not one per request
+        self._opened: asyncio.Future[None] | None = None  # done once the breaker opened (see `_ask`)
 
     async def choose(self, request: DispatchRequest, prompt_param: str = "prompt") -> str:
         """The instance to run `request` on; ApiError (400/429/503, see `refusal_error`) when there
@@ -48,31 +50,34 @@ class Dispatcher:
             self._metrics.dispatch_latency.observe(time.perf_counter() - started)
 
     async def _choose(self, request: DispatchRequest, prompt_param: str) -> str:
+        probe = not self.breaker.closed
         if not self.breaker.may_ask():
             return self._bypass(request, "the global scheduler stopped answering", prompt_param)
         try:
-            msg = await self._nc.request(subjects.DISPATCH, encode(request), timeout=self._timeout_s,
-                                         headers=tracing.inject())
+            msg = await self._ask(request, probe)
+        except _BreakerOpened:
+            return self._bypass(request, "the global scheduler stopped answering", prompt_param)
         except asyncio.CancelledError:
-            self.breaker.abandoned()  # the client left mid-probe: the next request probes
+            if probe:
+                self.breaker.abandoned()  # the client left mid-probe: the next request probes
             raise
         except NoRespondersError:
-            self.breaker.answered()  # (an instant answer: nobody to wait for)
+            self._breaker_answered()  # (an instant answer: nobody to wait for)
             return self._bypass(request, "no global scheduler is running", prompt_param)
         except TimeoutError:
-            self.breaker.failed()
+            self._breaker_failed()
             return self._bypass(request, f"the global scheduler did not answer within {self._timeout_s:g} s",
                                 prompt_param)
         except NatsError as exc:
-            self.breaker.answered()  # (not the scheduler's fault; never leave a probe hanging)
+            self._breaker_answered()  # (not the scheduler's fault; never leave a probe hanging)
             raise ApiError(503, f"the gateway is not connected to NATS: {exc}") from exc
         try:
             reply = decode(msg.data, DispatchReply)
         except WireError as exc:
             log.warning("bad dispatch reply: %s", exc)
-            self.breaker.failed()
+            self._breaker_failed()
             return self._bypass(request, "the global scheduler sent a bad reply", prompt_param)
-        self.breaker.answered()
+        self._breaker_answered()
         self._end_bypass()
         if reply.instance_id is not None:
             return reply.instance_id
@@ -80,6 +85,36 @@ class Dispatcher:
         reason = reply.reason or Refusal.OVERLOADED
         raise refusal_error(reason, _message(reason, reply.rejected or "rejected by the global scheduler"),
                             prompt_param, reply.retry_after_s)
+
+    async def _ask(self, request: DispatchRequest, probe: bool) -> Msg:
+        """The scheduler's answer. A request asked while the breaker was closed stops waiting
+        (`_BreakerOpened`) as soon as another's timeout opens it: requests in flight together
+        pay one timeout between them, not one each. The probe waits its own timeout."""
+        asking = self._nc.request(subjects.DISPATCH, encode(request), timeout=self._timeout_s,
+                                  headers=tracing.inject())
+        if probe:
+            return await asking
+        if self._opened is None:
+            self._opened = asyncio.get_running_loop().create_future()
+        opened, answer = self._opened, asyncio.ensure_future(asking)
+        try:
+            await asyncio.wait((answer, opened), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not answer.done():
+                answer.cancel()
+        if answer.done() and not answer.cancelled():
+            return answer.result()
+        raise _BreakerOpened
+
+    def _breaker_answered(self) -> None:
+        self.breaker.answered()
+        if self._opened is not None and self._opened.done():
+            self._opened = None  # closed again: the next opening is news
+
+    def _breaker_failed(self) -> None:
+        self.breaker.failed()
+        if self._opened is not None and not self._opened.done():
+            self._opened.set_result(None)
 
     def _bypass(self, request: DispatchRequest, why: str, prompt_param: str) -> str:
         if not self.bypassing:
@@ -97,6 +132,10 @@ class Dispatcher:
         if self.bypassing:
             self.bypassing = False
             log.info("the global scheduler answers again: bypass mode ends")
+
+
+class _BreakerOpened(Exception):
+    """Another request's timeout opened the breaker while this one waited."""
 
 
 def _message(reason: Refusal, rejected: str) -> str:

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 RECONNECT_GRACE_S = 3.0
 # A 503 because NATS is away: clients may retry soon (a broker restart takes seconds).
 NATS_AWAY_HEADERS = {"retry-after": "1"}
+BUSY_HEADERS = {"retry-after": "1"}  # at the in-flight bound: requests end every few seconds
 
 
 class _InstanceGone(Exception):
@@ -76,7 +77,8 @@ class GatewayService:
         self.metrics.watch_instances(lambda: [load.instance_id for load in self.instances.live_loads()])
         self.resumer = Resumer(self._place, config.max_resumes, self._spawn)
         self.streams = StreamRegistry(on_handover_stall=self.metrics.migration_stalled,
-                                      vocab_size=self.tokenizer.vocab_size, on_lost=self.resumer.lost)
+                                      vocab_size=self.tokenizer.vocab_size, on_lost=self.resumer.lost,
+                                      max_buffered=config.max_buffered_chunks)
         self.started_at = int(time.time())
         self.output_subject = subjects.gateway_output(config.gateway_id)
         self._nc: Client | None = None
@@ -233,6 +235,9 @@ class GatewayService:
         Raises ApiError when no instance takes it."""
         if self._nc is None or self._dispatcher is None or not self._nc.is_connected:
             raise ApiError(503, "the gateway is not connected to NATS", headers=NATS_AWAY_HEADERS)
+        if len(self.streams) >= self.config.max_requests_in_flight:
+            raise ApiError(503, f"this gateway is serving its limit of {self.config.max_requests_in_flight} requests "
+                                "(--max-requests-in-flight); retry later", headers=BUSY_HEADERS)
         # Open the stream first: the instance may publish tokens before its Ack reaches us.
         stream = self.streams.open(request.request_id, request.max_tokens)
         self.metrics.in_flight_changed(+1)
