@@ -116,6 +116,9 @@ class GenerateRequest(Struct):
     # the generate message's NATS headers; the llumlet keeps it here so that it travels with the
     # request through migrations (the commit carries the request).
     trace_context: dict[str, str] | None = None
+    # The gateway takes a `TokenChunkBatch` on `reply_subject`: a llumlet sends one message per
+    # engine step for all of that gateway's requests it holds, not one per request.
+    batched_output: bool = False
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -149,6 +152,24 @@ class TokenChunk(Struct):
     # One per token of `token_ids`, when the request asked for logprobs (None on a handover's
     # repeat of the output so far: the destination never saw those probabilities).
     logprobs: list[TokenLogprob] | None = None
+
+
+MAX_BATCH_CHUNKS = 4096
+
+
+class TokenChunkBatch(msgspec.Struct, array_like=True):
+    """Llumlet → gateway, on the gateway's output subject: one engine step's chunks of that
+    gateway's requests (those that set `GenerateRequest.batched_output`). A MessagePack array,
+    where a `TokenChunk` is a map: `decode_chunks` tells them apart by the first byte."""
+
+    chunks: Annotated[list[TokenChunk], Meta(min_length=1, max_length=MAX_BATCH_CHUNKS)]
+
+
+def decode_chunks(data: bytes) -> list[TokenChunk]:
+    """A gateway output subject's payload: one `TokenChunk`, or a `TokenChunkBatch` of several."""
+    if data and (0x90 <= data[0] <= 0x9F or data[0] in (0xDC, 0xDD)):  # fixarray, array 16, array 32
+        return decode(data, TokenChunkBatch).chunks
+    return [decode(data, TokenChunk)]
 
 
 class AbortRequest(Struct):

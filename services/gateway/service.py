@@ -31,7 +31,7 @@ from services.gateway.streams import OutputStream, StreamRegistry
 from services.gateway.tokenizer import ModelTokenizer
 from shared import bus_guard, subjects, tracing
 from shared.messages import (
-    AbortRequest, Ack, DispatchRequest, GenerateRequest, LoadReport, Refusal, TokenChunk, WireError, decode,
+    AbortRequest, Ack, DispatchRequest, GenerateRequest, LoadReport, Refusal, WireError, decode, decode_chunks,
     decode_or_drop, encode,
 )
 from shared.nats_client import connect
@@ -142,14 +142,18 @@ class GatewayService:
     # ---- subscriptions ----------------------------------------------------------------------
 
     async def _on_token_chunk(self, msg: Msg) -> None:
-        chunk = decode_or_drop(msg.data, TokenChunk, log, "token chunk", msg.subject)
-        if chunk is None:
+        # One chunk, or a TokenChunkBatch: an engine step's chunks of our requests on one instance.
+        try:
+            chunks = decode_chunks(msg.data)
+        except WireError as exc:
+            bus_guard.rejected(msg.subject, exc.reason, str(exc), log, "token chunk")
             return
-        if (problem := self.streams.refusal(chunk)) is not None:
-            bus_guard.rejected(msg.subject, "invalid", problem, log, "token chunk")
-            return
-        if not self.streams.route(chunk):
-            log.debug("chunk for unknown request %s (finished or aborted)", chunk.request_id)
+        for chunk in chunks:
+            if (problem := self.streams.refusal(chunk)) is not None:
+                bus_guard.rejected(msg.subject, "invalid", problem, log, "token chunk")
+                continue
+            if not self.streams.route(chunk):
+                log.debug("chunk for unknown request %s (finished or aborted)", chunk.request_id)
 
     async def _on_load_report(self, msg: Msg) -> None:
         report = decode_or_drop(msg.data, LoadReport, log, "load report", msg.subject)
@@ -304,7 +308,7 @@ class GatewayService:
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling=request.options.sampling_params(self._max_tokens_on(instance_id, request)),
             reply_subject=self.output_subject, priority=request.priority, arrival_time=time.time(),
-            resume_from=resume_from,
+            resume_from=resume_from, batched_output=True,
         )
         try:
             msg = await self._acknowledged(instance_id, subject, encode(generate), stream)

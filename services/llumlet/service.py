@@ -35,6 +35,7 @@ from shared.messages import (
     MigrationCommit,
     Refusal,
     TokenChunk,
+    TokenChunkBatch,
     WireError,
     decode,
     decode_or_drop,
@@ -43,6 +44,7 @@ from shared.messages import (
 from shared.nats_client import connect
 
 log = logging.getLogger(__name__)
+STEP_BATCH_CHUNKS = 256  # chunks per TokenChunkBatch: well inside NATS' 1 MiB payload, logprobs included
 
 
 class Llumlet:
@@ -63,6 +65,8 @@ class Llumlet:
         # Token chunks NATS could not take (its reconnect buffer full): published, in order,
         # once it is back. The engine pauses while NATS is away, so this stays small.
         self._held: list[tuple[str, bytes]] = []
+        # Output subjects of gateways that take one TokenChunkBatch per step (GenerateRequest.batched_output).
+        self._batching_subjects: set[str] = set()
         self.migration: LlumletMigration | None = None
         self.metrics: LlumletMetrics | None = None
         self.spans = RequestSpans(self.instance_id, "")  # replaced once tracing is set up in start()
@@ -183,6 +187,8 @@ class Llumlet:
             await msg.respond(encode(Ack(ok=False, error=str(exc), reason=exc.reason)))
             return
         self.routes.open(request.request_id, request.reply_subject, request.resume_from)
+        if request.batched_output:
+            self._batching_subjects.add(request.reply_subject)
         self.metrics.request_arrived(request.request_id, time.monotonic())
         self.spans.started(request)
         self._work.set()
@@ -263,8 +269,10 @@ class Llumlet:
                 raise
             views = self.engine.request_views() if self.metrics.wants_views(started) else ()
             self.metrics.step_done(started, time.monotonic(), outputs, views)
+            step_chunks: dict[str, list[TokenChunk]] = {}
             for output in outputs:
-                await self._publish_output(output)
+                await self._publish_output(output, step_chunks)
+            await self._publish_step_chunks(step_chunks)
             if outputs:
                 self._maybe_report_now()
 
@@ -297,7 +305,16 @@ class Llumlet:
                 log.warning("llumlet %s: NATS is away and its buffer full: holding output", self.instance_id)
         self._held.append((subject, payload))
 
-    async def _publish_output(self, output: StepOutput) -> None:
+    async def _publish_step_chunks(self, step_chunks: dict[str, list[TokenChunk]]) -> None:
+        """One message per gateway for a step's chunks (a lone chunk goes as itself): with N
+        requests of one gateway here, one NATS message per step instead of N."""
+        for subject, chunks in step_chunks.items():
+            for start in range(0, len(chunks), STEP_BATCH_CHUNKS):
+                part = chunks[start:start + STEP_BATCH_CHUNKS]
+                await self.publish_chunk(subject, encode(part[0] if len(part) == 1 else TokenChunkBatch(part)))
+
+    async def _publish_output(self, output: StepOutput,
+                              step_chunks: dict[str, list[TokenChunk]] | None = None) -> None:
         subject = self.routes.subject(output.request_id)
         if subject is None:
             return  # aborted meanwhile
@@ -315,6 +332,9 @@ class Llumlet:
             num_preemptions=output.num_preemptions,
             logprobs=output.logprobs,
         )
+        if step_chunks is not None and subject in self._batching_subjects:
+            step_chunks.setdefault(subject, []).append(chunk)
+            return
         await self.publish_chunk(subject, encode(chunk))
 
     async def fail_request(self, request_id: str, reason: str) -> None:
@@ -436,6 +456,8 @@ class _MigrationHooks:
         published its last token before it stopped (the gateway drops what it has seen)."""
         llumlet, request = self.llumlet, commit.request
         llumlet.routes.open(request.request_id, request.reply_subject, request.resume_from)
+        if request.batched_output:
+            llumlet._batching_subjects.add(request.reply_subject)
         llumlet.metrics.migrated("in")
         llumlet.spans.started(request, migrated_in=True, num_output_tokens=len(commit.output_token_ids))
         llumlet.wake_engine()

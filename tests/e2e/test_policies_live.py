@@ -28,7 +28,7 @@ import nats
 
 from shared import subjects
 from shared.embedded_nats import start_nats
-from shared.messages import TokenChunk, decode
+from shared.messages import decode_chunks
 from tests.support.cluster import Cluster
 from tests.support.observer import NatsObserver
 
@@ -95,10 +95,10 @@ class LiveCluster:
         self.migrate_orders += 1
 
     async def _on_chunk(self, msg) -> None:
-        chunk = decode(msg.data, TokenChunk)
-        seen = self.publishers[chunk.request_id]
-        if chunk.token_ids and (not seen or seen[-1] != chunk.instance_id):
-            seen.append(chunk.instance_id)
+        for chunk in decode_chunks(msg.data):  # one chunk, or a step's batch of them
+            seen = self.publishers[chunk.request_id]
+            if chunk.token_ids and (not seen or seen[-1] != chunk.instance_id):
+                seen.append(chunk.instance_id)
 
     async def stop(self) -> None:
         if hasattr(self, "nc"):

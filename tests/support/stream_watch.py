@@ -9,7 +9,7 @@ from collections import defaultdict
 import nats
 
 from shared import subjects
-from shared.messages import DrainOrder, MigrateOrder, TokenChunk, decode, encode
+from shared.messages import DrainOrder, MigrateOrder, TokenChunk, decode, decode_chunks, encode
 from tests.support.observer import NatsObserver
 
 
@@ -23,8 +23,8 @@ class StreamWatch:
         self.nc = await nats.connect(self.url)
 
         async def on_chunk(msg) -> None:
-            chunk = decode(msg.data, TokenChunk)
-            self.chunks[chunk.request_id].append(chunk)
+            for chunk in decode_chunks(msg.data):  # one chunk, or a step's batch of them
+                self.chunks[chunk.request_id].append(chunk)
 
         await self.nc.subscribe(f"{subjects.PREFIX}.gateway.*.out", cb=on_chunk)
         return self
