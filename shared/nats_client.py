@@ -7,6 +7,7 @@ import random
 
 import nats
 from nats.aio.client import Client
+from nats.aio.client import Server as NatsServer
 
 from shared import nats_auth
 
