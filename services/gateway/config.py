@@ -39,6 +39,8 @@ class GatewayConfig:
     # is dead: its requests resume elsewhere (services/gateway/resume.py).
     death_timeout_s: float = 0.6
     max_resumes: int = 2  # per request; past it, the request ends with an error
+    # Send the prompt's block hashes with each dispatch request (prefix-aware dispatch).
+    dispatch_prefix_hashes: bool = False
     # Streams end with an error once this gateway has been away from NATS this long.
     nats_outage_fail_s: float = 30.0
     request_inactivity_timeout_s: float = 600.0
@@ -155,6 +157,8 @@ _OPTIONS: list[_Option] = [
      "an instance holding requests with no load report for this long is dead: its requests resume elsewhere"),
     ("max_resumes", "--max-resumes", "CORRAL_MAX_RESUMES", int,
      "how many times one request may resume on another instance after its instance died (0: never)"),
+    ("dispatch_prefix_hashes", "--dispatch-prefix-hashes", "CORRAL_DISPATCH_PREFIX_HASHES", _flag,
+     "send the prompt's KV block hashes with each dispatch request, for prefix-aware dispatch (true/false)"),
     ("nats_outage_fail_s", "--nats-outage-fail-s", "CORRAL_NATS_OUTAGE_FAIL_S", float,
      "end open streams with an error once NATS has been unreachable this long"),
     ("request_inactivity_timeout_s", "--request-inactivity-timeout-s", "CORRAL_REQUEST_INACTIVITY_TIMEOUT_S", float,

@@ -69,6 +69,14 @@ class GatewayInstances:
         if load is not None:
             self._table.replace_load(account_dispatch(load, request))
 
+    def prefix_block_size(self) -> int | None:
+        """The KV block size most live instances report (prompt hashes are cut at it); None when
+        no instance reports. Instances with another size simply match nothing."""
+        sizes: dict[int, int] = {}
+        for load in self._table.live():
+            sizes[load.block_size] = sizes.get(load.block_size, 0) + 1
+        return max(sizes, key=lambda size: (sizes[size], -size)) if sizes else None
+
     def max_model_len(self, instance_id: str) -> int | None:
         load = self._table.get(instance_id)
         return load.max_model_len if load is not None and load.max_model_len > 0 else None

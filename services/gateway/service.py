@@ -23,6 +23,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway import heartbeat
 from services.gateway.dispatcher import Dispatcher
 from services.gateway.instances import GatewayInstances
+from services.gateway.prefix_hashes import prompt_block_hashes
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.errors import TRY_ANOTHER_INSTANCE, ApiError, bad_request, refusal_error
 from services.gateway.protocol import GenerationOptions, RequestKind
@@ -262,9 +263,12 @@ class GatewayService:
         assert self._dispatcher is not None
         exclude = list(exclude or ())
         gone: list[str] = []  # why the instances tried so far did not take it
+        hashes, block_size = prompt_block_hashes(
+            request.prompt_token_ids, self.instances.prefix_block_size() if self.config.dispatch_prefix_hashes else None)
         for _attempt in range(3):  # more tries when the chosen instance is gone or leaving
             dispatch = DispatchRequest(request.request_id, len(request.prompt_token_ids), request.max_tokens,
-                                       request.priority, list(exclude))
+                                       request.priority, list(exclude), block_hashes=hashes,
+                                       prefix_block_size=block_size)
             try:
                 instance_id = await self._dispatcher.choose(dispatch, request.kind.prompt_param)
             except ApiError as error:
