@@ -60,6 +60,7 @@ class GatewayConfig:
     # it is parsed; tokenization runs on this many threads, each with its own tokenizer.
     max_body_bytes: int = 4 * 1024 * 1024
     tokenizer_workers: int = 2
+    max_streams_per_key: int | None = None  # generation requests in progress per API key (429 past it)
     # No unbounded queues (issue 14): requests past this many in flight get a 503 with
     # Retry-After; a stream whose client reads so slowly that this many engine steps' output
     # waits for it ends with an error (and the engine's copy is aborted).
@@ -94,7 +95,9 @@ class GatewayConfig:
         for name in ("max_body_bytes", "tokenizer_workers", "max_requests_in_flight", "max_buffered_chunks"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("default_max_tokens", "max_model_len"):
+        if self.max_streams_per_key is not None and not self.api_keys:
+            raise ConfigError("max_streams_per_key needs API keys (--api-key or --api-key-file)")
+        for name in ("default_max_tokens", "max_model_len", "max_streams_per_key"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name} must be positive, got {value}")
@@ -180,6 +183,8 @@ _OPTIONS: list[_Option] = [
      "engine steps' output held for one slow client; past it the stream ends with an error"),
     ("tokenizer_workers", "--tokenizer-workers", "CORRAL_TOKENIZER_WORKERS", int,
      "threads that tokenize prompts (each holds a copy of the tokenizer)"),
+    ("max_streams_per_key", "--max-streams-per-key", "CORRAL_MAX_STREAMS_PER_KEY", int,
+     "generation requests one API key may have in progress (more: 429 with Retry-After)"),
     ("allowed_origins", "--allowed-origins", "CORRAL_ALLOWED_ORIGINS", _string_list,
      "CORS origins allowed (JSON list or comma-separated; '*' for any)"),
     ("allowed_methods", "--allowed-methods", "CORRAL_ALLOWED_METHODS", _string_list, "CORS methods allowed"),

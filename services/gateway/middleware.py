@@ -27,36 +27,61 @@ GENERATED_ID_STATE = "generated_request_id"
 GUARDED_PREFIX = "/v1"  # vLLM's: health, readiness, metrics, version and tokenize stay open
 
 
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+BUSY_KEY_HEADERS = {"retry-after": "1"}
+
+
 class ApiKeyMiddleware:
     """401 on /v1 routes without `Authorization: Bearer <one of the keys>`. Keys are compared as
     SHA-256 digests with `secrets.compare_digest` over every key: the time taken does not tell
-    how much of a key was right, nor which key matched."""
+    how much of a key was right, nor which key matched.
 
-    def __init__(self, app: ASGIApp, keys: Sequence[str]) -> None:
+    With `max_streams_per_key`, a key with that many generation requests in progress (streamed or
+    not, until their response ends) gets a 429 with Retry-After for the next one."""
+
+    def __init__(self, app: ASGIApp, keys: Sequence[str], max_streams_per_key: int | None = None) -> None:
         assert keys, "no API keys: leave the middleware out"
         self.app = app
         self._digests = [hashlib.sha256(key.encode()).digest() for key in keys]
+        self._max_streams = max_streams_per_key
+        self._in_progress = [0] * len(keys)  # generation requests per key
+
+    def matched_key(self, headers: Headers) -> int | None:
+        """The index of the key the request carries; None: no valid key."""
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        digest = hashlib.sha256(token.strip().encode()).digest()
+        matched = None
+        for index, known in enumerate(self._digests):
+            equal = secrets.compare_digest(digest, known)
+            matched = index if equal else matched
+        return matched if scheme.lower() == "bearer" else None
 
     def authorized(self, headers: Headers) -> bool:
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        digest = hashlib.sha256(token.strip().encode()).digest()
-        matched = False
-        for known in self._digests:
-            matched |= secrets.compare_digest(digest, known)
-        return matched
+        return self.matched_key(headers) is not None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or not _guarded(scope["path"]):
             await self.app(scope, receive, send)
             return
-        if self.authorized(Headers(scope=scope)):
+        key = self.matched_key(Headers(scope=scope))
+        if key is None:
+            error = ApiError(401, "Unauthorized: a valid API key is required (Authorization: Bearer <key>)",
+                             headers={"www-authenticate": "Bearer"})
+            await error_response(error)(scope, receive, send)
+            return
+        if self._max_streams is None or scope["path"] not in GENERATION_PATHS:
             await self.app(scope, receive, send)
             return
-        error = ApiError(401, "Unauthorized: a valid API key is required (Authorization: Bearer <key>)",
-                         headers={"www-authenticate": "Bearer"})
-        await error_response(error)(scope, receive, send)
+        if self._in_progress[key] >= self._max_streams:
+            error = ApiError(429, f"this API key has {self._in_progress[key]} requests in progress, its limit "
+                                  "(--max-streams-per-key); retry when one has ended", headers=BUSY_KEY_HEADERS)
+            await error_response(error)(scope, receive, send)
+            return
+        self._in_progress[key] += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._in_progress[key] -= 1
 
 
 def _guarded(path: str) -> bool:
@@ -167,7 +192,7 @@ def middleware_for(config: GatewayConfig) -> list[Middleware]:
         Middleware(RequestIdMiddleware),
     ]
     if config.api_keys:
-        stack.append(Middleware(ApiKeyMiddleware, keys=config.api_keys))
+        stack.append(Middleware(ApiKeyMiddleware, keys=config.api_keys, max_streams_per_key=config.max_streams_per_key))
     stack += [Middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes),
               Middleware(UnexpectedErrorMiddleware)]
     return stack

@@ -7,11 +7,13 @@ import argparse
 import http.client
 import json
 import logging
+import time
 
 import pytest
 
 from services.gateway.config import ConfigError, add_arguments, config_from_args
 from tests.security.http_gateway import scripted_gateway, served, tiny_model_dir
+from tests.unit.test_gateway_sse import chunks_for
 
 SECRET_FILE_KEY = "sk-from-the-file-3f9a"
 SECRET_ENV_KEY = "sk-from-the-env-77c1"
@@ -92,3 +94,34 @@ def test_each_key_opens_v1_and_is_never_logged(keyed_gateway, caplog, key):
         assert status == (404 if path.endswith("other") else 200), (path, body[:200])
         assert key not in body.decode()
     assert key not in caplog.text
+
+
+def test_a_key_past_its_streams_gets_a_429_and_other_keys_do_not(tmp_path):
+    gateway = scripted_gateway(tiny_model_dir(tmp_path), api_keys=("sk-a", "sk-b"), max_streams_per_key=2)
+    first, *rest = chunks_for([40, 41, 42, 43])
+    gateway.script = [first, 1.5, *rest]  # each stream stays open ~1.5 s
+    with served(gateway) as address:
+        chat = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True})
+        held = []
+        for _ in range(2):
+            connection = http.client.HTTPConnection(*address, timeout=30)
+            connection.request("POST", "/v1/chat/completions", body=chat,
+                               headers={"Authorization": "Bearer sk-a", "Content-Type": "application/json"})
+            assert connection.getresponse().status == 200
+            held.append(connection)
+        status, body = call(address, "POST", "/v1/chat/completions", "Bearer sk-a")
+        error = json.loads(body)["error"]
+        assert status == 429 and error["type"] == "RateLimitError" and "--max-streams-per-key" in error["message"]
+        assert call(address, "POST", "/v1/chat/completions", "Bearer sk-b")[0] == 200  # another key's own count
+        assert call(address, "GET", "/v1/models", "Bearer sk-a")[0] == 200  # only generation counts
+        for connection in held:
+            connection.close()  # the client leaves: its streams end
+        deadline = time.monotonic() + 10
+        while call(address, "POST", "/v1/chat/completions", "Bearer sk-a")[0] == 429:
+            assert time.monotonic() < deadline, "the key's streams were never released"
+            time.sleep(0.1)
+
+
+def test_streams_per_key_need_keys(tmp_path):
+    with pytest.raises(ConfigError, match="needs API keys"):
+        parse(["--model", str(tmp_path), "--max-streams-per-key", "4"], {})
