@@ -50,8 +50,8 @@ def test_dispatch_decisions_are_the_shared_functions_on_the_reports(monkeypatch,
     seen = []
     original = cluster_module.dispatch
 
-    def spy(policy_, loads, request, config, turn):
-        decision = original(policy_, loads, request, config, turn)
+    def spy(policy_, loads, request, config, turn, prefix=None):
+        decision = original(policy_, loads, request, config, turn, prefix)
         seen.append((list(loads), request, config, decision))
         return decision
 
