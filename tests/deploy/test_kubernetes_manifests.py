@@ -132,19 +132,21 @@ def test_nats_is_a_three_node_cluster_routing_through_its_headless_service(rende
     find(docs, "Service", "nats")
 
 
-def test_schedulers_share_dispatch_and_only_one_pairs(rendered):
+def test_schedulers_share_dispatch_and_elect_one_pairer(rendered):
     _, docs = rendered
-    dispatch = find(docs, "Deployment", "corral-scheduler")
-    pairing = find(docs, "Deployment", "corral-scheduler-pairing")
-    assert dispatch["spec"]["replicas"] == 2
-    assert parse_corral(containers(dispatch)[0]["args"]).enable_migration is False
-    assert pairing["spec"]["replicas"] == 1 and pairing["spec"]["strategy"]["type"] == "Recreate"
-    assert parse_corral(containers(pairing)[0]["args"]).enable_migration is True
-    # Dispatch replicas answer as one queue group (what makes two replicas safe).
+    schedulers = find(docs, "Deployment", "corral-scheduler")
+    assert schedulers["spec"]["replicas"] == 2
+    assert not [d for d in docs if d["metadata"]["name"] == "corral-scheduler-pairing"]
+    assert parse_corral(containers(schedulers)[0]["args"]).enable_migration is True
+    # Each replica's id is its pod name: the election among them picks the lowest live one.
+    env = {e["name"]: e for e in containers(schedulers)[0]["env"]}
+    assert env["SCHEDULER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    # Replicas answer dispatch as one queue group and pair only while they lead.
     from shared import subjects
 
     source = (REPO / "services" / "global_scheduler" / "service.py").read_text()
     assert "queue=subjects.SCHEDULER_QUEUE" in source and subjects.SCHEDULER_QUEUE
+    assert "leads=self.leadership.leads" in source
 
 
 def test_every_corral_setting_in_the_manifests_is_one_the_code_reads(rendered):
