@@ -271,6 +271,30 @@ class DispatchRequest(Struct):
     prefix_block_size: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
 
 
+MAX_SNAPSHOT_HASHES = 1 << 20  # a large GPU's KV cache in blocks; a snapshot may need chunking
+
+
+class KvCacheEvents(Struct):
+    """Llumlet → scheduler: the block hashes (shared.prefix_hash) its engine's prefix cache
+    stored and evicted since the last message, in order (vLLM's KV events, translated)."""
+
+    instance_id: InstanceId
+    seq: Count  # per instance, +1 a message: a gap tells the index to ask for a snapshot
+    block_size: Annotated[int, Meta(ge=1, le=1 << 20)]
+    stored: Annotated[list[BlockHash], Meta(max_length=MAX_BLOCK_HASHES)] = []
+    removed: Annotated[list[BlockHash], Meta(max_length=MAX_BLOCK_HASHES)] = []
+    cleared: bool = False  # everything was dropped before `removed`/`stored` (vLLM's AllBlocksCleared)
+
+
+class KvCacheSnapshot(Struct):
+    """Llumlet → scheduler: every block hash its cache holds after event `seq`."""
+
+    instance_id: InstanceId
+    seq: Count
+    block_size: Annotated[int, Meta(ge=1, le=1 << 20)]
+    block_hashes: Annotated[list[BlockHash], Meta(max_length=MAX_SNAPSHOT_HASHES)] = []
+
+
 class DispatchReply(Struct):
     instance_id: InstanceId | None = None
     rejected: str | None = None  # the refusal in words
