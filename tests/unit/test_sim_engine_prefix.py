@@ -25,12 +25,16 @@ async def test_the_engine_holds_the_gateways_hashes_and_reuses_them():
     prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
     gateway_chain = block_hashes(prompt, 4)  # what the gateway would send with the dispatch
     engine.add_request(gen("a", prompt))
-    await run(engine)
+    outputs = [o for _ in range(50) if engine.has_work() for o in await engine.step()]
+    assert outputs and all(o.num_cached_tokens == 0 for o in outputs)  # looked up, nothing found
     cache = engine.scheduler.prefix_cache
     assert cache.matched_blocks(gateway_chain) == len(gateway_chain) == 2
     engine.add_request(gen("b", prompt[:8] + [99, 98, 97]))
     first_step = engine.scheduler.schedule(0.0)
     assert engine.scheduler.get("b").num_cached_tokens == 8 and first_step.num_new_tokens == [3]
+    engine.scheduler.update_from_output(first_step, 0.0)
+    outputs = [o for _ in range(50) if engine.has_work() for o in await engine.step()]
+    assert outputs[0].num_cached_tokens == 8  # what the llumlet counts as vllm:prefix_cache_hits
     await engine.stop()
 
 

@@ -225,4 +225,5 @@ class SimEngine:
             finish_reason=request.finish_reason if request.is_finished else None,
             num_prompt_tokens=request.prompt_len,
             num_preemptions=request.num_preemptions,
+            num_cached_tokens=request.num_cached_tokens if self.scheduler.prefix_cache is not None else None,
         )
