@@ -290,9 +290,13 @@ class SimPrefixIndex:
     def __init__(self, instances: dict[str, SimInstance]) -> None:
         self._instances = instances
 
-    def matched_blocks(self, instance_id: str, block_hashes: list[int]) -> int:
-        cache = self._instances[instance_id].scheduler.prefix_cache
-        return 0 if cache is None else cache.matched_blocks(block_hashes)
+    def matches(self, block_hashes: list[int]) -> dict[str, int]:
+        matched = {}
+        for instance_id, instance in self._instances.items():
+            cache = instance.scheduler.prefix_cache
+            if cache is not None and cache.holds(block_hashes[0]):
+                matched[instance_id] = cache.matched_blocks(block_hashes)
+        return matched
 
 
 def simulate(config: SimConfig, policy: SchedulingPolicy, workload: Workload) -> SimResult:

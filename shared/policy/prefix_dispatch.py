@@ -12,14 +12,15 @@ the two cache-affinity baselines, as pure functions over load reports and a pref
 - `choose_min_kv_cost` (kv-cost): NVIDIA Dynamo's KV router cost, weight × prefill blocks
   (queued + the request's uncached ones) + decode blocks (held by running requests); lowest wins.
 
-The index answers how many of a request's leading block hashes an instance holds: the simulator
-reads the instances' caches through it; the live scheduler will feed one from the llumlets' KV
-events. Hashes are in the request's own block size (`DispatchRequest.prefix_block_size`).
+The index answers, once per decision, which instances hold how many of a request's leading block
+hashes: the simulator reads the instances' caches through it; `shared.prefix_index` is the one a
+live scheduler feeds from the llumlets' KV events (O(blocks matched), not O(instances)). Hashes
+are in the request's own block size (`DispatchRequest.prefix_block_size`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,14 +30,15 @@ from shared.policy.dispatch import DispatchDecision, blocks_for_tokens, dispatch
 
 
 class PrefixIndex(Protocol):
-    def matched_blocks(self, instance_id: str, block_hashes: Sequence[int]) -> int:
-        """How many leading `block_hashes` the instance holds (0 if unknown)."""
+    def matches(self, block_hashes: Sequence[int]) -> Mapping[str, int]:
+        """Instance -> how many leading `block_hashes` it holds (instances holding none may be
+        left out)."""
         ...
 
 
 class EmptyPrefixIndex:
-    def matched_blocks(self, instance_id: str, block_hashes: Sequence[int]) -> int:
-        return 0
+    def matches(self, block_hashes: Sequence[int]) -> Mapping[str, int]:
+        return {}
 
 
 @dataclass(frozen=True)
@@ -47,12 +49,17 @@ class PrefixContext:
     ttft_tie_s: float = 1e-3  # predictions this close are a tie, broken by freeness
 
 
-def cached_tokens(load: LoadReport, request: DispatchRequest, index: PrefixIndex) -> int:
-    """Prompt tokens the instance holds in its cache (at most all but the last prompt token)."""
+def matched_blocks(request: DispatchRequest, index: PrefixIndex) -> Mapping[str, int]:
+    """The index's answer for the request (once per decision)."""
     if not request.block_hashes or request.prefix_block_size < 1:
-        return 0
-    matched = index.matched_blocks(load.instance_id, request.block_hashes)
-    return min(matched * request.prefix_block_size, max(request.num_prompt_tokens - 1, 0))
+        return {}
+    return index.matches(request.block_hashes)
+
+
+def cached_tokens(load: LoadReport, request: DispatchRequest, matched: Mapping[str, int]) -> int:
+    """Prompt tokens the instance holds in its cache (at most all but the last prompt token)."""
+    blocks = matched.get(load.instance_id, 0)
+    return min(blocks * request.prefix_block_size, max(request.num_prompt_tokens - 1, 0)) if blocks else 0
 
 
 def queued_prefill_tokens(load: LoadReport) -> int:
@@ -61,8 +68,11 @@ def queued_prefill_tokens(load: LoadReport) -> int:
     return (load.waiting_demand_blocks + load.committed_blocks) * load.block_size
 
 
-def predicted_ttft_s(load: LoadReport, request: DispatchRequest, context: PrefixContext) -> float:
-    uncached = request.num_prompt_tokens - cached_tokens(load, request, context.index)
+def predicted_ttft_s(load: LoadReport, request: DispatchRequest, context: PrefixContext,
+                     matched: Mapping[str, int] | None = None) -> float:
+    if matched is None:
+        matched = matched_blocks(request, context.index)
+    uncached = request.num_prompt_tokens - cached_tokens(load, request, matched)
     return context.prefill_s(queued_prefill_tokens(load)) + context.prefill_s(uncached)
 
 
@@ -72,14 +82,15 @@ def choose_by_predicted_ttft(
     live = dispatchable(loads, request)
     if isinstance(live, DispatchDecision):
         return live
+    matched = matched_blocks(request, context.index)
     ranked = []
     for load in live:
         score = dispatch_score(load, config.headroom_blocks)
-        uncached_blocks = blocks_for_tokens(request.num_prompt_tokens + 1 - cached_tokens(load, request, context.index),
+        uncached_blocks = blocks_for_tokens(request.num_prompt_tokens + 1 - cached_tokens(load, request, matched),
                                             load.block_size)
         # Room after the queue and this request's new blocks: the freeness rule.
         has_room = score >= 0 and _free_after_queue(load) >= uncached_blocks
-        ranked.append((not has_room, predicted_ttft_s(load, request, context), -score, load.instance_id))
+        ranked.append((not has_room, predicted_ttft_s(load, request, context, matched), -score, load.instance_id))
     ranked.sort()
     first_no_room, best_ttft, _, _ = ranked[0]
     tied = [iid for no_room, ttft, _, iid in ranked
@@ -96,16 +107,20 @@ def choose_longest_prefix(
     live = dispatchable(loads, request)
     if isinstance(live, DispatchDecision):
         return live
-    scored = [(cached_tokens(l, request, context.index), dispatch_score(l, config.headroom_blocks), l.instance_id)
+    matched = matched_blocks(request, context.index)
+    scored = [(cached_tokens(l, request, matched), dispatch_score(l, config.headroom_blocks), l.instance_id)
               for l in live]
     best = max((hit, score) for hit, score, _ in scored)
     tied = [iid for hit, score, iid in scored if hit == best[0] and score >= best[1] - config.tie_epsilon]
     return DispatchDecision(pick_tied(tied, request))
 
 
-def kv_cost(load: LoadReport, request: DispatchRequest, context: PrefixContext) -> float:
+def kv_cost(load: LoadReport, request: DispatchRequest, context: PrefixContext,
+            matched: Mapping[str, int] | None = None) -> float:
     """Dynamo's cost in blocks: weight × (queued prefill + uncached request blocks) + decode blocks."""
-    uncached = request.num_prompt_tokens - cached_tokens(load, request, context.index)
+    if matched is None:
+        matched = matched_blocks(request, context.index)
+    uncached = request.num_prompt_tokens - cached_tokens(load, request, matched)
     prefill_blocks = load.waiting_demand_blocks + blocks_for_tokens(uncached, load.block_size)
     decode_blocks = sum(level.running_blocks for level in load.by_priority)
     return context.kv_cost_overlap_weight * prefill_blocks + decode_blocks
@@ -117,7 +132,8 @@ def choose_min_kv_cost(
     live = dispatchable(loads, request)
     if isinstance(live, DispatchDecision):
         return live
-    scored = [(kv_cost(l, request, context), l.instance_id) for l in live]
+    matched = matched_blocks(request, context.index)
+    scored = [(kv_cost(l, request, context, matched), l.instance_id) for l in live]
     best = min(cost for cost, _ in scored)
     return DispatchDecision(pick_tied([iid for cost, iid in scored if cost <= best + config.tie_epsilon], request))
 

@@ -29,11 +29,15 @@ class DictIndex:
     def __init__(self, held: dict[str, set[int]]) -> None:
         self.held = held
 
-    def matched_blocks(self, instance_id: str, hashes) -> int:
-        held, n = self.held.get(instance_id, set()), 0
-        while n < len(hashes) and hashes[n] in held:
-            n += 1
-        return n
+    def matches(self, hashes) -> dict[str, int]:
+        found = {}
+        for instance_id, held in self.held.items():
+            n = 0
+            while n < len(hashes) and hashes[n] in held:
+                n += 1
+            if n:
+                found[instance_id] = n
+        return found
 
 
 def prefill_s(tokens: int) -> float:  # a linear prefill model: 0.1 ms per token
