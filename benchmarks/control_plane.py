@@ -8,7 +8,12 @@ For each N it measures, side by side:
   (nats-server's /connz for its connection);
 - NATS messages per streamed request through the gateway's HTTP API, load reports excluded
   (nats-server's /varz in and out counts, less the impersonators' reports and their fan-out);
-- the gateway's CPU per streamed token (and its CPU while idle: the load reports alone).
+- the gateway's CPU per streamed token (and its CPU while idle: the load reports alone);
+- with --fan-in-streams, token fan-in: chunk messages/s and gateway CPU per token with one NATS
+  message per chunk, then one TokenChunkBatch per gateway per engine step.
+
+Rows labelled `current` impersonate this tree's llumlets (step chunks batched per gateway); rows
+from --scheduler-root impersonate the llumlets of before (one message per chunk).
 
 Every process's CPU share is printed, the impersonators' and the clients' too: this machine's
 cores are shared, so a slow figure may be the load generator's, not the control plane's.
@@ -36,7 +41,7 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.fleet_impersonator import BUSY_S, CHUNKS, NUM_COUNTERS, REPORTS, run_impersonator
+from benchmarks.fleet_impersonator import BATCHING, BUSY_S, CHUNKS, MESSAGES, NUM_COUNTERS, REPORTS, run_impersonator
 from shared import subjects
 from shared.embedded_nats import nats_server_binary
 from shared.messages import DispatchReply, DispatchRequest, decode, encode
@@ -230,6 +235,10 @@ class Fleet:
             child.start()
         self.ps = [psutil.Process(c.pid) for c in self.children]
 
+    def set_batching(self, on: bool) -> None:
+        for counters in self.counters:
+            counters[BATCHING] = 1.0 if on else 0.0
+
     def total(self, slot: int) -> float:
         return sum(c[slot] for c in self.counters)
 
@@ -255,6 +264,7 @@ class Window:
         self.fleet_busy = fleet.total(BUSY_S)
         self.reports = fleet.total(REPORTS)
         self.chunks = fleet.total(CHUNKS)
+        self.chunk_messages = fleet.total(MESSAGES)
         varz = cluster.varz()
         self.in_msgs, self.out_msgs = varz["in_msgs"], varz["out_msgs"]
         self.sched_out = cluster.connection("global-scheduler")["out_msgs"]
@@ -269,6 +279,7 @@ class Window:
             "impersonators_busy_per_s": (now.fleet_busy - self.fleet_busy) / elapsed,
             "reports_published": now.reports - self.reports,
             "chunks_published": now.chunks - self.chunks,
+            "chunk_messages_published": now.chunk_messages - self.chunk_messages,
             "nats_in": now.in_msgs - self.in_msgs,
             "nats_out": now.out_msgs - self.out_msgs,
             "scheduler_delivered": now.sched_out - self.sched_out,
@@ -280,10 +291,21 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
+def _profile(pid: int, args: argparse.Namespace, name: str) -> subprocess.Popen | None:
+    """py-spy (`pip install py-spy`) sampling the scheduler through the dispatch phase, if asked."""
+    if not args.py_spy:
+        return None
+    out = Path(args.out).parent / f"{name}.py-spy.txt"
+    return subprocess.Popen([args.py_spy, "record", "--pid", str(pid), "--duration", str(int(args.seconds)),
+                             "--format", "raw", "--output", str(out), "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def measure(n: int, args: argparse.Namespace, model_dir: str, log_dir: Path, scheduler: str, root: Path) -> dict:
     cluster = Cluster(model_dir, log_dir, args.scheduler_arg, root)
     processes = args.impersonators or (1 if n <= 200 else 2)
     fleet = Fleet(cluster.nats_url, n, processes, args.step_s)
+    fleet.set_batching(scheduler == "current")  # this tree's llumlets batch a step's chunks per gateway; older ones did not
     try:
         time.sleep(2.0)  # every instance reported; the scheduler's table is full
         idle = Window(cluster, fleet)
@@ -291,8 +313,11 @@ def measure(n: int, args: argparse.Namespace, model_dir: str, log_dir: Path, sch
         idle_stats = idle.close()
 
         window = Window(cluster, fleet)
+        profiler = _profile(cluster.procs["scheduler"].pid, args, f"scheduler-{scheduler}-{n}")
         (latencies, achieved, failures), client_cpu = _in_child("dispatch", (cluster.nats_url, args.rate, args.seconds))
         dispatch = window.close()
+        if profiler is not None:
+            profiler.wait(30)
         dispatch["client_cpu_per_s"] = client_cpu / dispatch["seconds"]
 
         window = Window(cluster, fleet)
@@ -343,6 +368,44 @@ def measure(n: int, args: argparse.Namespace, model_dir: str, log_dir: Path, sch
     }
 
 
+def measure_fan_in(args: argparse.Namespace, model_dir: str, log_dir: Path) -> list[dict]:
+    """Token fan-in at --fan-in-streams concurrent streams: the impersonated llumlets send one
+    message per chunk (as before TokenChunkBatch), then one per gateway per step."""
+    cluster = Cluster(model_dir, log_dir, args.scheduler_arg, ROOT)
+    fleet = Fleet(cluster.nats_url, args.fan_in_instances, 1, args.step_s)
+    rows = []
+    try:
+        time.sleep(2.0)
+        for batching in (False, True):
+            fleet.set_batching(batching)
+            window = Window(cluster, fleet)
+            (done, tokens, failures), client_cpu = _in_child(
+                "stream", (cluster.base_url, cluster.model, args.fan_in_streams, args.seconds, args.fan_in_tokens))
+            w = window.close()
+            rows.append({
+                "batching": batching, "instances": args.fan_in_instances, "streams": args.fan_in_streams,
+                "requests": done, "failures": failures, "tokens_per_s": tokens / w["seconds"],
+                "chunks_per_s": w["chunks_published"] / w["seconds"],
+                "chunk_messages_per_s": w["chunk_messages_published"] / w["seconds"],
+                "nats_in_per_s": w["nats_in"] / w["seconds"],
+                "gateway_cpu_per_s": w["cpu_per_s"]["gateway"],
+                "gateway_cpu_us_per_token": 1e6 * w["cpu_per_s"]["gateway"] * w["seconds"] / max(tokens, 1),
+                "impersonator_cpu_per_s": w["impersonators_cpu_per_s"], "client_cpu_per_s": client_cpu / w["seconds"],
+            })
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    finally:
+        fleet.stop()
+        cluster.stop()
+    print(f"fan-in: {args.fan_in_streams} streams on {args.fan_in_instances} instances, {args.fan_in_tokens} tokens each")
+    print(f"{'batching':>8} {'tokens/s':>9} {'chunks/s':>9} {'chunk msg/s':>11} {'gw cpu s/s':>10} {'gw us/tok':>9} "
+          f"{'client':>6} {'imp':>5}")
+    for r in rows:
+        print(f"{str(r['batching']):>8} {r['tokens_per_s']:>9.0f} {r['chunks_per_s']:>9.0f} {r['chunk_messages_per_s']:>11.0f} "
+              f"{r['gateway_cpu_per_s']:>10.2f} {r['gateway_cpu_us_per_token']:>9.0f} {r['client_cpu_per_s']:>6.2f} "
+              f"{r['impersonator_cpu_per_s']:>5.2f}")
+    return rows
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"{'scheduler':>10} {'N':>5} {'rep/s pub':>9} {'rep/s sch':>9} {'disp/s':>7} {'P50 ms':>7} {'P99 ms':>7} "
           f"{'sched cpu':>9} {'msg/req':>8} {'gw us/tok':>9} {'gw idle':>7} {'imp cpu':>7} {'client':>6}")
@@ -372,6 +435,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scheduler-root", action="append", default=[], metavar="LABEL=DIR",
                         help="also run the scheduler from DIR (e.g. `git archive <commit> | tar -x -C DIR`), "
                              "side by side with this tree's (labelled 'current')")
+    parser.add_argument("--fan-in-streams", type=int, default=0,
+                        help="also measure token fan-in at this many concurrent streams, batching off then on")
+    parser.add_argument("--fan-in-instances", type=int, default=16)
+    parser.add_argument("--log-dir", default="", help="keep the fan-in cluster's logs here")
+    parser.add_argument("--fan-in-tokens", type=int, default=64)
+    parser.add_argument("--py-spy", default="", metavar="PATH",
+                        help="py-spy binary: sample the scheduler during the dispatch phase (raw stacks beside --out)")
     parser.add_argument("--label", default="", help="kept in the JSON")
     parser.add_argument("--out", default=str(ROOT / "results" / "control_plane.json"))
     args = parser.parse_args(argv)
@@ -389,10 +459,13 @@ def main(argv: list[str] | None = None) -> int:
                 log_dir.mkdir()
                 rows.append(measure(n, args, str(model_dir), log_dir, label, Path(root)))
                 print(json.dumps(rows[-1]), file=sys.stderr)
-    print_table(rows)
+        print_table(rows)
+        fan_in_logs = Path(args.log_dir or tmp)
+        fan_in_logs.mkdir(parents=True, exist_ok=True)
+        fan_in = measure_fan_in(args, str(model_dir), fan_in_logs) if args.fan_in_streams else []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"label": args.label, "args": vars(args), "rows": rows}, indent=2))
+    out.write_text(json.dumps({"label": args.label, "args": vars(args), "rows": rows, "fan_in": fan_in}, indent=2))
     print(f"wrote {out}")
     return 0
 

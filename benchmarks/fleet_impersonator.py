@@ -20,12 +20,14 @@ import nats
 
 from shared import subjects
 from shared.engine_model.load_report import RequestAggregates, build_load_report
-from shared.messages import Ack, FinishReason, GenerateRequest, PriorityLoad, TokenChunk, decode, encode
+from shared.messages import Ack, FinishReason, GenerateRequest, PriorityLoad, TokenChunk, TokenChunkBatch, decode, encode
 from shared.policy.config import PolicyConfig
 
 # Counter slots in the shared array the parent reads.
-REPORTS, CHUNKS, GENERATES, BUSY_S = range(4)
-NUM_COUNTERS = 4
+# BATCHING is an input: 1 sends a step's chunks per gateway as one TokenChunkBatch, as a llumlet does
+# for a gateway that asks (GenerateRequest.batched_output); 0 one message per chunk, as before.
+REPORTS, CHUNKS, GENERATES, BUSY_S, MESSAGES, BATCHING = range(6)
+NUM_COUNTERS = 6
 BLOCKS_TOTAL = 4096
 BLOCK_SIZE = 16
 TOKEN_ID = 82  # "l" in the tiny test model: each token is a visible character, an SSE event of its own
@@ -37,6 +39,7 @@ class _Stream:
     reply_subject: str
     num_prompt_tokens: int
     max_tokens: int
+    batched: bool
     sent: int = 0
 
 
@@ -125,7 +128,8 @@ class Impersonator:
         request = decode(msg.data, GenerateRequest)
         instance_id = msg.subject.split(".")[2]
         self.instances[instance_id].streams.append(_Stream(
-            request.request_id, request.reply_subject, len(request.prompt_token_ids), request.sampling.max_tokens))
+            request.request_id, request.reply_subject, len(request.prompt_token_ids), request.sampling.max_tokens,
+            request.batched_output))
         await msg.respond(encode(Ack(ok=True)))
         self.counters[GENERATES] += 1
         self.busy_s += time.perf_counter() - started
@@ -135,23 +139,34 @@ class Impersonator:
         due = time.monotonic()
         while True:
             started = time.perf_counter()
-            sent = 0
+            sent = messages = 0
+            batching = bool(self.counters[BATCHING])
             for instance in self.instances.values():
                 if not instance.streams:
                     continue
                 alive = []
+                batches: dict[str, list[TokenChunk]] = {}
                 for stream in instance.streams:
                     done = stream.sent + 1 >= stream.max_tokens
-                    await self.nc.publish(stream.reply_subject, encode(TokenChunk(
+                    chunk = TokenChunk(
                         request_id=stream.request_id, instance_id=instance.instance_id, start_index=stream.sent,
                         token_ids=[TOKEN_ID], num_prompt_tokens=stream.num_prompt_tokens,
-                        finish_reason=FinishReason.LENGTH if done else None)))
+                        finish_reason=FinishReason.LENGTH if done else None)
+                    if batching and stream.batched:
+                        batches.setdefault(stream.reply_subject, []).append(chunk)
+                    else:
+                        await self.nc.publish(stream.reply_subject, encode(chunk))
+                        messages += 1
                     stream.sent += 1
                     sent += 1
                     if not done:
                         alive.append(stream)
+                for subject, chunks in batches.items():
+                    await self.nc.publish(subject, encode(chunks[0] if len(chunks) == 1 else TokenChunkBatch(chunks)))
+                    messages += 1
                 instance.streams = alive
             self.counters[CHUNKS] += sent
+            self.counters[MESSAGES] += messages
             self.busy_s += time.perf_counter() - started
             due += self.step_s
             await asyncio.sleep(max(0.0, due - time.monotonic()))
