@@ -37,7 +37,7 @@ class GatewayConfig:
     instance_timeout_s: float = 3.0
     # An instance holding requests and silent this long (its load reports are a 50 ms heartbeat)
     # is dead: its requests resume elsewhere (services/gateway/resume.py).
-    death_timeout_s: float = 0.6
+    death_timeout_s: float = 0.8
     max_resumes: int = 2  # per request; past it, the request ends with an error
     # Send the prompt's block hashes with each dispatch request (prefix-aware dispatch).
     dispatch_prefix_hashes: bool = False

@@ -3,11 +3,27 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 
 from shared.embedded_nats import start_nats
 from tests.chaos.harness import SIM_ARGS
 from tests.support.cluster import Cluster
+
+
+KEPT_LOGS = Path(__file__).resolve().parents[2] / "results" / "chaos-logs"  # git-ignored
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `chaos` (minutes long) run only when asked for: `-m chaos`."""
+    if "chaos" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="a long chaos run: select it with -m chaos")
+    for item in items:
+        if item.get_closest_marker("chaos") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture
@@ -18,7 +34,7 @@ def chaos_nats():
 
 
 @pytest.fixture
-def make_cluster(chaos_nats, tiny_model_dir, tmp_path):
+def make_cluster(chaos_nats, tiny_model_dir, tmp_path, request):
     """Start scheduler, `instances` simulated llumlets (sim-0…) and a gateway; stopped after."""
     clusters: list[Cluster] = []
 
@@ -37,3 +53,7 @@ def make_cluster(chaos_nats, tiny_model_dir, tmp_path):
     yield make
     for cluster in clusters:
         cluster.stop()
+    # Every process's log, kept where the next test runs do not rotate it away.
+    kept = KEPT_LOGS / request.node.name
+    shutil.rmtree(kept, ignore_errors=True)
+    shutil.copytree(tmp_path / "logs", kept, dirs_exist_ok=True)
