@@ -376,7 +376,7 @@ def measure_fan_in(args: argparse.Namespace, model_dir: str, log_dir: Path) -> l
     rows = []
     try:
         time.sleep(2.0)
-        for batching in (False, True):
+        for batching in args.fan_in_order:
             fleet.set_batching(batching)
             window = Window(cluster, fleet)
             (done, tokens, failures), client_cpu = _in_child(
@@ -438,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fan-in-streams", type=int, default=0,
                         help="also measure token fan-in at this many concurrent streams, batching off then on")
     parser.add_argument("--fan-in-instances", type=int, default=16)
+    parser.add_argument("--fan-in-order", type=lambda text: [part == "batched" for part in text.split(",")],
+                        default=[False, True], help="phases in order, e.g. batched,unbatched (default unbatched,batched)")
     parser.add_argument("--log-dir", default="", help="keep the fan-in cluster's logs here")
     parser.add_argument("--fan-in-tokens", type=int, default=64)
     parser.add_argument("--py-spy", default="", metavar="PATH",
