@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -69,8 +70,11 @@ class Stream:
         return self.finish is not None and self.error is None
 
 
-async def run_stream(http: httpx.AsyncClient, model: str, prompt: list[int], tokens: int) -> Stream:
-    stream = Stream(prompt, time.monotonic())
+async def run_stream(http: httpx.AsyncClient, model: str, prompt: list[int], tokens: int,
+                     stream: Stream | None = None) -> Stream:
+    """One streamed completion, recorded into `stream` as its events arrive."""
+    stream = stream or Stream(prompt)
+    stream.started = time.monotonic()
     body = {"model": model, "prompt": prompt, "max_tokens": tokens, "stream": True, "temperature": 0.0,
             "ignore_eos": True}
     try:
@@ -120,7 +124,11 @@ class Run:
         self.fault, self.args, self.model_dir = fault, args, model_dir
         self.log_dir = work / f"logs-{fault}"
         self.log_dir.mkdir()
-        self.servers = start_nats_cluster(work / f"nats-{fault}") if fault == "nats-node-loss" else [start_nats()]
+        if fault == "nats-node-loss":
+            (work / f"nats-{fault}").mkdir()
+            self.servers = start_nats_cluster(work / f"nats-{fault}")
+        else:
+            self.servers = [start_nats()]
         self.cluster = Cluster(",".join(s.url for s in self.servers), model_dir, self.log_dir)
         self.instances = [f"sim-{i}" for i in range(args.instances)]
         self.victim_url: str | None = None
@@ -206,11 +214,17 @@ async def measure(run: Run, args: argparse.Namespace) -> dict:
     async with NatsObserver(monitor_url) as observer, GenerateLog(monitor_url) as generated, \
             httpx.AsyncClient(base_url=cluster.base_url, timeout=HANG_S, limits=limits) as http, \
             httpx.AsyncClient(base_url=run.victim_url or cluster.base_url, timeout=HANG_S, limits=limits) as victim_http:
-        tasks = [asyncio.create_task(run_stream(http, name, p, tokens)) for p in own_prompts]
+        watched = [Stream(p) for p in own_prompts]
+        tasks = [asyncio.create_task(run_stream(http, name, s.prompt, tokens, s)) for s in watched]
         victim_tasks = [asyncio.create_task(run_stream(victim_http, name, p, tokens * 4)) for p in victim_prompts]
-        await observer.wait_for(lambda latest: sum(r.num_running for r in latest.values()) >= args.streams // 2
-                                and (latest.get(VICTIM) is None or latest[VICTIM].num_running >= 4), 30)
-        await asyncio.sleep(0.5)  # mid-decode: tokens have streamed
+        victim_matters = run.fault.startswith("llumlet")
+        row["loaded_at_fault"] = await observer.wait_for(
+            lambda latest: sum(r.num_running for r in latest.values()) >= args.streams // 2
+            and (not victim_matters or (VICTIM in latest and latest[VICTIM].num_running >= 4)), 30)
+        deadline = time.monotonic() + 30
+        while sum(len(s.times) >= 10 for s in watched) < 3 * len(watched) // 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)  # mid-decode: most streams have tokens, none is near its end
+        row["loaded_at_fault"] = row["loaded_at_fault"] and time.monotonic() < deadline
         struck = time.monotonic()
         heal = await run.strike()
         # New requests during the fault, and the victim gateway's orphans leaving the engines.
@@ -246,6 +260,8 @@ async def measure(run: Run, args: argparse.Namespace) -> dict:
         after = [t for t in stream.times if t > struck]
         if before and after and not (stream.finish and stream.times[-1] <= struck):
             stalls.append(after[0] - before[-1])
+    row["in_flight_at_fault"] = sum(1 for s in streams if any(t <= struck for t in s.times)
+                                    and any(t > struck for t in s.times))
     leaked = await leaked_blocks(monitor_url if run.fault != "nats-outage-5s" else run.servers[0].url, run.live_instances)
     new_ttft = [s.times[0] - s.started for s in new_streams if s.times]
     row.update({
@@ -309,6 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--probe-s", type=float, default=3.0, help="send new requests this long after the fault")
     parser.add_argument("--fault-s", type=float, default=5.0, help="how long a healable fault lasts (NATS, SIGSTOP)")
     parser.add_argument("--out", default=str(ROOT / "results" / "chaos.json"))
+    parser.add_argument("--keep-logs", default="", metavar="DIR", help="copy every process's log here")
     args = parser.parse_args(argv)
     faults = [f for f in args.faults.split(",") if f]
     if unknown := set(faults) - set(FAULTS):
@@ -332,6 +349,8 @@ def main(argv: list[str] | None = None) -> None:
                 row = {"fault": fault, "error": f"{type(exc).__name__}: {exc}"}
             finally:
                 run.stop()
+                if args.keep_logs:
+                    shutil.copytree(run.log_dir, Path(args.keep_logs) / fault, dirs_exist_ok=True)
             row["wall_s"] = round(time.monotonic() - started, 1)
             rows.append(row)
             print(table_line(row) if "error" not in row else f"{fault.ljust(18)} did not run: {row['error']}", flush=True)
