@@ -13,12 +13,15 @@ from dataclasses import asdict, replace
 
 from loadgen.datasets import SPEC_HELP
 from loadgen.errors import LoadgenError
+from loadgen.simulator.admission import AdmissionModel
 from loadgen.simulator.config import AutoscaleModel, MigrationModel, SimConfig
 from loadgen.simulator.report import format_table, results_document, write_json, write_plots
+from loadgen.simulator.slo import SLO_HEADER, slo_metrics, slo_row
 from loadgen.simulator.sweep import run_sweep
 from loadgen.simulator.workload import Workload, WorkloadSpec
 from shared.engine_model.config import STEP_MODES, SchedulerConfig
 from shared.policy.baselines import POLICIES, POLICY_NAMES, PREFIX_POLICY_NAMES, SchedulingPolicy, get_policy
+from shared.policy.admission import ADMISSION_POLICY_NAMES, AdmissionPolicy, Slo, SloConfig
 from shared.policy.config import HIGH_PRIORITY, PolicyConfig, ScalingConfig
 from shared.policy.migration import DEFAULT_GUARD
 
@@ -114,6 +117,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scale.add_argument("--startup-s", type=float, default=AutoscaleModel().startup_s,
                        help="a new instance serves after this long (billed from launch)")
 
+    gate = parser.add_argument_group("admission control (early rejection against an SLO)")
+    gate.add_argument("--admission", choices=ADMISSION_POLICY_NAMES, default="none",
+                      help="none (admit all), current-load (reject on the load now), predicted (on the decode "
+                           "batch when the prefill would finish); needs --slo-ttft-s and --slo-tbt-s")
+    gate.add_argument("--slo-ttft-s", type=float, metavar="S", help="TTFT target; with --slo-tbt-s adds the SLO table")
+    gate.add_argument("--slo-tbt-s", type=float, metavar="S", help="TBT target (mean time per output token)")
+    gate.add_argument("--slo-reserve", type=float, default=SloConfig(Slo(1, 1)).reserve, metavar="F",
+                      help="share of the SLO normal priority may not use, so high priority is rejected last")
     out = parser.add_argument_group("output")
     out.add_argument("--out", metavar="FILE", help="write the results as JSON")
     out.add_argument("--plot", metavar="DIR", help="write PNG plots (latency CDFs, timelines, sweep)")
@@ -144,10 +155,21 @@ def run(args: argparse.Namespace) -> int:
 
     records = run_sweep(config, policies, spec, rates, on_record=progress, on_workload=_truncation_warning(config))
     print(format_table(records))
+    if config.admission is not None:
+        print(f"\nSLO: TTFT {config.admission.slo.default.ttft_s:g} s, TBT {config.admission.slo.default.tbt_s:g} s; "
+              f"admission {config.admission.policy.value}")
+        print(SLO_HEADER)
+        for record in records:
+            point = f"@{record.rate:g}" if record.rate is not None else ""
+            print(slo_row(f"{record.policy}{point}", slo_metrics(record.result, config.admission.slo)))
     if args.out:
         settings = {"workload": asdict(spec), "rates": rates, "policies": [p.name for p in policies],
                     "cluster": _settings_of(config)}
-        print(f"results: {write_json(args.out, results_document(records, settings))}")
+        document = results_document(records, settings)
+        if config.admission is not None:
+            document["slo"] = [{"policy": r.policy, "rate": r.rate, **slo_metrics(r.result, config.admission.slo).to_json()}
+                               for r in records]
+        print(f"results: {write_json(args.out, document)}")
     if args.plot:
         written = write_plots(records, args.plot)
         print(f"plots: {len(written)} PNG files in {args.plot}")
@@ -192,9 +214,21 @@ def build_config(args: argparse.Namespace) -> SimConfig:
             guard=None if args.no_migration_guard else DEFAULT_GUARD,
             migration=MigrationModel(bandwidth_gbps=args.migration_bandwidth_gbps),
             autoscale=autoscale,
+            admission=_admission(args),
         )
     except ValueError as exc:
         raise LoadgenError(str(exc)) from None
+
+
+def _admission(args: argparse.Namespace) -> AdmissionModel | None:
+    if args.slo_ttft_s is None and args.slo_tbt_s is None:
+        if args.admission != "none":
+            raise ValueError(f"--admission {args.admission} needs --slo-ttft-s and --slo-tbt-s")
+        return None
+    if args.slo_ttft_s is None or args.slo_tbt_s is None:
+        raise ValueError("give both --slo-ttft-s and --slo-tbt-s")
+    slo = SloConfig(Slo(args.slo_ttft_s, args.slo_tbt_s), reserve=args.slo_reserve)
+    return AdmissionModel(AdmissionPolicy(args.admission), slo)
 
 
 def _truncation_warning(config: SimConfig) -> Callable[[Workload], None]:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from loadgen.datasets import PREFIX_BLOCK_TOKENS
+from loadgen.simulator.admission import SimAdmission
 from loadgen.simulator.autoscale import Autoscaler, ScalingEvent
 from loadgen.simulator.config import SimConfig
 from loadgen.simulator.events import EventQueue
@@ -23,9 +24,10 @@ from loadgen.simulator.workload import SimArrival, Workload
 from shared.engine_model.latency import LatencyModel
 from shared.engine_model.request import SimRequest
 from shared.engine_model.scheduler import SimScheduler
-from shared.messages import DispatchRequest, LoadReport
+from shared.messages import DispatchRequest, LoadReport, Refusal
+from shared.policy.admission import AdmissionPolicy
 from shared.policy.baselines import DispatchRule, SchedulingPolicy, dispatch
-from shared.policy.dispatch import account_dispatch
+from shared.policy.dispatch import DispatchDecision, account_dispatch
 from shared.policy.prefix_dispatch import PrefixContext
 from shared.prefix_hash import trace_block_hashes
 
@@ -35,6 +37,7 @@ class DispatchRecord:
     request_id: str
     instance_id: str | None
     rejected: str | None = None
+    at_s: float = 0.0  # when it arrived
 
 
 @dataclass
@@ -87,6 +90,9 @@ class ClusterSimulator:
         self.prefix = PrefixContext(SimPrefixIndex(self.instances), self._prefill_s)
         self.migrator = Migrator(self) if policy.migration else None
         self.autoscaler = Autoscaler(self, config.autoscale) if config.autoscale else None
+        admission = config.admission
+        self.admission = (SimAdmission(admission, self.latency, self.instances)
+                          if admission is not None and admission.policy is not AdmissionPolicy.NONE else None)
         self.timeline = Timeline()
         for _ in range(config.num_instances):
             self.launch_instance(ready_after_s=0.0)
@@ -154,6 +160,10 @@ class ClusterSimulator:
     def _on_step_end(self, instance: SimInstance) -> None:
         step, instance.step = instance.step, None
         finished = instance.scheduler.update_from_output(step, self.now).finished
+        if self.admission is not None:
+            self.admission.observe_step(instance.instance_id, step)
+            if finished:
+                self.admission.observe_finished(instance.instance_id, finished)
         if finished:
             for request in finished:
                 self.finished.append(request)
@@ -204,10 +214,18 @@ class ClusterSimulator:
             loads = self.loads()
         else:  # round-robin reads no load; a report only tells it who is serving
             loads = [instance.report or self.report_of(instance) for instance in self.serving]
-        decision = dispatch(self.policy, loads, message, self.policy_config, self._turn, self.prefix)
+        refused = None
+        if self.admission is not None:  # early rejection: before any prefill is spent
+            admitted = self.admission.decide(loads, arrival.prompt_len, priority)
+            if admitted.accepted:
+                loads = [load for load in loads if load.instance_id in admitted.admitted]
+            else:
+                refused = f"overloaded:{admitted.rejected.value}"
+        decision = (dispatch(self.policy, loads, message, self.policy_config, self._turn, self.prefix)
+                    if refused is None else DispatchDecision(None, refused, Refusal.OVERLOADED))
         self._turn += 1
         self.labels[request_id] = arrival.priority
-        record = DispatchRecord(request_id, decision.instance_id, decision.rejected)
+        record = DispatchRecord(request_id, decision.instance_id, decision.rejected, self.now)
         if self.dispatches is not None:
             self.dispatches.append(record)
         if decision.instance_id is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from loadgen.simulator.admission import AdmissionModel
 from shared.engine_model.latency import SIMPLE_MODELS
 from shared.engine_model.config import SchedulerConfig
 from shared.policy.config import PolicyConfig, ScalingConfig
@@ -71,6 +72,7 @@ class SimConfig:
     migration: MigrationModel = field(default_factory=MigrationModel)
     autoscale: AutoscaleModel | None = None
     timeline_interval_s: float = 1.0
+    admission: AdmissionModel | None = None  # early rejection (None: admit everything)
 
     def __post_init__(self) -> None:
         if self.num_instances < 1:

@@ -4,13 +4,21 @@ scheduler and tests.
 
 Per candidate instance a request gets two predictions:
 - TTFT = prefill of what is queued ahead there + prefill of its own prompt (the same terms as
-  `prefix_dispatch.predicted_ttft_s`, through the same latency-model `prefill_s`);
+  `prefix_dispatch.predicted_ttft_s`, through the same latency-model `prefill_s`); when the KV
+  blocks left after the queue's claims cannot hold its prompt, the instance cannot take it
+  (both policies). Predicting the wait for running requests to free memory was tried: with
+  decoding requests growing their KV meanwhile it under-predicted (the admitted excess ran into
+  preemptions; P99 TTFT error of 15 s in the simulator), so it is left out;
 - TBT = one decode step of the batch it will join, with that batch taken either
   - now (`current-load`, Mooncake's baseline: the running requests, plus the queued ones and
     itself), or
   - when its prefill completes (`predicted`): a running request is still there then only if its
     predicted remaining output outlasts the decode steps that fit in the predicted TTFT; the
     queued requests ahead (prefilled before it) and itself join.
+
+A decode step's time comes from the latency model times the instance's measured step inflation
+(its recent steps' time over their decode-only time: the prefill chunks other requests mix into
+the steps, which lengthen every decoding request's TBT); both policies use it.
 
 Remaining output of a running request: from the instance's output-length estimate, the mean
 output length of the requests it has served (`OutputLengthEstimate`, a prior until it has seen
@@ -28,6 +36,7 @@ refused first and high priority last.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -112,6 +121,9 @@ class InstanceOutlook:
     running_generated: Sequence[int]  # output tokens produced so far by each decoding request
     context_tokens_per_request: float  # mean context of a decoding request (decode step cost)
     output: OutputLengthEstimate
+    free_blocks_after_queue: int = 1 << 62  # KV blocks left once the queue has claimed its own
+    block_size: int = 16
+    step_inflation: float = 1.0  # measured step time / decode-only model time (prefill mixed in)
 
 
 @dataclass(frozen=True)
@@ -140,17 +152,20 @@ class LatencyFns:
 
 
 def predict(outlook: InstanceOutlook, prompt_tokens: int, policy: AdmissionPolicy, latency: LatencyFns) -> Prediction:
-    ttft = latency.prefill_s(outlook.queued_prefill_tokens) + latency.prefill_s(prompt_tokens)
     running = len(outlook.running_generated)
+    step_s = latency.decode_s(running, int(running * outlook.context_tokens_per_request)) if running else 0.0
+    queue_s = latency.prefill_s(outlook.queued_prefill_tokens)
+    if -(-(prompt_tokens + 1) // outlook.block_size) > outlook.free_blocks_after_queue:
+        queue_s = math.inf  # no room now: it would wait for memory (see the module note)
+    ttft = queue_s + latency.prefill_s(prompt_tokens)
     if policy is AdmissionPolicy.PREDICTED and running:
         # Decode steps that fit in the TTFT, at the current batch's step time (a lower bound on
         # the steps: mixed steps with prefill are slower, so this keeps requests, never drops more).
-        step_s = latency.decode_s(running, int(running * outlook.context_tokens_per_request))
         steps = ttft / step_s if step_s > 0 else 0.0
         running = sum(outlook.output.remaining(g) > steps for g in outlook.running_generated)
     batch = running + outlook.num_queued + 1
     context = int(batch * max(outlook.context_tokens_per_request, float(prompt_tokens)))
-    return Prediction(outlook.instance_id, ttft, batch, latency.decode_s(batch, context))
+    return Prediction(outlook.instance_id, ttft, batch, latency.decode_s(batch, context) * outlook.step_inflation)
 
 
 def admit(

@@ -106,3 +106,19 @@ def test_slo_rejects_bad_targets():
         Slo(0.0, 0.05)
     with pytest.raises(ValueError):
         SloConfig(Slo(1.0, 0.05), reserve=1.0)
+
+
+def test_no_room_for_the_prompt_after_the_queue_is_a_ttft_rejection():
+    full = InstanceOutlook("a", 0, 0, (), 0.0, OutputLengthEstimate(), free_blocks_after_queue=5, block_size=16)
+    assert predict(full, 200, AdmissionPolicy.PREDICTED, LATENCY).ttft_s == float("inf")
+    assert admit([full], 200, HIGH_PRIORITY, AdmissionPolicy.PREDICTED, SLO, LATENCY).rejected is RejectReason.TTFT
+    assert admit([full], 60, 0, AdmissionPolicy.PREDICTED, SLO, LATENCY).accepted  # 4 blocks fit
+
+
+def test_measured_step_inflation_scales_the_predicted_tbt():
+    plain = outlook(num_queued=9)
+    inflated = InstanceOutlook("a", 0, 9, (), 200.0, OutputLengthEstimate(), step_inflation=3.0)
+    assert predict(inflated, 10, AdmissionPolicy.PREDICTED, LATENCY).tbt_s == pytest.approx(
+        3.0 * predict(plain, 10, AdmissionPolicy.PREDICTED, LATENCY).tbt_s)
+    assert admit([plain], 10, 0, AdmissionPolicy.PREDICTED, SLO, LATENCY).accepted
+    assert admit([inflated], 10, 0, AdmissionPolicy.PREDICTED, SLO, LATENCY).rejected is RejectReason.TBT

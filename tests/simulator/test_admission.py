@@ -1,0 +1,72 @@
+"""Admission control in the simulator (issue 19): early rejection against an SLO, the SLO table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from loadgen.errors import LoadgenError
+from loadgen.simulator import cli
+from loadgen.simulator.admission import AdmissionModel
+from loadgen.simulator.cluster import ClusterSimulator
+from loadgen.simulator.config import SimConfig
+from loadgen.simulator.slo import per_second, slo_metrics
+from loadgen.simulator.workload import WorkloadSpec, build_workload
+from shared.policy.admission import AdmissionPolicy, Slo, SloConfig
+from shared.policy.baselines import get_policy
+
+SLO = SloConfig(Slo(ttft_s=3.0, tbt_s=0.08))
+
+
+def run(policy: AdmissionPolicy, rate: float = 5.0, n: int = 300):
+    config = SimConfig(num_instances=3, admission=AdmissionModel(policy, SLO))
+    workload = build_workload(WorkloadSpec("synthetic:sharegpt", num_requests=n, rate=rate, seed=1), config.max_seq_len)
+    return ClusterSimulator(config, get_policy("corral"), workload).run()
+
+
+def test_overload_without_admission_misses_the_slo_and_with_it_rejects_early():
+    none, predicted = run(AdmissionPolicy.NONE), run(AdmissionPolicy.PREDICTED)
+    m_none, m_pred = slo_metrics(none, SLO), slo_metrics(predicted, SLO)
+    assert m_none.rejected == 0 and m_none.accepted_ttft_p99_s > 10 * SLO.default.ttft_s
+    assert m_pred.rejected > 0 and m_pred.accepted + m_pred.rejected == 300
+    assert m_pred.goodput_rps > 1.5 * m_none.goodput_rps
+    assert m_pred.wasted_prefill_share < m_none.wasted_prefill_share
+    # The prediction's error bounds how far past the target an accepted request lands.
+    assert m_pred.accepted_ttft_p99_s <= SLO.default.ttft_s + 1.0
+    assert all(r.rejected.startswith("overloaded:") for r in predicted.rejected)
+    accepted, rejected = per_second(predicted)
+    assert sum(accepted) == m_pred.accepted and sum(rejected) == m_pred.rejected
+
+
+def test_below_saturation_nothing_is_rejected():
+    m = slo_metrics(run(AdmissionPolicy.PREDICTED, rate=0.5, n=60), SLO)
+    assert m.rejected == 0 and m.met_slo == 60
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="loadgen")
+    cli.register(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["simulate", *argv])
+
+
+def test_cli_prints_and_writes_the_slo_table(tmp_path, capsys):
+    args = parse("--dataset", "synthetic:sharegpt", "--num-requests", "80", "--rate", "6", "--instances", "2",
+                 "--policy", "corral", "--admission", "current-load", "--slo-ttft-s", "2", "--slo-tbt-s", "0.1",
+                 "--out", str(tmp_path / "r.json"), "--quiet")
+    assert args.handler(args) == 0
+    assert "goodput" in capsys.readouterr().out
+    slo = json.loads((tmp_path / "r.json").read_text())["slo"]
+    assert slo[0]["accepted"] + slo[0]["rejected"] == 80
+
+
+@pytest.mark.parametrize("argv", [
+    ("--admission", "predicted"),  # no SLO
+    ("--slo-ttft-s", "2"),  # half an SLO
+    ("--admission", "predicted", "--slo-ttft-s", "0", "--slo-tbt-s", "0.1"),
+])
+def test_bad_admission_options_are_clear_errors(argv):
+    args = parse("--dataset", "synthetic:sharegpt", "--num-requests", "10", *argv)
+    with pytest.raises(LoadgenError):
+        cli.build_config(args)
