@@ -59,7 +59,7 @@ async def stream_completion(http: httpx.AsyncClient, model: str, prompt: list[in
                 if reply.status_code != 200:
                     outcome.error = f"HTTP {reply.status_code}: {(await reply.aread()).decode(errors='replace')}"
                     return outcome
-                async for line in reply.aiter_lines():
+                async for line in _sse_lines(reply):
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     event = json.loads(line[len("data: "):])
@@ -79,6 +79,19 @@ async def stream_completion(http: httpx.AsyncClient, model: str, prompt: list[in
     finally:
         outcome.ended = time.monotonic()
     return outcome
+
+
+async def _sse_lines(reply: httpx.Response):
+    """Lines split on "\n" only: httpx's `aiter_lines` also splits on U+2028, U+0085 and the like,
+    which JSON carries unescaped inside the text of a token."""
+    buffered = ""
+    async for text in reply.aiter_text():
+        buffered += text
+        *lines, buffered = buffered.split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+    if buffered:
+        yield buffered
 
 
 class SimOutput:

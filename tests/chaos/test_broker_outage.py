@@ -12,7 +12,7 @@ import pytest
 
 from shared.embedded_nats import start_nats
 from tests.chaos.harness import (
-    GenerateLog, dead_processes, judge, model_name, stream_completion, wait_blocks_back,
+    GenerateLog, dead_processes, judge, log_lines, model_name, stream_completion, wait_blocks_back,
 )
 from tests.chaos.test_instance_death import expected, prompts
 
@@ -28,6 +28,16 @@ async def _first_success_after(http: httpx.AsyncClient, name: str, started: floa
             return time.monotonic() - started
         await asyncio.sleep(0.1)
     raise AssertionError(f"no request succeeded within {limit_s} s of NATS coming back")
+
+
+async def _all_reconnected(cluster, timeout_s: float = 5.0) -> list[str]:
+    """The processes that have not said they reconnected to NATS (empty: all have)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [name for name in cluster.procs if not log_lines(cluster, name, "reconnected to NATS")]
+        if not missing or time.monotonic() > deadline:
+            return missing
+        await asyncio.sleep(0.2)
 
 
 async def _outage(make_cluster, chaos_nats, tiny_model_dir, outage_s: float, gateway_args: tuple[str, ...] = ()):
@@ -71,6 +81,7 @@ async def test_nats_down_5_s_then_back(make_cluster, chaos_nats, tiny_model_dir)
         assert tally.hung == 0 and tally.wrong == 0, tally
         assert all(status == 503 and retry == "1" and took < 1.0 for status, retry, took in gap), gap
         assert recovery_s < 5.0
+        assert await _all_reconnected(cluster) == []
         assert not (left := await wait_blocks_back(cluster.nats_url, ["sim-0", "sim-1", "sim-2"])), left
         assert dead_processes(cluster) == []
     finally:
@@ -90,6 +101,7 @@ async def _long_outage(make_cluster, chaos_nats, tiny_model_dir, outage_s: float
         assert tally.hung == 0 and tally.wrong == 0 and tally.failed == STREAMS, tally
         assert all(o.ended - o.started < fail_s + 5 for o in outcomes)
         assert recovery_s < 5.0
+        assert await _all_reconnected(cluster) == []  # scheduler included: bypass would hide it
         assert not (left := await wait_blocks_back(cluster.nats_url, ["sim-0", "sim-1", "sim-2"])), left
         assert dead_processes(cluster) == []
     finally:
