@@ -11,6 +11,7 @@ error instead of output that silently differs (`resume_refusal`).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -25,6 +26,11 @@ if TYPE_CHECKING:
     from services.gateway.service import PreparedRequest
 
 log = logging.getLogger(__name__)
+
+# A resume that finds no instance free (every one refuses: overloaded, or none left) tries again
+# for this long before the stream ends with the refusal: a stream mid-way is worth a short wait.
+RESUME_PATIENCE_S = 5.0
+RESUME_RETRY_S = 0.25
 
 # place(request, stream, exclude, resume_from): dispatch and send it, as for a new request.
 Place = Callable[["PreparedRequest", OutputStream, list[str], int], Awaitable[None]]
@@ -71,8 +77,10 @@ class Resumer:
     """The requests this gateway may resume, and the resuming itself."""
 
     def __init__(self, place: Place, max_resumes: int, spawn: Callable[[Coroutine[Any, Any, None]], None],
-                 on_resumed: Callable[[float], None] | None = None) -> None:
+                 on_resumed: Callable[[float], None] | None = None,
+                 is_open: Callable[[str], bool] = lambda request_id: True) -> None:
         self._place = place
+        self._is_open = is_open  # False once the client is gone: stop trying
         self.max_resumes = max_resumes
         self._spawn = spawn
         self._on_resumed = on_resumed  # seconds from losing the holder to the new one acknowledging
@@ -107,7 +115,16 @@ class Resumer:
         started = time.monotonic()
         delivered = list(stream.delivered)
         try:
-            await self._place(resumed_request(request, delivered), stream, sorted(stream.left), len(delivered))
+            while True:
+                try:
+                    await self._place(resumed_request(request, delivered), stream, sorted(stream.left),
+                                      len(delivered))
+                    break
+                except ApiError as error:
+                    if (error.status not in (429, 503) or time.monotonic() - started > RESUME_PATIENCE_S
+                            or not self._is_open(stream.request_id)):
+                        raise
+                await asyncio.sleep(RESUME_RETRY_S)
         except ApiError as error:
             log.warning("request %s: %s; resuming it failed: %s", stream.request_id, why, error.message)
             stream.fail(f"{why}; resuming the request elsewhere failed: {error.message}", error.status)

@@ -76,7 +76,8 @@ class GatewayService:
         bus_guard.register(self.metrics.registry)
         self.instances = GatewayInstances(config.instance_timeout_s)
         self.metrics.watch_instances(lambda: [load.instance_id for load in self.instances.live_loads()])
-        self.resumer = Resumer(self._place, config.max_resumes, self._spawn)
+        self.resumer = Resumer(self._place, config.max_resumes, self._spawn,
+                               is_open=lambda request_id: self.streams.is_open(request_id))
         self.streams = StreamRegistry(on_handover_stall=self.metrics.migration_stalled,
                                       vocab_size=self.tokenizer.vocab_size, on_lost=self.resumer.lost,
                                       max_buffered=config.max_buffered_chunks)

@@ -100,3 +100,37 @@ def test_nats_urls_and_reconnect_backoff():
     assert reconnect_wait_s(0) == 0.0  # a server not failed lately: at once (a cluster node gone)
     waits = [reconnect_wait_s(n) for n in range(1, 12)]
     assert all(0.05 <= w <= 1.5 for w in waits) and max(waits) > 0.5
+
+
+async def test_a_resume_refused_for_want_of_room_tries_again_then_gives_up(monkeypatch):
+    from services.gateway import resume as resume_module
+    from services.gateway.errors import ApiError
+
+    monkeypatch.setattr(resume_module, "RESUME_PATIENCE_S", 0.3)
+    monkeypatch.setattr(resume_module, "RESUME_RETRY_S", 0.05)
+    tries = []
+
+    async def place(req, stream, exclude, resume_from):
+        tries.append(resume_from)
+        if len(tries) < 3:
+            raise ApiError(503, "no instance is available")
+        stream.set_holder("b")
+
+    tasks = []
+    resumer = Resumer(place, max_resumes=2, spawn=lambda coro: tasks.append(asyncio.ensure_future(coro)))
+    stream = OutputStream("r", "a", on_lost=resumer.lost)
+    resumer.track(request(temperature=0.0))
+    stream.feed(chunk(0, [7]))
+    resumer.lost(stream, "a", "instance a stopped reporting")
+    await asyncio.gather(*tasks)
+    assert tries == [1, 1, 1] and stream.holder == "b" and not stream.finished
+
+    async def never(req, stream, exclude, resume_from):
+        raise ApiError(503, "no instance is available")
+
+    resumer = Resumer(never, max_resumes=2, spawn=lambda coro: tasks.append(asyncio.ensure_future(coro)))
+    stream = OutputStream("r", "a", on_lost=resumer.lost)
+    resumer.track(request(temperature=0.0))
+    resumer.lost(stream, "a", "instance a stopped reporting")
+    await asyncio.gather(*tasks)
+    assert stream.finished and "no instance is available" in drain(stream)[-1].error
