@@ -82,4 +82,4 @@ class SimAdmission:
         free = load.num_blocks_free - load.waiting_demand_blocks - load.committed_blocks - load.reserved_blocks
         return InstanceOutlook(load.instance_id, queued_prefill_tokens(load), load.num_waiting, generated, context,
                                self.estimate(load.instance_id), free, load.block_size,
-                               self._inflation.get(load.instance_id, 1.0))
+                               self._inflation.get(load.instance_id, 1.0), load.num_blocks_total)

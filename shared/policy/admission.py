@@ -29,7 +29,8 @@ long-running batch would look as if it were about to empty.
 
 The request is admitted to the instances whose predictions meet the SLO (dispatch then picks
 among them) and rejected with a reason when none does. Normal priority must meet the SLO with
-`reserve` of it held back, high priority the full SLO: as load rises normal requests are
+`reserve` of it held back (and the same share of the instance's KV blocks left free), high
+priority the full SLO and all the blocks: as load rises normal requests are
 refused first and high priority last.
 """
 
@@ -124,6 +125,7 @@ class InstanceOutlook:
     free_blocks_after_queue: int = 1 << 62  # KV blocks left once the queue has claimed its own
     block_size: int = 16
     step_inflation: float = 1.0  # measured step time / decode-only model time (prefill mixed in)
+    total_blocks: int = 0  # the instance's KV blocks (normal priority leaves a reserve of them free)
 
 
 @dataclass(frozen=True)
@@ -151,11 +153,12 @@ class LatencyFns:
     decode_s: Callable[[int, int], float]  # seconds for a decode step: (batch size, context tokens)
 
 
-def predict(outlook: InstanceOutlook, prompt_tokens: int, policy: AdmissionPolicy, latency: LatencyFns) -> Prediction:
+def predict(outlook: InstanceOutlook, prompt_tokens: int, policy: AdmissionPolicy, latency: LatencyFns,
+            reserve_blocks: int = 0) -> Prediction:
     running = len(outlook.running_generated)
     step_s = latency.decode_s(running, int(running * outlook.context_tokens_per_request)) if running else 0.0
     queue_s = latency.prefill_s(outlook.queued_prefill_tokens)
-    if -(-(prompt_tokens + 1) // outlook.block_size) > outlook.free_blocks_after_queue:
+    if -(-(prompt_tokens + 1) // outlook.block_size) + reserve_blocks > outlook.free_blocks_after_queue:
         queue_s = math.inf  # no room now: it would wait for memory (see the module note)
     ttft = queue_s + latency.prefill_s(prompt_tokens)
     if policy is AdmissionPolicy.PREDICTED and running:
@@ -181,7 +184,8 @@ def admit(
     if not outlooks:
         return AdmissionDecision((), RejectReason.NO_INSTANCE, ())
     budget = slo.budget_for(priority)
-    predictions = tuple(predict(o, prompt_tokens, policy, latency) for o in outlooks)
+    share = 0.0 if priority <= HIGH_PRIORITY else slo.reserve
+    predictions = tuple(predict(o, prompt_tokens, policy, latency, int(share * o.total_blocks)) for o in outlooks)
     meets_ttft = [p for p in predictions if p.ttft_s <= budget.ttft_s]
     admitted = tuple(p.instance_id for p in meets_ttft if p.tbt_s <= budget.tbt_s)
     if admitted:

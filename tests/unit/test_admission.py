@@ -122,3 +122,12 @@ def test_measured_step_inflation_scales_the_predicted_tbt():
         3.0 * predict(plain, 10, AdmissionPolicy.PREDICTED, LATENCY).tbt_s)
     assert admit([plain], 10, 0, AdmissionPolicy.PREDICTED, SLO, LATENCY).accepted
     assert admit([inflated], 10, 0, AdmissionPolicy.PREDICTED, SLO, LATENCY).rejected is RejectReason.TBT
+
+
+def test_normal_priority_leaves_the_reserve_share_of_blocks_free():
+    slo = SloConfig(Slo(1.0, 0.05), reserve=0.1)
+    load = InstanceOutlook("a", 0, 0, (), 0.0, OutputLengthEstimate(), free_blocks_after_queue=20, block_size=16,
+                           total_blocks=100)  # normal may use 20 - 10 blocks
+    assert admit([load], 15 * 16, 0, AdmissionPolicy.PREDICTED, slo, LATENCY).rejected is RejectReason.TTFT
+    assert admit([load], 15 * 16, HIGH_PRIORITY, AdmissionPolicy.PREDICTED, slo, LATENCY).accepted
+    assert admit([load], 9 * 16 - 1, 0, AdmissionPolicy.PREDICTED, slo, LATENCY).accepted

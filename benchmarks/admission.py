@@ -1,0 +1,153 @@
+"""Admission control under overload (issue 19 §1): none / current-load / predicted, side by side.
+
+    .venv/bin/python -m benchmarks.admission [--instances 4] [--requests 800] [--seeds 0,1]
+        [--overloads 1.5,2] [--slo-ttft-s 3] [--slo-tbt-s 0.08] [--out results/admission.json]
+
+LLaMA-7B on A10 instances (the simulator's defaults), `synthetic:sharegpt` lengths, 10 % high
+priority, corral dispatch; the same requests for every admission policy. The saturating rate is
+measured first: the highest rate at which the cluster admitting everything keeps P99 TTFT within
+the SLO. Two workloads per seed:
+- overload replay: Poisson arrivals at each `--overloads` multiple of the saturating rate;
+- square-wave burst: 10 s at 2x the saturating rate, 10 s at 0.5x, repeated.
+
+Per run: goodput (requests meeting both SLOs per second of the arrival window), rejected share
+(and of high priority), wasted prefill (prompt tokens of accepted requests that then missed the
+SLO, over all prompt tokens prefilled), accepted P99 TTFT/TBT, and the coefficient of variation
+of accepted requests per second (oscillation shows as a high CV at a steady offered load). A
+PNG per workload (seed 0) plots accepted and rejected per second for each policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from loadgen.simulator.admission import AdmissionModel
+from loadgen.simulator.cluster import ClusterSimulator, SimResult
+from loadgen.simulator.config import SimConfig
+from loadgen.simulator.slo import per_second, slo_metrics
+from loadgen.simulator.workload import Workload, WorkloadSpec, build_workload
+from shared.policy.admission import ADMISSION_POLICY_NAMES, AdmissionPolicy, Slo, SloConfig
+from shared.policy.baselines import get_policy
+from shared.policy.config import HIGH_PRIORITY
+
+DATASET = "synthetic:sharegpt"
+PERIOD_S = 20.0  # square wave: half at 2x saturation, half at 0.5x
+
+
+def simulate(config: SimConfig, workload: Workload, policy: AdmissionPolicy, slo: SloConfig) -> SimResult:
+    return ClusterSimulator(replace(config, admission=AdmissionModel(policy, slo)), get_policy("corral"), workload).run()
+
+
+def saturating_rate(config: SimConfig, n: int, seed: int, slo: SloConfig) -> float:
+    """The highest offered rate (steps of 0.25 req/s) at which the cluster, admitting everything,
+    still keeps P99 TTFT within the SLO."""
+    rate = 0.25
+    while True:
+        workload = build_workload(WorkloadSpec(DATASET, num_requests=n, rate=rate + 0.25, seed=seed), config.max_seq_len)
+        result = simulate(config, workload, AdmissionPolicy.NONE, slo)
+        if slo_metrics(result, slo).accepted_ttft_p99_s > slo.default.ttft_s:
+            return rate
+        rate += 0.25
+
+
+def square_wave(base: Workload, saturation: float, seed: int) -> Workload:
+    rng = np.random.default_rng(seed)
+    t, arrivals = 0.0, []
+    for arrival in base.arrivals:
+        rate = 2.0 * saturation if (t % PERIOD_S) < PERIOD_S / 2 else 0.5 * saturation
+        t += rng.exponential(1.0 / rate)
+        arrivals.append(replace(arrival, time_s=t))
+    return Workload(arrivals, f"{DATASET} square wave 2x/0.5x of {saturation:.2f} req/s, period {PERIOD_S:g} s")
+
+
+def row(result: SimResult, slo: SloConfig) -> dict:
+    m = slo_metrics(result, slo).to_json()
+    accepted, rejected = per_second(result)
+    last_arrival = int(max([r.arrival_time for r in result.finished] + [x.at_s for x in result.rejected]))
+    steady = np.asarray(accepted[5:last_arrival], dtype=float)  # skip the warm-up seconds
+    high = [rid for rid, p in result.labels.items() if p == HIGH_PRIORITY]
+    high_rejected = sum(result.labels[x.request_id] == HIGH_PRIORITY for x in result.rejected)
+    m["high_rejected_share"] = high_rejected / len(high) if high else 0.0
+    m["accepted_per_s_cv"] = float(steady.std() / steady.mean()) if steady.size and steady.mean() > 0 else 0.0
+    m["per_second"] = {"accepted": accepted[:last_arrival + 1], "rejected": rejected[:last_arrival + 1]}
+    return m
+
+
+def plot(runs: dict[str, dict], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from loadgen.plots import save_figure
+
+    figure, axes = plt.subplots(len(runs), 1, figsize=(10, 2.4 * len(runs)), sharex=True)
+    for ax, (name, m) in zip(np.atleast_1d(axes), runs.items(), strict=True):
+        series = m["per_second"]
+        ax.plot(series["accepted"], label="accepted", color="tab:green")
+        ax.plot(series["rejected"], label="rejected", color="tab:red")
+        ax.set_ylabel("req/s")
+        ax.set_title(f"{name}: goodput {m['goodput_rps']:.2f}/s, rejected {m['rejected_share']:.0%}", fontsize=9)
+        ax.legend(loc="upper right", fontsize=8)
+    np.atleast_1d(axes)[-1].set_xlabel("arrival second")
+    figure.suptitle(title, fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_figure(plt, figure, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--instances", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=800)
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--overloads", default="1.5,2")
+    parser.add_argument("--slo-ttft-s", type=float, default=3.0)
+    parser.add_argument("--slo-tbt-s", type=float, default=0.08)
+    parser.add_argument("--out", default="results/admission.json")
+    args = parser.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    overloads = [float(x) for x in args.overloads.split(",")]
+    slo = SloConfig(Slo(args.slo_ttft_s, args.slo_tbt_s))
+    config = SimConfig(num_instances=args.instances)
+    saturation = saturating_rate(config, args.requests, seeds[0], slo)
+    print(f"{args.instances} x A10, {DATASET}, saturating rate {saturation:.2f} req/s; "
+          f"SLO TTFT {args.slo_ttft_s:g} s, TBT {args.slo_tbt_s * 1e3:g} ms (normal priority keeps "
+          f"{slo.reserve:.0%} in reserve)")
+    header = (f"{'workload':<16} {'seed':>4} {'admission':<13} {'goodput':>9} {'rejected':>8} {'high rej':>8} "
+              f"{'wasted pf':>9} {'P99 TTFT':>9} {'P99 TBT':>8} {'acc/s CV':>8}")
+    print(header)
+    document = {"settings": {**vars(args), "saturating_rate": saturation, "dataset": DATASET}, "runs": []}
+    out = Path(args.out)
+    for seed in seeds:
+        spec = WorkloadSpec(DATASET, num_requests=args.requests, priority_fraction=0.1, seed=seed)
+        workloads = {f"overload {x:g}x": build_workload(spec.with_rate(x * saturation), config.max_seq_len)
+                     for x in overloads}
+        base = build_workload(spec.with_rate(saturation), config.max_seq_len)
+        workloads["square wave"] = square_wave(base, saturation, seed)
+        for name, workload in workloads.items():
+            runs = {}
+            for policy in ADMISSION_POLICY_NAMES:
+                m = runs[policy] = row(simulate(config, workload, AdmissionPolicy(policy), slo), slo)
+                print(f"{name:<16} {seed:>4} {policy:<13} {m['goodput_rps']:>7.2f}/s {m['rejected_share']:>8.1%} "
+                      f"{m['high_rejected_share']:>8.1%} {m['wasted_prefill_share']:>9.1%} "
+                      f"{m['accepted_ttft_p99_s']:>8.2f}s {m['accepted_tbt_p99_s'] * 1e3:>6.0f}ms "
+                      f"{m['accepted_per_s_cv']:>8.2f}", flush=True)
+                document["runs"].append({"workload": name, "seed": seed, "admission": policy, **m})
+            if seed == seeds[0]:
+                png = out.with_name(f"admission_{name.replace(' ', '_')}.png")
+                plot(runs, f"{workload.description}; seed {seed}", png)
+                print(f"plot: {png}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(document) + "\n")
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
