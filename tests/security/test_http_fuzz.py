@@ -147,13 +147,27 @@ _raw_body = st.one_of(
 )
 
 
-@settings(max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
-@given(path=st.sampled_from(POSTS), raw=_raw_body, chunked=st.booleans())
-def test_raw_bodies_get_a_clear_answer(base_url, path, raw, chunked):
+RAW = given(path=st.sampled_from(POSTS), raw=_raw_body, chunked=st.booleans())
+
+
+def _send_raw(base_url: str, path: str, raw: bytes, chunked: bool, run: str) -> None:
     content = iter([raw]) if chunked else raw  # an iterator: sent chunked, without Content-Length
     with httpx.Client(base_url=base_url, timeout=TIMEOUT_S) as client:
         response = client.post(path, content=content, headers={"Content-Type": "application/json"})
-    SEEN["default"][(f"POST {path} (raw)", response.status_code)] += 1
+    SEEN[run][(f"POST {path} (raw)", response.status_code)] += 1
     _check_answer(response.status_code, response.content, path)
     if len(raw) > MAX_BODY:
         assert response.status_code == 413
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@RAW
+def test_raw_bodies_get_a_clear_answer(base_url, path, raw, chunked):
+    _send_raw(base_url, path, raw, chunked, "default")
+
+
+@pytest.mark.slow
+@settings(max_examples=4 * SLOW_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@RAW
+def test_raw_bodies_get_a_clear_answer_long(base_url, path, raw, chunked):
+    _send_raw(base_url, path, raw, chunked, "slow")
