@@ -291,16 +291,6 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def _profile(pid: int, args: argparse.Namespace, name: str) -> subprocess.Popen | None:
-    """py-spy (`pip install py-spy`) sampling the scheduler through the dispatch phase, if asked."""
-    if not args.py_spy:
-        return None
-    out = Path(args.out).parent / f"{name}.py-spy.txt"
-    return subprocess.Popen([args.py_spy, "record", "--pid", str(pid), "--duration", str(int(args.seconds)),
-                             "--format", "raw", "--output", str(out), "--nonblocking"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
 def measure(n: int, args: argparse.Namespace, model_dir: str, log_dir: Path, scheduler: str, root: Path) -> dict:
     cluster = Cluster(model_dir, log_dir, args.scheduler_arg, root)
     processes = args.impersonators or (1 if n <= 200 else 2)
@@ -313,11 +303,8 @@ def measure(n: int, args: argparse.Namespace, model_dir: str, log_dir: Path, sch
         idle_stats = idle.close()
 
         window = Window(cluster, fleet)
-        profiler = _profile(cluster.procs["scheduler"].pid, args, f"scheduler-{scheduler}-{n}")
         (latencies, achieved, failures), client_cpu = _in_child("dispatch", (cluster.nats_url, args.rate, args.seconds))
         dispatch = window.close()
-        if profiler is not None:
-            profiler.wait(30)
         dispatch["client_cpu_per_s"] = client_cpu / dispatch["seconds"]
 
         window = Window(cluster, fleet)
@@ -442,8 +429,6 @@ def main(argv: list[str] | None = None) -> int:
                         default=[False, True], help="phases in order, e.g. batched,unbatched (default unbatched,batched)")
     parser.add_argument("--log-dir", default="", help="keep the fan-in cluster's logs here")
     parser.add_argument("--fan-in-tokens", type=int, default=64)
-    parser.add_argument("--py-spy", default="", metavar="PATH",
-                        help="py-spy binary: sample the scheduler during the dispatch phase (raw stacks beside --out)")
     parser.add_argument("--label", default="", help="kept in the JSON")
     parser.add_argument("--out", default=str(ROOT / "results" / "control_plane.json"))
     args = parser.parse_args(argv)
