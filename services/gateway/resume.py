@@ -21,14 +21,16 @@ from typing import TYPE_CHECKING, Any
 from services.gateway.errors import ApiError
 from services.gateway.protocol import GenerationOptions
 from services.gateway.streams import OutputStream
+from shared.messages import Refusal
 
 if TYPE_CHECKING:
     from services.gateway.service import PreparedRequest
 
 log = logging.getLogger(__name__)
 
-# A resume that finds no instance free (every one refuses: overloaded, or none left) tries again
-# for this long before the stream ends with the refusal: a stream mid-way is worth a short wait.
+# A resume that finds every instance too busy to take it (an overload refusal) tries again for
+# this long before the stream ends with the refusal: a stream mid-way is worth a short wait. With
+# no instance left at all it ends at once.
 RESUME_PATIENCE_S = 5.0
 RESUME_RETRY_S = 0.25
 
@@ -121,7 +123,7 @@ class Resumer:
                                       len(delivered))
                     break
                 except ApiError as error:
-                    if (error.status not in (429, 503) or time.monotonic() - started > RESUME_PATIENCE_S
+                    if (error.reason is not Refusal.OVERLOADED or time.monotonic() - started > RESUME_PATIENCE_S
                             or not self._is_open(stream.request_id)):
                         raise
                 await asyncio.sleep(RESUME_RETRY_S)

@@ -4,12 +4,13 @@ a stream does with the chunks around a resume."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from services.gateway.protocol import GenerationOptions, RequestKind
 from services.gateway.resume import Resumer, resume_refusal, resumed_request, unresumable_state
 from services.gateway.service import PreparedRequest
 from services.gateway.streams import OutputStream
-from shared.messages import FinishReason, TokenChunk
+from shared.messages import FinishReason, Refusal, TokenChunk
 from shared.nats_client import reconnect_wait_s, server_urls
 
 
@@ -102,7 +103,7 @@ def test_nats_urls_and_reconnect_backoff():
     assert all(0.05 <= w <= 1.5 for w in waits) and max(waits) > 0.5
 
 
-async def test_a_resume_refused_for_want_of_room_tries_again_then_gives_up(monkeypatch):
+async def test_a_resume_refused_for_want_of_room_tries_again_but_not_with_no_instance_left(monkeypatch):
     from services.gateway import resume as resume_module
     from services.gateway.errors import ApiError
 
@@ -113,7 +114,7 @@ async def test_a_resume_refused_for_want_of_room_tries_again_then_gives_up(monke
     async def place(req, stream, exclude, resume_from):
         tries.append(resume_from)
         if len(tries) < 3:
-            raise ApiError(503, "no instance is available")
+            raise ApiError(503, "all instances are busy", reason=Refusal.OVERLOADED)
         stream.set_holder("b")
 
     tasks = []
@@ -126,11 +127,13 @@ async def test_a_resume_refused_for_want_of_room_tries_again_then_gives_up(monke
     assert tries == [1, 1, 1] and stream.holder == "b" and not stream.finished
 
     async def never(req, stream, exclude, resume_from):
-        raise ApiError(503, "no instance is available")
+        raise ApiError(503, "no instance is available", reason=Refusal.NO_INSTANCE)  # none left: at once
 
     resumer = Resumer(never, max_resumes=2, spawn=lambda coro: tasks.append(asyncio.ensure_future(coro)))
     stream = OutputStream("r", "a", on_lost=resumer.lost)
     resumer.track(request(temperature=0.0))
+    started = time.monotonic()
     resumer.lost(stream, "a", "instance a stopped reporting")
     await asyncio.gather(*tasks)
     assert stream.finished and "no instance is available" in drain(stream)[-1].error
+    assert time.monotonic() - started < 0.2  # not the 0.3 s of patience
