@@ -8,7 +8,10 @@ import uuid
 from dataclasses import dataclass, field
 
 from shared import subjects
+from services.global_scheduler.admission import AdmissionSettings
 from shared.config import add_nats_argument, env
+from shared.engine_model.latency import SIMPLE_MODELS
+from shared.policy.admission import ADMISSION_POLICY_NAMES, AdmissionPolicy, Slo, SloConfig
 from shared.policy.config import PolicyConfig
 from shared.policy.migration import DEFAULT_GUARD, MigrationGuard
 
@@ -27,6 +30,7 @@ class SchedulerConfig:
     scheduler_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     heartbeat_interval_s: float = 0.2
     leader_lease_s: float = 1.0  # a replica silent this long is gone (and a new one waits this long)
+    admission: AdmissionSettings | None = None  # early rejection against an SLO (None: admit all)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--migration-min-freeness-gap", type=float,
                         default=env("MIGRATION_MIN_FREENESS_GAP", DEFAULT_GUARD.min_freeness_gap),
                         help="pair only when the destination is this much freer than the source")
+    gate = parser.add_argument_group("admission control (429 when no instance can meet the SLO)")
+    gate.add_argument("--admission", choices=ADMISSION_POLICY_NAMES, default=env("ADMISSION", "none"))
+    gate.add_argument("--slo-ttft-s", type=float, default=env("SLO_TTFT_S", None), help="TTFT target")
+    gate.add_argument("--slo-tbt-s", type=float, default=env("SLO_TBT_S", None), help="TBT target")
+    gate.add_argument("--slo-reserve", type=float, default=env("SLO_RESERVE", 0.1),
+                      help="share of the SLO (and of KV blocks) normal priority leaves to high priority")
+    gate.add_argument("--admission-gpu", choices=sorted(SIMPLE_MODELS), default=env("ADMISSION_GPU", "A10"),
+                      help="latency profile the predictions use")
 
 
 def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
@@ -70,7 +82,20 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         **({"scheduler_id": _scheduler_id(args.scheduler_id)} if args.scheduler_id else {}),
         heartbeat_interval_s=min(0.2, args.leader_lease_s / 4),
         leader_lease_s=args.leader_lease_s,
+        admission=admission_from_args(args),
     )
+
+
+def admission_from_args(args: argparse.Namespace) -> AdmissionSettings | None:
+    if args.admission == "none":
+        return None
+    if args.slo_ttft_s is None or args.slo_tbt_s is None:
+        raise SystemExit(f"--admission {args.admission} needs --slo-ttft-s and --slo-tbt-s")
+    try:
+        slo = SloConfig(Slo(args.slo_ttft_s, args.slo_tbt_s), reserve=args.slo_reserve)
+    except ValueError as exc:
+        raise SystemExit(f"bad SLO: {exc}") from exc
+    return AdmissionSettings(AdmissionPolicy(args.admission), slo, gpu=args.admission_gpu)
 
 
 def _scheduler_id(value: str) -> str:

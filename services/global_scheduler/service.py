@@ -9,6 +9,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from services.global_scheduler.admission import DispatchAdmission
 from services.global_scheduler.config import SchedulerConfig
 from services.global_scheduler.leadership import Leadership
 from services.global_scheduler.metrics import SchedulerMetrics
@@ -46,6 +47,8 @@ class GlobalScheduler:
         self.migration_loop: MigrationLoop | None = None
         self.leadership = Leadership(config.scheduler_id, config.leader_lease_s)
         self.metrics = SchedulerMetrics(self.table.live, self._standing_pairs)
+        self.admission = (DispatchAdmission(config.admission, self.metrics.registry)
+                          if config.admission is not None else None)
         bus_guard.register(self.metrics.registry)
 
     def _standing_pairs(self) -> int:
@@ -93,6 +96,11 @@ class GlobalScheduler:
     def decide(self, request: DispatchRequest) -> DispatchReply:
         with self.metrics.decision_seconds.time():
             self.table.expire()
+            if self.admission is not None:  # early rejection, before any prefill is spent
+                request, refusal = self.admission.check(self.table.live(), request)
+                if refusal is not None:
+                    self.metrics.dispatched(Refusal.OVERLOADED)
+                    return refusal
             decision = self.index.choose(request)  # = choose_instance(self.table.live(), ...)
         self.metrics.dispatched(decision.reason if decision.instance_id is None else None)
         if decision.instance_id is None:

@@ -1,0 +1,96 @@
+"""Admission control at dispatch (issue 19 §1): the scheduler asks the pure policy
+(`shared.policy.admission`) which live instances can meet the SLO for a request, and answers
+`Refusal.OVERLOADED` with a retry hint (the gateway's 429 with Retry-After and retry-after-ms)
+when none can; dispatch then chooses among the admitted ones only.
+
+The outlooks come from the load reports alone. A report carries no per-request output progress,
+so every running request counts as just started (remaining output = the estimate's mean): live,
+`predicted` sees the same decode batch as `current-load` until reports summarize it (what the
+simulator reads from its engines directly); nor does the scheduler learn served output lengths
+yet, so the estimate stays at its prior. Step times come from the latency model of `gpu`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter
+
+from shared.engine_model.latency import LatencyModel
+from shared.messages import DispatchReply, DispatchRequest, LoadReport, Refusal
+from shared.policy.admission import (
+    AdmissionDecision,
+    AdmissionPolicy,
+    InstanceOutlook,
+    LatencyFns,
+    OutputLengthEstimate,
+    RejectReason,
+    SloConfig,
+    admit,
+)
+from shared.policy.prefix_dispatch import queued_prefill_tokens
+
+MIN_RETRY_S, MAX_RETRY_S = 0.1, 30.0
+NO_ROOM_RETRY_S = 1.0  # no instance has room for the prompt now: a second is a few requests' ends
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    policy: AdmissionPolicy
+    slo: SloConfig
+    gpu: str = "A10"  # latency profile for the predictions
+    prior_output_len: float = 256.0
+
+
+class DispatchAdmission:
+    def __init__(self, settings: AdmissionSettings, registry: CollectorRegistry) -> None:
+        self.settings = settings
+        model = LatencyModel(settings.gpu)
+        self._latency = LatencyFns(prefill_s=lambda n: model.prefill_ms(n) / 1e3 if n > 0 else 0.0,
+                                   decode_s=lambda bs, ctx: model.decode_ms(bs, ctx) / 1e3)
+        self._output = OutputLengthEstimate(prior_mean=settings.prior_output_len)
+        self.rejections = Counter("corral:scheduler_admission_rejections",
+                                  "Requests refused by admission control (429), by reason", ["reason"],
+                                  registry=registry)
+        for reason in RejectReason:
+            self.rejections.labels(reason.value)
+
+    def check(self, loads: Sequence[LoadReport], request: DispatchRequest) -> tuple[DispatchRequest, DispatchReply | None]:
+        """The request with the instances that cannot meet the SLO excluded, or a refusal."""
+        live = [load for load in loads if not load.draining and load.instance_id not in request.exclude]
+        decision = admit([self._outlook(load) for load in live], request.num_prompt_tokens, request.priority,
+                         self.settings.policy, self.settings.slo, self._latency)
+        if decision.accepted:
+            admitted = set(decision.admitted)
+            others = [load.instance_id for load in live if load.instance_id not in admitted]
+            return (request if not others else _with_exclude(request, others)), None
+        assert decision.rejected is not None
+        self.rejections.labels(decision.rejected.value).inc()
+        return request, DispatchReply(
+            rejected=f"overloaded: no instance can meet the SLO ({decision.rejected.value})",
+            retry_after_s=self._retry_after_s(decision, request.priority),
+            reason=Refusal.OVERLOADED,
+        )
+
+    def _outlook(self, load: LoadReport) -> InstanceOutlook:
+        running_blocks = sum(level.running_blocks for level in load.by_priority)
+        context = running_blocks * load.block_size / load.num_running if load.num_running else 0.0
+        free = load.num_blocks_free - load.waiting_demand_blocks - load.committed_blocks - load.reserved_blocks
+        return InstanceOutlook(load.instance_id, queued_prefill_tokens(load), load.num_waiting,
+                               [0] * load.num_running, context, self._output, free, load.block_size,
+                               total_blocks=load.num_blocks_total)
+
+    def _retry_after_s(self, decision: AdmissionDecision, priority: int) -> float:
+        """How long until the nearest instance's predicted TTFT is back within the target."""
+        budget = self.settings.slo.budget_for(priority).ttft_s
+        excess = min((p.ttft_s - budget for p in decision.predictions), default=math.inf)
+        if not math.isfinite(excess) or excess <= 0:  # no room now, or a TBT refusal
+            return NO_ROOM_RETRY_S
+        return min(max(excess, MIN_RETRY_S), MAX_RETRY_S)
+
+
+def _with_exclude(request: DispatchRequest, instance_ids: list[str]) -> DispatchRequest:
+    return msgspec.structs.replace(request, exclude=[*request.exclude, *instance_ids])
