@@ -174,7 +174,8 @@ def _in_child(kind: str, args: tuple) -> tuple[object, float]:
 
 # ------------------------------------------------------------------------------- the cluster
 class Cluster:
-    def __init__(self, model_dir: str, log_dir: Path, scheduler_args: list[str], scheduler_root: Path) -> None:
+    def __init__(self, model_dir: str, log_dir: Path, scheduler_args: list[str], scheduler_root: Path,
+                 scheduler_replicas: int = 1) -> None:
         self.monitor_port = _free_port()
         nats_port = _free_port()
         self.nats_url = f"nats://127.0.0.1:{nats_port}"
@@ -184,9 +185,10 @@ class Cluster:
             stdout=subprocess.DEVNULL, stderr=open(log_dir / "nats.log", "wb"))
         _wait_for(lambda: self.varz(), 10, "nats-server")
         python = sys.executable
-        self.procs["scheduler"] = subprocess.Popen(
-            [python, "-m", "services.cli", "scheduler", "--nats-url", self.nats_url, *scheduler_args],
-            cwd=scheduler_root, stdout=subprocess.DEVNULL, stderr=open(log_dir / "scheduler.log", "wb"))
+        for k in range(scheduler_replicas):  # replicas share the dispatch subject as a queue group
+            self.procs["scheduler" if k == 0 else f"scheduler-{k + 1}"] = subprocess.Popen(
+                [python, "-m", "services.cli", "scheduler", "--nats-url", self.nats_url, *scheduler_args],
+                cwd=scheduler_root, stdout=subprocess.DEVNULL, stderr=open(log_dir / f"scheduler-{k}.log", "wb"))
         self.http_port = _free_port()
         self.procs["gateway"] = subprocess.Popen(
             [python, "-m", "services.cli", "gateway", "--model", model_dir, "--nats-url", self.nats_url,
@@ -208,10 +210,13 @@ class Cluster:
         return None
 
     def cpu(self) -> dict[str, float]:
-        return {name: _cpu_s(p) for name, p in self.ps.items()}
+        """Per process; `scheduler` sums the replicas."""
+        cpu = {name: _cpu_s(p) for name, p in self.ps.items() if not name.startswith("scheduler")}
+        cpu["scheduler"] = sum(_cpu_s(p) for name, p in self.ps.items() if name.startswith("scheduler"))
+        return cpu
 
     def stop(self) -> None:
-        for name in ("gateway", "scheduler", "nats"):
+        for name in [n for n in self.procs if n != "nats"] + ["nats"]:
             proc = self.procs[name]
             proc.terminate()
             try:
@@ -292,7 +297,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def measure(n: int, args: argparse.Namespace, model_dir: str, log_dir: Path, scheduler: str, root: Path) -> dict:
-    cluster = Cluster(model_dir, log_dir, args.scheduler_arg, root)
+    cluster = Cluster(model_dir, log_dir, args.scheduler_arg, root, args.scheduler_replicas)
     processes = args.impersonators or (1 if n <= 200 else 2)
     fleet = Fleet(cluster.nats_url, n, processes, args.step_s)
     fleet.set_batching(scheduler == "current")  # this tree's llumlets batch a step's chunks per gateway; older ones did not
@@ -327,6 +332,7 @@ def measure(n: int, args: argparse.Namespace, model_dir: str, log_dir: Path, sch
     tokens_per_s = tokens / stream["seconds"]
     return {
         "scheduler": scheduler,
+        "scheduler_replicas": args.scheduler_replicas,
         "instances": n,
         "impersonator_processes": processes,
         "reports_per_s_published": reports_per_s,
@@ -422,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scheduler-root", action="append", default=[], metavar="LABEL=DIR",
                         help="also run the scheduler from DIR (e.g. `git archive <commit> | tar -x -C DIR`), "
                              "side by side with this tree's (labelled 'current')")
+    parser.add_argument("--scheduler-replicas", type=int, default=1,
+                        help="scheduler processes (a queue group on the dispatch subject, each with the full table); "
+                             "their CPU is summed")
     parser.add_argument("--fan-in-streams", type=int, default=0,
                         help="also measure token fan-in at this many concurrent streams, batching off then on")
     parser.add_argument("--fan-in-instances", type=int, default=16)
