@@ -1,9 +1,9 @@
 """Admission control under overload (issue 19 §1): none / current-load / predicted, side by side.
 
-    .venv/bin/python -m benchmarks.admission [--instances 4] [--requests 800] [--seeds 0,1]
+    .venv/bin/python -m benchmarks.admission [--dataset synthetic:sharegpt] [--instances 4] [--requests 800] [--seeds 0,1]
         [--overloads 1.5,2] [--slo-ttft-s 3] [--slo-tbt-s 0.08] [--out results/admission.json]
 
-LLaMA-7B on A10 instances (the simulator's defaults), `synthetic:sharegpt` lengths, 10 % high
+LLaMA-7B on A10 instances (the simulator's defaults), `--dataset` lengths (ShareGPT-like by default), 10 % high
 priority, corral dispatch; the same requests for every admission policy. The saturating rate is
 measured first: the highest rate at which the cluster admitting everything keeps P99 TTFT within
 the SLO. Two workloads per seed:
@@ -36,7 +36,7 @@ from shared.policy.admission import ADMISSION_POLICY_NAMES, AdmissionPolicy, Slo
 from shared.policy.baselines import get_policy
 from shared.policy.config import HIGH_PRIORITY
 
-DATASET = "synthetic:sharegpt"
+DEFAULT_DATASET = "synthetic:sharegpt"
 PERIOD_S = 20.0  # square wave: half at 2x saturation, half at 0.5x
 
 
@@ -44,26 +44,26 @@ def simulate(config: SimConfig, workload: Workload, policy: AdmissionPolicy, slo
     return ClusterSimulator(replace(config, admission=AdmissionModel(policy, slo)), get_policy("corral"), workload).run()
 
 
-def saturating_rate(config: SimConfig, n: int, seed: int, slo: SloConfig) -> float:
+def saturating_rate(config: SimConfig, dataset: str, n: int, seed: int, slo: SloConfig) -> float:
     """The highest offered rate (steps of 0.25 req/s) at which the cluster, admitting everything,
     still keeps P99 TTFT within the SLO."""
     rate = 0.25
     while True:
-        workload = build_workload(WorkloadSpec(DATASET, num_requests=n, rate=rate + 0.25, seed=seed), config.max_seq_len)
+        workload = build_workload(WorkloadSpec(dataset, num_requests=n, rate=rate + 0.25, seed=seed), config.max_seq_len)
         result = simulate(config, workload, AdmissionPolicy.NONE, slo)
         if slo_metrics(result, slo).accepted_ttft_p99_s > slo.default.ttft_s:
             return rate
         rate += 0.25
 
 
-def square_wave(base: Workload, saturation: float, seed: int) -> Workload:
+def square_wave(base: Workload, dataset: str, saturation: float, seed: int) -> Workload:
     rng = np.random.default_rng(seed)
     t, arrivals = 0.0, []
     for arrival in base.arrivals:
         rate = 2.0 * saturation if (t % PERIOD_S) < PERIOD_S / 2 else 0.5 * saturation
         t += rng.exponential(1.0 / rate)
         arrivals.append(replace(arrival, time_s=t))
-    return Workload(arrivals, f"{DATASET} square wave 2x/0.5x of {saturation:.2f} req/s, period {PERIOD_S:g} s")
+    return Workload(arrivals, f"{dataset} square wave 2x/0.5x of {saturation:.2f} req/s, period {PERIOD_S:g} s")
 
 
 def row(result: SimResult, slo: SloConfig) -> dict:
@@ -104,6 +104,7 @@ def plot(runs: dict[str, dict], title: str, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--instances", type=int, default=4)
+    parser.add_argument("--dataset", default=DEFAULT_DATASET, help="loadgen dataset SPEC (lengths)")
     parser.add_argument("--requests", type=int, default=800)
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--overloads", default="1.5,2")
@@ -115,21 +116,21 @@ def main(argv: list[str] | None = None) -> int:
     overloads = [float(x) for x in args.overloads.split(",")]
     slo = SloConfig(Slo(args.slo_ttft_s, args.slo_tbt_s))
     config = SimConfig(num_instances=args.instances)
-    saturation = saturating_rate(config, args.requests, seeds[0], slo)
-    print(f"{args.instances} x A10, {DATASET}, saturating rate {saturation:.2f} req/s; "
+    saturation = saturating_rate(config, args.dataset, args.requests, seeds[0], slo)
+    print(f"{args.instances} x A10, {args.dataset}, saturating rate {saturation:.2f} req/s; "
           f"SLO TTFT {args.slo_ttft_s:g} s, TBT {args.slo_tbt_s * 1e3:g} ms (normal priority keeps "
           f"{slo.reserve:.0%} in reserve)")
     header = (f"{'workload':<16} {'seed':>4} {'admission':<13} {'goodput':>9} {'rejected':>8} {'high rej':>8} "
               f"{'wasted pf':>9} {'P99 TTFT':>9} {'P99 TBT':>8} {'acc/s CV':>8}")
     print(header)
-    document = {"settings": {**vars(args), "saturating_rate": saturation, "dataset": DATASET}, "runs": []}
+    document = {"settings": {**vars(args), "saturating_rate": saturation, "dataset": args.dataset}, "runs": []}
     out = Path(args.out)
     for seed in seeds:
-        spec = WorkloadSpec(DATASET, num_requests=args.requests, priority_fraction=0.1, seed=seed)
+        spec = WorkloadSpec(args.dataset, num_requests=args.requests, priority_fraction=0.1, seed=seed)
         workloads = {f"overload {x:g}x": build_workload(spec.with_rate(x * saturation), config.max_seq_len)
                      for x in overloads}
         base = build_workload(spec.with_rate(saturation), config.max_seq_len)
-        workloads["square wave"] = square_wave(base, saturation, seed)
+        workloads["square wave"] = square_wave(base, args.dataset, saturation, seed)
         for name, workload in workloads.items():
             runs = {}
             for policy in ADMISSION_POLICY_NAMES:
