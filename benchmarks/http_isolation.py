@@ -102,6 +102,7 @@ def gateway_process(home: Path) -> Iterator[int]:
 
 
 def _send(port: int, scenario: Scenario) -> tuple[int, float]:
+    """(In the hostile client's process: `--send`.)"""
     """The hostile request on a connection of its own: (status, seconds)."""
     started = time.perf_counter()
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
@@ -149,16 +150,22 @@ def _summary(latencies: list[float]) -> dict[str, float]:
             "p99_ms": 1e3 * ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))], "max_ms": 1e3 * ordered[-1]}
 
 
-def measure(port: int, scenario: Scenario, probes: int) -> dict[str, object]:
+def measure(port: int, scenario: Scenario, probes: int, home: Path) -> dict[str, object]:
+    """The hostile client is a process of its own: in this one, its thread would take the GIL
+    from the probe and count as the gateway's delay."""
+    body = home / "hostile.body"
+    body.write_bytes(scenario.body)
     probe = Probe(port)
     probe.series(5)  # warm
     baseline = probe.series(probes)
     done = threading.Event()
-    outcome: list[tuple[int, float]] = []
+    outcome: list[str] = []
 
     def hostile() -> None:
         try:
-            outcome.append(_send(port, scenario))
+            argv = [sys.executable, "-m", "benchmarks.http_isolation", "--send", str(body), "--port", str(port),
+                    "--path", scenario.path] + (["--chunked"] if scenario.chunked else [])
+            outcome.append(subprocess.run(argv, capture_output=True, text=True, check=True).stdout)
         finally:
             done.set()
 
@@ -167,7 +174,8 @@ def measure(port: int, scenario: Scenario, probes: int) -> dict[str, object]:
     beside = probe.series(probes, until=done)
     thread.join()
     probe.connection.close()
-    status, seconds = outcome[0]
+    status_text, seconds_text = outcome[0].split()
+    status, seconds = int(status_text), float(seconds_text)
     return {"scenario": scenario.name, "status": status, "hostile_s": seconds, "body_bytes": len(scenario.body),
             "baseline": _summary(baseline), "beside": _summary(beside)}
 
@@ -175,14 +183,22 @@ def measure(port: int, scenario: Scenario, probes: int) -> dict[str, object]:
 def run(probes: int, names: list[str] | None = None) -> list[dict[str, object]]:
     chosen = [s for s in scenarios() if names is None or s.name in names]
     with tempfile.TemporaryDirectory(prefix="corral-isolation-") as home, gateway_process(Path(home)) as port:
-        return [measure(port, scenario, probes) for scenario in chosen]
+        return [measure(port, scenario, probes, Path(home)) for scenario in chosen]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--probes", type=int, default=40, help="probes alone and (at least) beside, per scenario")
     parser.add_argument("--out", default="results/http_isolation.json", help="(results/ is git-ignored)")
+    parser.add_argument("--send", help=argparse.SUPPRESS)  # the hostile client: send this file's bytes
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--chunked", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.send:
+        status, seconds = _send(args.port, Scenario("", args.path, Path(args.send).read_bytes(), args.chunked))
+        print(status, seconds)
+        return 0
     rows = run(args.probes)
     print(f"{'scenario':52s} {'status':>6} {'took':>8}   probe alone p50/p99/max ms   beside p50/p99/max ms")
     for row in rows:

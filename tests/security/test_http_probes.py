@@ -47,10 +47,12 @@ PROBES: dict[str, tuple[str, bytes, dict[str, str], int]] = {
     "lone surrogate in a prompt": (COMPLETIONS, b'{"prompt": "ab\\ud800cd"}', {}, 400),
     "lone surrogate in a message": (CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', {}, 400),
     "lone surrogate in the model": (CHAT, b'{"model": "\\ud800", "messages": [{"role": "user", "content": "x"}]}',
-                                    {}, 404),
+                                    {}, 400),
     "lone surrogate to /tokenize": ("/tokenize", b'{"prompt": "\\ud800"}', {}, 400),
     "lone surrogate in a stop string": (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "stop": "\\ud800"}',
-                                        {}, 200),
+                                        {}, 400),
+    "a UTF-8 byte order mark": (COMPLETIONS, b'\xef\xbb\xbf{"prompt": "hi"}', {}, 200),
+    "NaN": (COMPLETIONS, b'{"prompt": "hi", "temperature": NaN}', {}, 400),
     "invalid UTF-8": (COMPLETIONS, b'{"prompt": "\xff\xfe\xc3("}', {}, 400),
     "empty body": (COMPLETIONS, b"", {}, 400),
     "JSON null": (CHAT, b"null", {}, 400),
@@ -163,3 +165,16 @@ def test_the_prompt_bound_refuses_in_vllms_words_before_tokenizing(tmp_path):
                            headers={"Content-Type": "application/json"})
         assert connection.getresponse().status == 200 and calls == [1]  # a prompt that may fit is tokenized
         connection.close()
+
+
+def test_the_tokenizer_refuses_a_lone_surrogate_itself(tmp_path):
+    """The JSON parser refuses "\\ud800" already; a caller that builds text otherwise (a chat
+    template's input, a tool) still gets a PromptError, not the Rust tokenizer's TypeError."""
+    from services.gateway.tokenizer import ModelTokenizer, PromptError
+
+    tokenizer = ModelTokenizer.load(str(tiny_model_dir(tmp_path)))
+    with pytest.raises(PromptError, match="not valid Unicode"):
+        tokenizer.encode("ab\ud800")
+    with pytest.raises(PromptError, match=r"messages\[1\].content is not valid Unicode"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "ok"}, {"role": "user", "content": "\udfff"}])
+    tokenizer.close()
