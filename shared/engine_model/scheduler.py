@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from shared.engine_model.block_manager import BlockManager, blocks_for_tokens
 from shared.engine_model.config import SchedulerConfig
+from shared.engine_model.invariants import check_scheduler_invariants
 from shared.engine_model.load_report import RequestAggregates, RequestCounts
+from shared.engine_model.prefill_claims import PrefillClaims
 from shared.engine_model.queues import create_request_queue, priority_key, select_victim
 from shared.engine_model.request import RequestStatus, SimRequest
 from shared.engine_model.step import SchedulerOutput, StepEvents
@@ -45,9 +47,7 @@ class SimScheduler:
         self.num_preemptions_total = 0
         self.counts = RequestCounts(config.block_size)
         self._priority_preemption = config.queue_policy == "priority" and config.preempt_for_priority
-        # Running requests admitted on their whole sequence but allocated chunk by chunk (v1
-        # chunked prefill); entries that finished prefilling or left are dropped when counted.
-        self._prefilling: dict[str, tuple[SimRequest, int]] = {}  # id -> (request, tokens admitted on)
+        self._prefill_claims = PrefillClaims(config.block_size)  # v1 chunked prefill's unallocated rest
 
     # -- intake --------------------------------------------------------------------------------
 
@@ -189,22 +189,9 @@ class SimScheduler:
         return self.block_manager.reserve(lease_id, num_blocks)
 
     def committed_blocks(self) -> int:
-        """Free blocks already spoken for: what prompts admitted here still have to allocate.
-        Admission checked that each one's whole sequence fits (`reserve_full_sequence`), chunked
-        prefill takes it chunk by chunk; until the last chunk the rest looks free, and neither
-        another admission nor a migration lease may take it (the next chunk would preempt)."""
-        prefilling = self._prefilling
-        if not prefilling:
-            return 0
-        owed = 0
-        num_blocks_of, block_size = self.block_manager.num_blocks_of, self.block_size
-        for request_id, (request, tokens) in list(prefilling.items()):
-            missing = blocks_for_tokens(tokens, block_size) - num_blocks_of(request_id)
-            if request.status is not _RUNNING or missing <= 0 or request.num_computed_tokens >= tokens:
-                del prefilling[request_id]  # (a preempted one is registered again when readmitted)
-            else:
-                owed += missing
-        return owed
+        """Free blocks already spoken for: what prompts admitted here still have to allocate
+        (`PrefillClaims`); neither another admission nor a migration lease may take them."""
+        return self._prefill_claims.owed(self.block_manager.num_blocks_of)
 
     def release(self, lease_id: str) -> int:
         return self.block_manager.release(lease_id)
@@ -234,27 +221,7 @@ class SimScheduler:
                                       self.block_manager.group_blocks())
 
     def check_invariants(self) -> None:
-        bm = self.block_manager
-        bm.check_invariants()
-        for r in self.running:
-            assert r.status is _RUNNING, r
-            assert bm.num_blocks_of(r.request_id) * self.block_size >= r.num_computed_tokens
-        for r in self.suspended.values():
-            assert r.status == RequestStatus.SUSPENDED and bm.has_owner(r.request_id)
-        waiting = list(self.waiting)
-        for r in waiting:
-            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and r.num_computed_tokens == 0
-            assert not bm.has_owner(r.request_id)
-        assert len(self.requests) == len(waiting) + len(self.running) + len(self.suspended)
-        counts = self.counts
-        assert counts.waiting_demand_blocks == sum(counts.demand_blocks(r) for r in waiting)
-        assert sum(level[0] for level in counts.waiting_levels.values()) == len(waiting)
-        live: dict[int, int] = {}
-        for r in self.requests.values():
-            live[r.priority] = live.get(r.priority, 0) + 1
-        assert live == counts.live, (live, counts.live)
-        owners = {r.request_id for r in self.running} | set(self.suspended)
-        assert bm.num_used == len({b for o in owners for b in bm.blocks_of(o)})
+        check_scheduler_invariants(self)
 
     # -- internals: scheduling -----------------------------------------------------------------
 
@@ -333,7 +300,7 @@ class SimScheduler:
             self.counts.count_waiting(request, -1)
             bm.allocate(request.request_id, num_blocks, group=request.priority, cached=hit)
             if config.reserve_full_sequence and cached_tokens + num_new < request.num_tokens:
-                self._prefilling[request.request_id] = (request, request.num_tokens)
+                self._prefill_claims.claim(request, request.num_tokens)
             if self.prefix_cache is not None and request.first_scheduled_time is None:
                 self.prefix_cache.record_query(request.num_tokens, cached_tokens)
             request.start_running(now, cached_tokens)
