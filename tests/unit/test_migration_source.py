@@ -26,7 +26,8 @@ from services.llumlet.migration.protocol import (
     MigrationStatus,
     PreAllocGrant,
 )
-from services.llumlet.migration.source import MigrationCoordinator, OutgoingMigration
+from services.llumlet.migration.outgoing import OutgoingMigration
+from services.llumlet.migration.source import MigrationCoordinator
 from shared.messages import Ack, MigrateOrder, MigrationAbort, MigrationCommit, PreAlloc
 from tests.unit.migration_helpers import FakeClock, expected_tokens, gen, sim_config, verify_kv
 

@@ -8,6 +8,9 @@ The loop picks only decoding requests (`is_migratable`, in the engine adapters) 
 by the policy's per-request limits (`may_move`, as the simulator): stayed `min_residence_s`
 here since they arrived or migrated in, and did not leave the destination less than
 `min_return_s` ago (their `Departures`, carried in each commit).
+
+Elsewhere: the record of one migration (`outgoing.py`); learning the COMMIT's outcome when the
+last frame's ack is lost (`commit_outcome.py`).
 """
 
 from __future__ import annotations
@@ -17,27 +20,27 @@ import collections
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
+from services.llumlet.migration.commit_outcome import ask_commit, tell_abort
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.handshake import DestinationLink
 from services.llumlet.migration.kv_sender import KVSenderPool, StageTransfer
 from services.llumlet.migration.ops import LivePhase, MigratableEngine, MigrationSnapshot
+from services.llumlet.migration.outgoing import OutgoingMigration, StageRecord
 from services.llumlet.migration.protocol import (
     ALREADY_COMMITTED,
     CommitOutcomeUnknown,
     DestinationGone,
     DestinationRefused,
-    DestinationSlow,
     MigrationFailed,
-    MigrationLifecycle,
     MigrationLimits,
     MigrationStatus,
     SourceAborted,
     new_migration_id,
 )
-from shared.messages import MigrateOrder, MigrationAbort, PreAlloc, encode
+from shared.messages import MigrateOrder, PreAlloc, encode
 from services.llumlet.migration.departures import Departures
 from shared.policy.migration import may_move, next_stage, select_request_to_migrate
 
@@ -60,49 +63,6 @@ class SourceHooks(Protocol):
 
     async def fail_request(self, request_id: str, reason: str) -> None:
         """The request cannot go on anywhere we know of: end it with an error to the client."""
-
-
-@dataclass
-class StageRecord:
-    stage: int
-    num_blocks: int
-    num_bytes: int
-    seconds: float  # the copy: fusion, wire, scatter and acks
-    prealloc_s: float  # the PRE-ALLOC round trip before it (last stage: only a top-up while suspended)
-    final: bool
-
-
-@dataclass(eq=False)
-class OutgoingMigration(MigrationLifecycle):
-    migration_id: str
-    request_id: str
-    dst: str
-    num_preemptions: int  # at the start: a change means the request was preempted meanwhile
-    status: MigrationStatus = MigrationStatus.RUNNING
-    reason: str = ""
-    stage: int = 0
-    blocks_sent: int = 0  # request blocks [0, blocks_sent) are on the destination
-    lease_blocks: int = 0  # blocks the destination has reserved for us
-    stage_lease_start: int = 0  # lease blocks reserved before the current stage
-    kv_address: str = ""
-    stages: list[StageRecord] = field(default_factory=list)
-    started_at: float = 0.0
-    suspended_at: float | None = None
-    suspend_s: float = 0.0  # the suspend call: waits for the engine step in flight, then aborts
-    commit_s: float = 0.0  # the COMMIT round trip (in a frame: the last copy's, with the commit)
-    commit_via: str = ""  # "frame", or "frame+nats" (the frame's ack was lost: asked over NATS)
-    commit_sent: bool = False  # a COMMIT may have reached the destination: an abort asks it first
-    committed_at: float | None = None  # the destination acknowledged the COMMIT
-    release_s: float = 0.0  # freeing the request here afterwards (off the downtime)
-    ended_at: float | None = None
-
-    @property
-    def downtime_s(self) -> float | None:
-        """Out of the batch: suspend → commit acknowledged (the request is queued into the
-        destination's batch), as the source saw it."""
-        if self.suspended_at is None or self.committed_at is None:
-            return None
-        return self.committed_at - self.suspended_at
 
 
 @dataclass
@@ -371,7 +331,7 @@ class MigrationCoordinator:
         except CommitOutcomeUnknown as exc:
             log.warning("migration %s: %s; asking over NATS", m.migration_id, exc)
             m.commit_via = "frame+nats"
-            committed = await self._ask_commit(m, commit)
+            committed = await ask_commit(self.link, self.limits, m.dst, commit, self._clock)
             num_bytes = self.copier.frame_bytes(len(block_ids))
         now = self._clock()
         # No re-check here: once committed, the request is the destination's whatever happens.
@@ -398,37 +358,6 @@ class MigrationCoordinator:
         log.info("migrated %s to %s in %d stages (downtime %.1f ms), commit via %s", m.request_id, m.dst, m.stage,
                  1e3 * (m.downtime_s or 0.0), m.commit_via)
 
-    async def _ask_commit(self, m: OutgoingMigration, commit) -> bool | None:
-        """True: committed there. Raises (→ abort, the request resumes here) when it surely was
-        not. None: no answer at all until the deadline."""
-        for attempt in range(self.limits.commit_attempts):
-            try:
-                ack = await self.link.commit(m.dst, commit)
-            except DestinationSlow:
-                log.warning("commit of %s to %s unanswered (attempt %d)", m.request_id, m.dst, attempt + 1)
-                continue
-            if not ack.ok:
-                raise DestinationRefused(f"commit refused: {ack.error}")
-            return True
-        return await self._resolve_in_doubt(m)
-
-    async def _resolve_in_doubt(self, m: OutgoingMigration) -> bool | None:
-        """ABORT is decisive: either it lands first (never committed, now never will) or the
-        destination answers that it has committed already."""
-        deadline = self._clock() + self.limits.in_doubt_deadline_s
-        while self._clock() < deadline:
-            try:
-                ack = await self.link.abort(m.dst, MigrationAbort(m.migration_id, "commit unanswered"))
-            except DestinationSlow:
-                await asyncio.sleep(self.limits.abort_timeout_s)
-                continue
-            if ack.ok:
-                raise DestinationSlow("commit unanswered; aborted")
-            if ack.error == ALREADY_COMMITTED:
-                return True
-            raise DestinationRefused(f"abort after an unanswered commit: {ack.error}")
-        return None
-
     async def _abort(self, m: OutgoingMigration, exc: MigrationFailed, in_doubt: bool = False) -> None:
         """End the migration here: the request resumes on the source, the destination gets an
         ABORT. `in_doubt`: a COMMIT may have landed (cancelled or failed while it was in
@@ -452,10 +381,4 @@ class MigrationCoordinator:
         await self._tell_abort(m, exc)
 
     async def _tell_abort(self, m: OutgoingMigration, exc: MigrationFailed) -> str | None:
-        """Send the ABORT; its refusal's error (e.g. ALREADY_COMMITTED), or None."""
-        try:
-            ack = await self.link.abort(m.dst, MigrationAbort(m.migration_id, str(exc)))
-        except MigrationFailed as abort_exc:
-            log.info("ABORT of %s not delivered (%s); its lease will expire", m.migration_id, abort_exc)
-            return None
-        return None if ack.ok else ack.error
+        return await tell_abort(self.link, m.dst, m.migration_id, str(exc))
