@@ -152,6 +152,9 @@ class TokenChunk(Struct):
     # One per token of `token_ids`, when the request asked for logprobs (None on a handover's
     # repeat of the output so far: the destination never saw those probabilities).
     logprobs: list[TokenLogprob] | None = None
+    # On an instance's first output of the request: prompt tokens its engine found in the prefix
+    # cache (vLLM's num_cached_tokens; None: not the first output, or the engine keeps no cache).
+    num_cached_tokens: Count | None = None
 
 
 MAX_BATCH_CHUNKS = 4096

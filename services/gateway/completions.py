@@ -58,10 +58,14 @@ class Completion:
         self._text_offsets = [0] * len(choices)  # completions' logprobs.text_offset: output so far per choice
         self._finished = False
 
-    def usage(self) -> Usage:
-        """As vLLM for `n` > 1: the prompt counted once, the completions of every choice."""
-        return Usage(self.choices[0].generation.num_prompt_tokens,
-                     sum(c.generation.num_output_tokens for c in self.choices))
+    def usage(self, final: bool = True) -> Usage:
+        """As vLLM for `n` > 1: the prompt counted once, the completions of every choice. As vLLM
+        with --enable-prompt-tokens-details, the final usage (not the continuous stats) says how
+        much of the prompt was cached, when the engine keeps a prefix cache."""
+        first = self.choices[0].generation
+        cached = first.stream.num_cached_tokens if final and self.service.config.enable_prompt_tokens_details else None
+        return Usage(first.num_prompt_tokens, sum(c.generation.num_output_tokens for c in self.choices),
+                     None if cached is None else min(cached, first.num_prompt_tokens))
 
     def error(self) -> ApiError | None:
         return next((c.generation.error for c in self.choices if c.generation.error is not None), None)
@@ -89,7 +93,7 @@ class Completion:
                 async for index, event in merged:
                     if event.text or event.finish_reason or event.logprobs:
                         chunk = sse_event(self.formatter.text_chunk(event.text, event.finish_reason,
-                                                                    self.usage() if continuous else None, index,
+                                                                    self.usage(final=False) if continuous else None, index,
                                                                     self.logprobs(index, event)))
                         if index in roles_due:
                             roles_due.discard(index)

@@ -71,6 +71,8 @@ class GatewayConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    # vLLM's flag: usage.prompt_tokens_details.cached_tokens in responses (when the engine keeps a prefix cache).
+    enable_prompt_tokens_details: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -190,8 +192,11 @@ _OPTIONS: list[_Option] = [
     ("allowed_methods", "--allowed-methods", "CORRAL_ALLOWED_METHODS", _string_list, "CORS methods allowed"),
     ("allowed_headers", "--allowed-headers", "CORRAL_ALLOWED_HEADERS", _string_list, "CORS headers allowed"),
     ("allow_credentials", "--allow-credentials", "CORRAL_ALLOW_CREDENTIALS", _flag, "CORS: allow credentials"),
+    ("enable_prompt_tokens_details", "--enable-prompt-tokens-details", "CORRAL_ENABLE_PROMPT_TOKENS_DETAILS", _flag,
+     "report usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix cache), as vLLM's flag"),
 ]
 _REPEATABLE = {"api_keys"}  # a repeated flag adds to the list
+_SWITCHES = {"allow_credentials", "enable_prompt_tokens_details"}  # flags without a value, as vLLM's
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -201,7 +206,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, flag, env, parse, help_text in _OPTIONS:
         default = defaults.get(name)
         shown = "" if default in (None, dataclasses.MISSING, ()) or name in _REPEATABLE else f"; default {default}"
-        if name == "allow_credentials":
+        if name in _SWITCHES:
             parser.add_argument(flag, dest=f"gateway_{name}", action="store_const", const=True, default=None,
                                 help=f"{help_text} (env {env})")
             continue

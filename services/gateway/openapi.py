@@ -135,10 +135,15 @@ class ErrorResponse(_Body):
     error: ErrorInfo
 
 
+class PromptTokensDetails(_Body):
+    cached_tokens: int
+
+
 class Usage(_Body):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # --enable-prompt-tokens-details
 
 
 class TopLogprob(_Body):

@@ -31,13 +31,18 @@ def sse_error(error: ApiError) -> bytes:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    # Prompt tokens found in the prefix cache, shown as vLLM's `prompt_tokens_details` (None: left out).
+    cached_tokens: int | None = None
 
-    def as_dict(self) -> dict[str, int]:
-        return {
+    def as_dict(self) -> dict[str, Any]:
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+        if self.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
 
 
 @dataclass(frozen=True)

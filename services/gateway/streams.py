@@ -155,6 +155,10 @@ class OutputStream:
         self.holder_since = time.monotonic()
         self.holders: list[str] = [instance_id] if instance_id else []  # every holder, in order
         self.num_prompt_tokens = 0
+        # From the first instance that reports it: a migration's or a resume's later instance
+        # may find more of the prompt (and its own output) cached, but the client's prompt was
+        # looked up once.
+        self.num_cached_tokens: int | None = None
         self._queue: asyncio.Queue[Delivery] = asyncio.Queue()
         self._failed = False
         # Resume by recompute (services/gateway/resume.py): every token delivered so far (the
@@ -193,6 +197,8 @@ class OutputStream:
             self.set_holder(chunk.instance_id)
         if chunk.num_prompt_tokens:
             self.num_prompt_tokens = chunk.num_prompt_tokens
+        if self.num_cached_tokens is None and chunk.num_cached_tokens is not None:
+            self.num_cached_tokens = chunk.num_cached_tokens
         deliveries = self.orderer.accept(chunk)
         for delivery in deliveries:
             self.delivered += delivery.token_ids

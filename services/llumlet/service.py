@@ -331,6 +331,7 @@ class Llumlet:
             num_prompt_tokens=max(0, output.num_prompt_tokens - offset),
             num_preemptions=output.num_preemptions,
             logprobs=output.logprobs,
+            num_cached_tokens=output.num_cached_tokens if output.start_index == 0 else None,
         )
         if step_chunks is not None and subject in self._batching_subjects:
             step_chunks.setdefault(subject, []).append(chunk)

@@ -61,3 +61,9 @@ def test_directory_without_a_tokenizer_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 128}))
     with pytest.raises(ConfigError, match="cannot load a tokenizer"):
         ModelTokenizer.load(str(tmp_path))
+
+
+def test_prompt_tokens_details_is_vllms_switch_off_by_default():
+    assert not parse(["--model", "/m"]).enable_prompt_tokens_details
+    assert parse(["--model", "/m", "--enable-prompt-tokens-details"]).enable_prompt_tokens_details
+    assert parse(["--model", "/m"], {"CORRAL_ENABLE_PROMPT_TOKENS_DETAILS": "true"}).enable_prompt_tokens_details

@@ -202,3 +202,20 @@ def test_the_gateway_exports_each_migration_stall():
     stream.feed(chunk(1, [2], instance="dst"))
     stream.feed(chunk(2, [3], instance="src"))  # and back
     assert 'corral:gateway_migration_stall_seconds_count{model_name="m"} 2.0' in metrics.render().decode()
+
+
+def test_the_cached_token_count_of_the_first_instance_stays():
+    """A migration's or a resume's next instance may find more cached; the client's prompt was looked up once."""
+    stream = OutputStream("r1", "a")
+    stream.feed(chunk(0, [1]))
+    assert stream.num_cached_tokens is None  # no first output yet: not known
+    stream.feed(TokenChunk("r1", "a", 1, [2], num_cached_tokens=32))
+    stream.feed(TokenChunk("r1", "b", 2, [3], num_cached_tokens=0, handover=True))
+    assert stream.num_cached_tokens == 32
+
+
+def test_usage_shows_cached_tokens_as_vllm_when_known():
+    from services.gateway.responses import Usage
+
+    assert Usage(10, 2).as_dict() == {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}
+    assert Usage(10, 2, cached_tokens=8).as_dict()["prompt_tokens_details"] == {"cached_tokens": 8}
