@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from services.llumlet.migration import copier as copier_module
-from services.llumlet.migration import kv_receiver, kv_sender
+from services.llumlet.migration import kv_connection, kv_sender
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.kv_receiver import KVReceiver
 from services.llumlet.migration.kv_sender import KVSenderPool, send_frame
@@ -292,7 +292,7 @@ def test_pieces_cut_views_without_losing_bytes() -> None:
 async def test_frames_go_out_in_many_pieces_and_partial_sends(link, monkeypatch) -> None:
     """Pieces not aligned to blocks and few vectors per sendmsg: the bytes and crc still match."""
     src_pool, copier, senders, dst_pool, sink, address, receiver = link
-    monkeypatch.setattr(kv_receiver, "PIECE_BYTES", 300)  # receiver
+    monkeypatch.setattr(kv_connection, "PIECE_BYTES", 300)  # receiver
     monkeypatch.setattr(kv_sender, "SEND_PIECE_BYTES", 300)  # sender
     monkeypatch.setattr(kv_sender, "_IOV_MAX", 3)
     sink.migration_id = mid = new_migration_id()
@@ -353,15 +353,15 @@ async def test_lent_blocks_receive_the_payload_without_staging(lending_link) -> 
 async def test_receiver_wakes_for_large_reads_but_never_past_what_the_frame_owes(lending_link, monkeypatch) -> None:
     """SO_RCVLOWAT goes up while a payload streams in and comes down as the frame's end nears
     (a mark the sender never reaches would stall it), back to 1 between frames."""
-    monkeypatch.setattr(kv_receiver, "RCVLOWAT_BYTES", 3 * BLOCK_BYTES + 100)  # above a frame's tail
+    monkeypatch.setattr(kv_connection, "RCVLOWAT_BYTES", 3 * BLOCK_BYTES + 100)  # above a frame's tail
     marks: list[int] = []
-    real_wake_after = kv_receiver._FrameConnection._wake_after
+    real_wake_after = kv_connection.FrameConnection._wake_after
 
     def wake_after(self, payload_left: int) -> None:
         real_wake_after(self, payload_left)
         marks.append(self._lowat)
 
-    monkeypatch.setattr(kv_receiver._FrameConnection, "_wake_after", wake_after)
+    monkeypatch.setattr(kv_connection.FrameConnection, "_wake_after", wake_after)
     src_pool, copier, senders, dst_pool, sink, address, receiver = lending_link
     sink.migration_id = mid = new_migration_id()
     blocks = [7, 3, 19, 2, 30, 31, 11, 5, 8, 1]  # frames of 4, 4 and 2 blocks
