@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -33,7 +33,9 @@ class Delivery:
     finish_reason: FinishReason | None = None
     error: str | None = None
     error_code: int = 500
-    logprobs: list[TokenLogprob] | None = None  # one per token, when the chunk carried them
+    # One per token, when the chunk carried them; a None entry: that token's came later (see
+    # OutputStream.feed) for only some of the tokens.
+    logprobs: Sequence[TokenLogprob | None] | None = None
 
     @property
     def final(self) -> bool:
@@ -170,6 +172,9 @@ class OutputStream:
         self.resumes = 0
         self.gap_since: float | None = None  # when chunks first waited past a gap (a lost chunk)
         self._on_lost = on_lost
+        # Queued deliveries of a migration's catch-up chunk (no logprobs: the destination never
+        # saw them), by their first token index: a late chunk from the source may fill them in.
+        self._unread_catch_up: list[tuple[int, Delivery]] = []
 
     @property
     def finished(self) -> bool:
@@ -199,8 +204,12 @@ class OutputStream:
             self.num_prompt_tokens = chunk.num_prompt_tokens
         if self.num_cached_tokens is None and chunk.num_cached_tokens is not None:
             self.num_cached_tokens = chunk.num_cached_tokens
+        if chunk.logprobs is not None and self._unread_catch_up:
+            self._fill_logprobs(chunk)
         deliveries = self.orderer.accept(chunk)
         for delivery in deliveries:
+            if chunk.handover and delivery.token_ids and delivery.logprobs is None:
+                self._unread_catch_up.append((len(self.delivered), delivery))
             self.delivered += delivery.token_ids
             self._queue.put_nowait(delivery)
         if self._max_buffered is not None and self._queue.qsize() > self._max_buffered and not self.orderer.done:
@@ -211,6 +220,23 @@ class OutputStream:
             if stall is not None and self._on_handover_stall is not None:
                 self._on_handover_stall(stall)
 
+    def _fill_logprobs(self, chunk: TokenChunk) -> None:
+        """The source's chunk came after the destination's catch-up delivered the same tokens
+        without logprobs: while the client has not read them, give them the source's."""
+        assert chunk.logprobs is not None
+        for start, delivery in self._unread_catch_up:
+            for i, token_id in enumerate(delivery.token_ids):
+                j = start + i - chunk.start_index
+                if 0 <= j < len(chunk.token_ids) and chunk.token_ids[j] == token_id:
+                    filled = list(delivery.logprobs or [None] * len(delivery.token_ids))
+                    filled[i] = chunk.logprobs[j]
+                    delivery.logprobs = filled
+
+    def _read(self, delivery: Delivery) -> Delivery:
+        if self._unread_catch_up:  # read now: too late to fill in
+            self._unread_catch_up = [(s, d) for s, d in self._unread_catch_up if d is not delivery]
+        return delivery
+
     def _overflow(self) -> None:
         """The client reads slower than the engine writes: drop what waits for it and end the
         stream with an error at once (its handler then aborts the engine's copy), rather than
@@ -218,6 +244,7 @@ class OutputStream:
         log.warning("request %s: %d deliveries wait for a slow client: ending it", self.request_id, self._queue.qsize())
         while not self._queue.empty():
             self._queue.get_nowait()
+        self._unread_catch_up.clear()
         self.fail(f"the client read too slowly: more than {self._max_buffered} engine steps' output waited for it", 503)
 
     def abandon(self, instance_id: str) -> None:
@@ -241,11 +268,11 @@ class OutputStream:
         per engine step, and the chunk gaps it measures (ITL) mean what they mean against vLLM.
         """
         if not self._queue.empty():
-            return self._queue.get_nowait()
+            return self._read(self._queue.get_nowait())
         # Once per token of every stream: `asyncio.timeout` arms a timer, where 3.11's
         # `wait_for` also wraps the get in a new Task.
         async with asyncio.timeout(timeout_s):
-            return await self._queue.get()
+            return self._read(await self._queue.get())
 
 
 class StreamRegistry:

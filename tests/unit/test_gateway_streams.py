@@ -219,3 +219,45 @@ def test_usage_shows_cached_tokens_as_vllm_when_known():
 
     assert Usage(10, 2).as_dict() == {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}
     assert Usage(10, 2, cached_tokens=8).as_dict()["prompt_tokens_details"] == {"cached_tokens": 8}
+
+
+def _lp(value: float):
+    from shared.messages import TokenLogprob
+
+    return TokenLogprob(value)
+
+
+async def test_a_late_source_chunk_fills_in_the_logprobs_of_a_catch_up_not_yet_read():
+    """The destination's catch-up (no logprobs: it never saw them) overtook the source's last
+    chunk: until the client reads those tokens, the source's logprobs replace the nulls."""
+    stream = OutputStream("r1", "src")
+    stream.feed(TokenChunk("r1", "src", 0, [1, 2], logprobs=[_lp(-0.1), _lp(-0.2)]))
+    assert (await stream.next(1.0)).logprobs == [_lp(-0.1), _lp(-0.2)]
+    stream.feed(TokenChunk("r1", "dst", 0, [1, 2, 3, 4], handover=True))  # the source's 3 and 4 still in flight
+    stream.feed(TokenChunk("r1", "src", 2, [3], logprobs=[_lp(-0.3)]))
+    stream.feed(TokenChunk("r1", "src", 3, [4], logprobs=[_lp(-0.4)]))
+    catch_up = await stream.next(1.0)
+    assert catch_up.token_ids == [3, 4] and catch_up.logprobs == [_lp(-0.3), _lp(-0.4)]
+    stream.feed(TokenChunk("r1", "dst", 4, [5], logprobs=[_lp(-0.5)]))
+    assert (await stream.next(1.0)).logprobs == [_lp(-0.5)]
+
+
+async def test_logprobs_too_late_for_a_read_catch_up_change_nothing():
+    stream = OutputStream("r1", "src")
+    stream.feed(TokenChunk("r1", "src", 0, [1], logprobs=[_lp(-0.1)]))
+    stream.feed(TokenChunk("r1", "dst", 0, [1, 2, 3], handover=True))
+    await stream.next(1.0)
+    catch_up = await stream.next(1.0)  # the client has these two without logprobs already
+    stream.feed(TokenChunk("r1", "src", 1, [2], logprobs=[_lp(-0.2)]))
+    assert catch_up.logprobs is None and stream._unread_catch_up == []
+    # A late chunk that disagrees with what was delivered (a different token) fills in nothing.
+    stream.feed(TokenChunk("r1", "dst2", 3, [4], handover=True))
+    stream.feed(TokenChunk("r1", "src", 3, [9], logprobs=[_lp(-0.9)]))
+    assert (await stream.next(1.0)).logprobs is None
+
+
+async def test_a_catch_up_filled_in_for_some_tokens_keeps_nulls_for_the_rest():
+    stream = OutputStream("r1", "src")
+    stream.feed(TokenChunk("r1", "dst", 0, [1, 2], handover=True))
+    stream.feed(TokenChunk("r1", "src", 1, [2], logprobs=[_lp(-0.2)]))
+    assert (await stream.next(1.0)).logprobs == [None, _lp(-0.2)]
