@@ -86,8 +86,8 @@ class GatewayService:
         self._nc: Client | None = None
         self._dispatcher: Dispatcher | None = None
         self._watchdog: asyncio.Task[None] | None = None
+        self._heartbeat: heartbeat.Heartbeat | None = None  # llumlets abort a silent gateway's requests
         self._background: set[asyncio.Task[Any]] = set()
-        self._heartbeat: asyncio.Task[None] | None = None  # llumlets abort a silent gateway's requests
         self._silence_floor = 0.0  # monotonic: no instance's silence counts from before this
         self._away_since: float | None = None  # when this gateway lost NATS (None: connected)
 
@@ -114,7 +114,8 @@ class GatewayService:
         self._nc = nc
         self._dispatcher = Dispatcher(nc, self.instances, self.metrics, self.config.dispatch_timeout_s)
         self._watchdog = asyncio.create_task(self._watch_holders(), name="gateway-watchdog")
-        self._heartbeat = asyncio.create_task(heartbeat.beat(nc, self.config.gateway_id), name="gateway-heartbeat")
+        self._heartbeat = heartbeat.Heartbeat(self.config.nats_url, self.config.gateway_id)
+        self._heartbeat.start()
         log.info("gateway %s connected to %s, serving %s", self.config.gateway_id, self.config.nats_url,
                  self.config.model_name)
 
@@ -127,10 +128,11 @@ class GatewayService:
         self.fail_all("the gateway is shutting down")
         for stream in self.streams:
             self.release(stream, abort=True)
-        for task in (self._watchdog, self._heartbeat):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        if self._heartbeat is not None:
+            await asyncio.to_thread(self._heartbeat.stop)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
         if self._background:
             await asyncio.wait(self._background, timeout=2.0)
         if self._nc is not None and not self._nc.is_closed:

@@ -44,6 +44,8 @@ from shared.messages import (
 from shared.nats_client import connect
 
 log = logging.getLogger(__name__)
+
+LOOP_LAG_S = 0.5  # the gateway watch woke this late: the llumlet was stalled, not its gateways silent
 STEP_BATCH_CHUNKS = 256  # chunks per TokenChunkBatch: well inside NATS' 1 MiB payload, logprobs included
 
 
@@ -56,8 +58,8 @@ class Llumlet:
         self.draining = False
         self.leaving = False  # stopping: new requests are refused (DRAINING) so the gateway tries another
         self.routes = OutputRoutes()  # where each request's output goes
-        self._work = asyncio.Event()
         self.gateways = GatewayWatch()  # a gateway gone silent: its requests have no reader
+        self._work = asyncio.Event()
         self._report_now = asyncio.Event()
         self._seq = 0
         self._last_report: LoadReport | None = None
@@ -219,22 +221,31 @@ class Llumlet:
 
     async def _watch_gateways(self) -> None:
         """Abort the requests of a gateway gone silent (killed): nobody reads their tokens."""
+        tick = time.monotonic()
         while True:
             await asyncio.sleep(0.1)
-            if not self._bus_up():
+            lagged, tick = time.monotonic() - tick > LOOP_LAG_S, time.monotonic()
+            if not self._bus_up() or lagged:
+                # Away from NATS, or this loop itself stalled (a long engine step under load):
+                # heartbeats may wait unread in our own buffers; their silence proves nothing.
                 self.gateways.pause()
                 continue
             for gateway_id in self.gateways.gone():
                 orphans = self.routes.routed_to(subjects.gateway_output(gateway_id))
                 if orphans:
                     log.warning("gateway %s went silent: aborting its %d request(s)", gateway_id, len(orphans))
+                why = f"gateway {gateway_id} went silent"
                 for request_id in orphans:
                     if self.migration is not None:
                         self.migration.on_request_aborted(request_id)
-                    self.routes.close(request_id)
+                    subject = self.routes.close(request_id)
                     self.engine.abort_request(request_id)
                     self.metrics.request_left(request_id)
-                    self.spans.ended(request_id, "aborted", error=f"gateway {gateway_id} went silent")
+                    self.spans.ended(request_id, "aborted", error=why)
+                    # Should it be alive after all, its client sees an error rather than a hang.
+                    chunk = TokenChunk(request_id, self.instance_id, 0, [], finish_reason=FinishReason.ERROR,
+                                       error=f"{why}: request aborted ({self.instance_id})")
+                    await self.publish_chunk(subject, encode(chunk))
                 self._report_now.set()
 
     async def _on_drain(self, msg: Msg) -> None:
