@@ -41,6 +41,30 @@ def test_priority_preempted_request_precedes_later_arrivals_of_its_level() -> No
     assert queue.peek().request_id == "preempted-old"
 
 
+def test_priority_requeues_a_victim_ahead_of_its_level_as_fcfs_does() -> None:
+    # As FCFS's appendleft within a level: the latest victim first, even ahead of older waiting
+    # requests (a victim that waits behind older ones by its arrival time is starved by them),
+    # and never ahead of a more important request.
+    queue = create_request_queue("priority")
+    queue.add(req("old-waiting", 0))
+    queue.add(req("high", 8, priority=-1))
+    queue.add_front(req("victim-1", 5))
+    queue.add_front(req("victim-2", 3))
+    queue.add(req("new", 9))
+    assert ids(queue) == ["high", "victim-2", "victim-1", "old-waiting", "new"]
+    assert [queue.pop().request_id for _ in range(5)] == ["high", "victim-2", "victim-1", "old-waiting", "new"]
+
+
+def test_priority_with_one_level_requeues_as_fcfs() -> None:
+    fcfs, priority = create_request_queue("fcfs"), create_request_queue("priority")
+    for queue in (fcfs, priority):
+        for i in range(3):
+            queue.add(req(f"r{i}", i))
+        queue.add_front(req("victim-a", 7))
+        queue.add_front(req("victim-b", 1))
+    assert ids(priority) == ids(fcfs) == ["victim-b", "victim-a", "r0", "r1", "r2"]
+
+
 def test_sjf_orders_by_total_work() -> None:
     queue = create_request_queue("sjf")
     queue.add(req("long", 0, prompt=500, output=500))
