@@ -26,7 +26,8 @@ from services.gateway.metrics import timeline_of
 from services.gateway.middleware import GENERATED_ID_STATE, REQUEST_ID_HEADER  # the header is always there
 from services.gateway.protocol import ParsedRequest, RequestKind, parse_priority
 from services.gateway.responses import SSE_DONE, ResponseFormatter, Usage, json_bytes, sse_error, sse_event
-from services.gateway.service import GatewayService, PreparedRequest
+from services.gateway.prepared import PreparedRequest
+from services.gateway.service import GatewayService
 from services.gateway.tokenizer import PromptError, refuse_unfit_prompt
 from services.gateway.tracing import RequestTrace
 

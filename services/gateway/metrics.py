@@ -23,7 +23,7 @@ from shared.metrics_server import CONTENT_TYPE, render
 
 if TYPE_CHECKING:
     from services.gateway.generation import Generation
-    from services.gateway.service import PreparedRequest
+    from services.gateway.prepared import PreparedRequest
 
 __all__ = ["CONTENT_TYPE", "GatewayMetrics", "RequestTimeline", "timeline_of"]
 

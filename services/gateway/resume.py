@@ -24,7 +24,7 @@ from services.gateway.streams import OutputStream
 from shared.messages import Refusal
 
 if TYPE_CHECKING:
-    from services.gateway.service import PreparedRequest
+    from services.gateway.prepared import PreparedRequest
 
 log = logging.getLogger(__name__)
 

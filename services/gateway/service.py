@@ -9,9 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.client import Client
@@ -25,7 +23,8 @@ from services.gateway.dispatcher import Dispatcher
 from services.gateway.instances import GatewayInstances
 from services.gateway.prefix_hashes import prompt_block_hashes
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.errors import TRY_ANOTHER_INSTANCE, ApiError, bad_request, refusal_error
+from services.gateway.errors import TRY_ANOTHER_INSTANCE, ApiError, refusal_error
+from services.gateway.prepared import PreparedRequest, prepare_request
 from services.gateway.protocol import GenerationOptions, RequestKind
 from services.gateway.resume import Resumer
 from services.gateway.streams import OutputStream, StreamRegistry
@@ -49,21 +48,6 @@ BUSY_HEADERS = {"retry-after": "1"}  # at the in-flight bound: requests end ever
 
 class _InstanceGone(Exception):
     """The instance chosen for a request died, or never acknowledged it: try another."""
-
-
-@dataclass(frozen=True)
-class PreparedRequest:
-    """A validated request, tokenized, with its output budget settled."""
-
-    kind: RequestKind
-    request_id: str  # unique inside Corral: the key of the output stream and of the engine's request
-    response_id: str  # what the client sees (from X-Request-Id when given)
-    prompt_token_ids: list[int]
-    options: GenerationOptions
-    priority: int
-    max_tokens: int
-    arrival: float  # time.monotonic()
-    created: int  # unix seconds, the `created` of every chunk
 
 
 class GatewayService:
@@ -208,36 +192,10 @@ class GatewayService:
     def prepare(self, kind: RequestKind, prompt_token_ids: list[int], options: GenerationOptions, priority: int,
                 response_id: str | None = None, arrival: float | None = None,
                 request_id: str | None = None) -> PreparedRequest:
-        """Check the prompt against the context window and settle max_tokens (vLLM 0.32's rules and
-        wording: the prompt must leave room for one token; max_tokens is clamped to the room left)."""
-        limit = self.max_model_len
-        prompt_len = len(prompt_token_ids)
-        if prompt_len == 0:
-            raise bad_request("the prompt must not be empty", kind.prompt_param)
-        if options.max_tokens is not None and options.max_tokens > limit:
-            param = options.max_tokens_param
-            raise bad_request(f"{param}={options.max_tokens} cannot be greater than max_model_len={limit}. "
-                              "Please request fewer output tokens.", param, Refusal.TOO_LONG)
-        if prompt_len >= limit:
-            room = ("which exceeds this limit even without any output tokens" if prompt_len > limit
-                    else "which leaves no room for output tokens")
-            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt "
-                              f"contains {prompt_len} input tokens, {room}. "
-                              "Please reduce the length of the input prompt.", kind.prompt_param, Refusal.TOO_LONG)
-        # After the length check, and min/max (C speed): a client's list of ids may be a million long.
-        if not (0 <= min(prompt_token_ids) and max(prompt_token_ids) < self.tokenizer.vocab_size):
-            raise bad_request(f"token ids must be in [0, {self.tokenizer.vocab_size})", kind.prompt_param)
-        budget = [limit - prompt_len]
-        if options.max_tokens is not None:
-            budget.append(options.max_tokens)
-        elif self.config.default_max_tokens is not None:
-            budget.append(self.config.default_max_tokens)
-        request_id = request_id or f"{kind.id_prefix}-{uuid.uuid4().hex}"
-        return PreparedRequest(
-            kind=kind, request_id=request_id, response_id=response_id or request_id,
-            prompt_token_ids=prompt_token_ids, options=options, priority=priority, max_tokens=min(budget),
-            arrival=time.monotonic() if arrival is None else arrival, created=int(time.time()),
-        )
+        """`prepare_request` against this gateway's model (context window, vocabulary, default budget)."""
+        return prepare_request(kind, prompt_token_ids, options, priority, max_model_len=self.max_model_len,
+                               vocab_size=self.tokenizer.vocab_size, default_max_tokens=self.config.default_max_tokens,
+                               response_id=response_id, arrival=arrival, request_id=request_id)
 
     async def submit(self, request: PreparedRequest) -> OutputStream:
         """Dispatch and hand the request to an instance; its output then flows into the stream.

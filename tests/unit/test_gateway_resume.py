@@ -8,7 +8,7 @@ import time
 
 from services.gateway.protocol import GenerationOptions, RequestKind
 from services.gateway.resume import Resumer, resume_refusal, resumed_request, unresumable_state
-from services.gateway.service import PreparedRequest
+from services.gateway.prepared import PreparedRequest
 from services.gateway.streams import OutputStream
 from shared.messages import FinishReason, Refusal, TokenChunk
 from shared.nats_client import reconnect_wait_s, server_urls

@@ -15,7 +15,8 @@ import pytest
 
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
-from services.gateway.service import GatewayService, PreparedRequest
+from services.gateway.prepared import PreparedRequest
+from services.gateway.service import GatewayService
 from services.gateway.streams import OutputStream
 from services.gateway.tokenizer import ModelTokenizer
 from shared.messages import FinishReason, TokenChunk
