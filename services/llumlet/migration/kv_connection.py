@@ -16,8 +16,9 @@ import enum
 import logging
 import socket
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -33,9 +34,8 @@ from services.llumlet.migration.kv_wire import (
     payload_crc32,
     unpack_crc,
 )
-
-if TYPE_CHECKING:
-    from services.llumlet.migration.kv_receiver import KVReceiver
+from services.llumlet.migration.kv_sink import FrameSink
+from services.llumlet.migration.protocol import MigrationLimits
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,20 @@ PIECE_BYTES = 4 << 20
 # the event loop and Python per byte.
 RCVLOWAT_BYTES = 1 << 20
 
+
+
+class FrameServer(Protocol):
+    """What a connection needs from the server that accepted it (`KVReceiver`)."""
+
+    sink: FrameSink
+    sink_lends_blocks: bool  # the sink is a DirectFrameSink
+    limits: MigrationLimits
+    buffer_factory: Callable[[int], np.ndarray]
+    secret: bytes | None  # the deployment's KV secret (`kv_auth`); None: no handshake
+
+    def attach(self, connection: FrameConnection, worker: asyncio.Task) -> None: ...
+
+    def detach(self, connection: FrameConnection) -> None: ...
 
 
 class _Reading(enum.Enum):
@@ -70,7 +84,7 @@ class FrameConnection(asyncio.BufferedProtocol):
     checksumming the payload as it lands. Staged frames are scattered by a worker task while
     the next frame is being received; the worker also sends every ack, in frame order."""
 
-    def __init__(self, receiver: KVReceiver) -> None:
+    def __init__(self, receiver: FrameServer) -> None:
         self.receiver = receiver
         self.sink = receiver.sink
         self.transport: asyncio.Transport | None = None
