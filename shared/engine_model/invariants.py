@@ -3,15 +3,27 @@ them between steps; nothing on the hot path does)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import Protocol
 
-from shared.engine_model.request import RequestStatus
+from shared.engine_model.block_manager import BlockManager
+from shared.engine_model.load_report import RequestCounts
+from shared.engine_model.request import RequestStatus, SimRequest
 
-if TYPE_CHECKING:
-    from shared.engine_model.scheduler import SimScheduler
+
+class SchedulerState(Protocol):
+    """The state the checks read (`SimScheduler`'s; no import of it: no cycle)."""
+
+    block_manager: BlockManager
+    block_size: int
+    waiting: Iterable[SimRequest]
+    running: list[SimRequest]
+    suspended: dict[str, SimRequest]
+    requests: dict[str, SimRequest]
+    counts: RequestCounts
 
 
-def check_scheduler_invariants(scheduler: SimScheduler) -> None:
+def check_scheduler_invariants(scheduler: SchedulerState) -> None:
     """Queues, block tables and the per-priority counts agree with each other."""
     bm = scheduler.block_manager
     bm.check_invariants()
