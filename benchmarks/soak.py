@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -59,8 +60,10 @@ async def client_loop(http: httpx.AsyncClient, model: str, rng: random.Random, u
                 events = 0
                 async for data in reply.aiter_bytes():
                     events += data.count(b"\n\ndata: {") + data.startswith(b"data: {")
-                    if b'"error"' in data:
+                    if b'"error": {' in data or b'"error":{' in data:
                         counts["stream_errors"] += 1
+                        message = data[data.find(b'"message"'):][:120].decode(errors="replace")
+                        counts.setdefault("error_samples", set()).add(message)
                         break
                     if cut_after is not None and events >= cut_after:
                         counts["cut"] += 1
@@ -98,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sim-args", default="--sim-time-scale 1.0 --sim-num-blocks 8000",
                         help="extra llumlet flags (enough blocks that the streams fit)")
     parser.add_argument("--out", default=str(ROOT / "results" / "soak.json"))
+    parser.add_argument("--keep-logs", default="", metavar="DIR", help="copy every process's log here")
     args = parser.parse_args(argv)
 
     from services.tools.make_model import make_tiny_model
@@ -123,7 +127,10 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             cluster.stop()
             server.stop()
+            if args.keep_logs:
+                shutil.copytree(Path(tmp) / "logs", args.keep_logs, dirs_exist_ok=True)
     under_load = [s for s in samples]
+    counts["error_samples"] = sorted(counts.get("error_samples", ()))[:5]
     report = {"args": vars(args), "counts": counts, "baseline": baseline, "after": after,
               "first_under_load": under_load[0] if under_load else None,
               "last_under_load": under_load[-1] if under_load else None, "samples": samples}
