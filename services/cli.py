@@ -7,6 +7,7 @@ import logging
 import shlex
 import sys
 
+from shared import nats_auth
 from shared.config import env
 from shared.logs import setup_logging
 
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "up":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     setup_logging(args.command)
+    nats_auth.export(args)  # --nats-creds / --nats-tls-*: read by every NATS connection of this process
     handlers = {
         "scheduler": _cmd_scheduler,
         "llumlet": _cmd_llumlet,

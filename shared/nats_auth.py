@@ -175,26 +175,28 @@ def client_options(environ: os._Environ | dict[str, str] = os.environ) -> dict:
     return options
 
 
-class _Export(argparse.Action):
-    """Store the flag and put it in the environment, where `client_options` reads it (and child
-    processes inherit it)."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        setattr(namespace, self.dest, values)
-        os.environ[self.metavar_env] = values  # type: ignore[attr-defined]
+_FLAGS = (
+    ("--nats-creds", "nats_creds", ENV_CREDS, "NATS credentials: a file 'user:password' or a NATS .creds file"),
+    ("--nats-tls-ca", "nats_tls_ca", ENV_TLS_CA, "CA certificate to verify the NATS server with (turns TLS on)"),
+    ("--nats-tls-cert", "nats_tls_cert", ENV_TLS_CERT, "client certificate for NATS (mutual TLS)"),
+    ("--nats-tls-key", "nats_tls_key", ENV_TLS_KEY, "the client certificate's key"),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """--nats-creds and --nats-tls-{ca,cert,key}, each with its CORRAL_* variable."""
-    for flag, variable, text in (
-        ("--nats-creds", ENV_CREDS, "NATS credentials: a file 'user:password' or a NATS .creds file"),
-        ("--nats-tls-ca", ENV_TLS_CA, "CA certificate to verify the NATS server with (turns TLS on)"),
-        ("--nats-tls-cert", ENV_TLS_CERT, "client certificate for NATS (mutual TLS)"),
-        ("--nats-tls-key", ENV_TLS_KEY, "the client certificate's key"),
-    ):
-        action = parser.add_argument(flag, action=_Export, default=os.environ.get(variable),
-                                     help=f"{text} (env {variable})")
-        action.metavar_env = variable  # type: ignore[attr-defined]
+    for flag, dest, variable, text in _FLAGS:
+        parser.add_argument(flag, dest=dest, default=os.environ.get(variable), help=f"{text} (env {variable})")
+
+
+def export(args: argparse.Namespace) -> None:
+    """Put the flags given into the environment, where `client_options` reads them (and child
+    processes inherit them). Called when a command runs, not while parsing: parsing a command
+    line (tests, manifests checks) changes nothing."""
+    for _, dest, variable, _ in _FLAGS:
+        value = getattr(args, dest, None)
+        if value:
+            os.environ[variable] = value
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import uvloop
 from services.gateway.app import create_app
 from services.gateway.config import ConfigError, GatewayConfig, add_arguments, config_from_args
 from services.gateway.service import GatewayService
+from shared import nats_auth
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Corral's OpenAI-compatible gateway")
     add_arguments(parser)
     args = parser.parse_args(argv)
+    nats_auth.export(args)
     try:
         config = config_from_args(args)
     except ConfigError as exc:
