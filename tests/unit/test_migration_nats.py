@@ -97,7 +97,9 @@ async def llumlets(nats_url):
 
     async def make(limits: MigrationLimits = MigrationLimits(), **engine) -> Llumlet:
         instance_id = f"mig-{uuid.uuid4().hex[:6]}"
-        config = LlumletConfig(instance_id, nats_url, migration=limits, report_interval_s=0.05)
+        # No stop grace: a stop here hands its requests back at once (the grace's live migration
+        # out is the drain tests' subject).
+        config = LlumletConfig(instance_id, nats_url, migration=limits, report_interval_s=0.05, stop_grace_s=0.0)
         options = dict(time_scale=TIME_SCALE, num_blocks=400, block_size=16, max_model_len=4096,
                        kv_bytes_per_token=1024)
         llumlet = Llumlet(config, SimEngine(sim_config(**{**options, **engine})))
@@ -250,6 +252,7 @@ async def test_source_stopping_mid_stage_errors_the_request_and_frees_the_lease(
     await client.wait_finished("x")
     last = client.of("x")[-1]
     assert last.finish_reason is FinishReason.ERROR and "stopped" in last.error and last.instance_id == a.instance_id
+    assert last.resumable  # the gateway resumes it elsewhere (issue 14)
     await wait_idle(b)  # the source's ABORT (or, failing that, the lease) freed the reservation
 
 
@@ -279,7 +282,7 @@ async def test_stopping_publishes_an_error_for_every_request_held(llumlets, clie
     for request_id in ("moved", "native"):
         await client.wait_finished(request_id, 2)
         last = client.of(request_id)[-1]
-        assert last.finish_reason is FinishReason.ERROR and last.instance_id == b.instance_id
+        assert last.finish_reason is FinishReason.ERROR and last.instance_id == b.instance_id and last.resumable
     await client.wait_finished("bystander")  # untouched by b's stop: no error, its whole stream
     assert client.of("bystander")[-1].finish_reason is FinishReason.LENGTH
     assert client.tokens("bystander") == expected_tokens(a.engine, "bystander", 3000)
