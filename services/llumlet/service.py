@@ -13,7 +13,7 @@ from nats.errors import OutboundBufferLimitError
 
 from services.llumlet.config import LlumletConfig
 from services.llumlet.engine import Engine
-from shared.engine_model.views import EngineError, StepOutput
+from shared.engine_model.views import EngineError
 from shared.engine_model.load_report import aggregate_views, build_load_report
 from services.llumlet.metrics import LlumletMetrics
 from services.llumlet.tracing import RequestSpans, trace_context_of
@@ -22,6 +22,8 @@ from services.llumlet.readiness import not_ready_reason
 from services.llumlet.gateway_watch import GatewayWatch
 from services.llumlet.routes import OutputRoutes
 from services.llumlet.migration.runtime import LlumletMigration
+from services.llumlet.migration_hooks import LlumletMigrationHooks
+from services.llumlet.output import OutputPublisher
 from services.llumlet.migration import kv_auth
 from shared import bus_guard, subjects, tracing
 from shared.messages import (
@@ -29,13 +31,11 @@ from shared.messages import (
     Ack,
     DrainOrder,
     FinishReason,
-    GenerateRequest,
     GatewayHeartbeat,
+    GenerateRequest,
     LoadReport,
-    MigrationCommit,
     Refusal,
     TokenChunk,
-    TokenChunkBatch,
     WireError,
     decode,
     decode_or_drop,
@@ -46,7 +46,6 @@ from shared.nats_client import connect
 log = logging.getLogger(__name__)
 
 LOOP_LAG_S = 0.5  # the gateway watch woke this late: the llumlet was stalled, not its gateways silent
-STEP_BATCH_CHUNKS = 256  # chunks per TokenChunkBatch: well inside NATS' 1 MiB payload, logprobs included
 
 
 class Llumlet:
@@ -64,11 +63,8 @@ class Llumlet:
         self._seq = 0
         self._last_report: LoadReport | None = None
         self._tasks: list[asyncio.Task] = []
-        # Token chunks NATS could not take (its reconnect buffer full): published, in order,
-        # once it is back. The engine pauses while NATS is away, so this stays small.
-        self._held: list[tuple[str, bytes]] = []
-        # Output subjects of gateways that take one TokenChunkBatch per step (GenerateRequest.batched_output).
-        self._batching_subjects: set[str] = set()
+        # Token output to the gateways (held in order while NATS cannot take it).
+        self.output = OutputPublisher(self.instance_id, self.routes, lambda: self.nc, lambda: self.spans)
         self.migration: LlumletMigration | None = None
         self.metrics: LlumletMetrics | None = None
         self.spans = RequestSpans(self.instance_id, "")  # replaced once tracing is set up in start()
@@ -82,7 +78,7 @@ class Llumlet:
             return None
         config = self.config
         return LlumletMigration(
-            self.instance_id, ops, config.migration, _MigrationHooks(self),
+            self.instance_id, ops, config.migration, LlumletMigrationHooks(self),
             config.kv_host, config.kv_port, config.kv_advertise_host,
         )
 
@@ -190,7 +186,7 @@ class Llumlet:
             return
         self.routes.open(request.request_id, request.reply_subject, request.resume_from)
         if request.batched_output:
-            self._batching_subjects.add(request.reply_subject)
+            self.output.batch_for(request.reply_subject)
         self.metrics.request_arrived(request.request_id, time.monotonic())
         self.spans.started(request)
         self._work.set()
@@ -212,7 +208,7 @@ class Llumlet:
                 # Not its gateway's abort: that gateway still waits for tokens; end its stream.
                 error = f"request aborted ({order.reason}) by {order.gateway_id or 'another party'} ({self.instance_id})"
                 chunk = TokenChunk(order.request_id, self.instance_id, 0, [], finish_reason=FinishReason.ERROR, error=error)
-                await self.publish_chunk(subject, encode(chunk))
+                await self.output.publish_chunk(subject, encode(chunk))
 
     async def _on_gateway_heartbeat(self, msg: Msg) -> None:
         beat = decode_or_drop(msg.data, GatewayHeartbeat, log, "gateway heartbeat", msg.subject)
@@ -225,7 +221,7 @@ class Llumlet:
         while True:
             await asyncio.sleep(0.1)
             lagged, tick = time.monotonic() - tick > LOOP_LAG_S, time.monotonic()
-            if not self._bus_up() or lagged:
+            if not self.output.bus_up() or lagged:
                 # Away from NATS, or this loop itself stalled (a long engine step under load):
                 # heartbeats may wait unread in our own buffers; their silence proves nothing.
                 self.gateways.pause()
@@ -245,7 +241,7 @@ class Llumlet:
                     # Should it be alive after all, its client sees an error rather than a hang.
                     chunk = TokenChunk(request_id, self.instance_id, 0, [], finish_reason=FinishReason.ERROR,
                                        error=f"{why}: request aborted ({self.instance_id})")
-                    await self.publish_chunk(subject, encode(chunk))
+                    await self.output.publish_chunk(subject, encode(chunk))
                 self._report_now.set()
 
     async def _on_drain(self, msg: Msg) -> None:
@@ -264,8 +260,8 @@ class Llumlet:
 
     async def _engine_loop(self) -> None:
         while True:
-            if not self._bus_up():
-                await self._wait_for_bus()  # pause output rather than pile it up
+            if not self.output.bus_up():
+                await self.output.wait_for_bus()  # pause output rather than pile it up
                 continue
             if not self.engine.has_work():
                 self._work.clear()
@@ -280,74 +276,9 @@ class Llumlet:
                 raise
             views = self.engine.request_views() if self.metrics.wants_views(started) else ()
             self.metrics.step_done(started, time.monotonic(), outputs, views)
-            step_chunks: dict[str, list[TokenChunk]] = {}
-            for output in outputs:
-                await self._publish_output(output, step_chunks)
-            await self._publish_step_chunks(step_chunks)
+            await self.output.publish_step(outputs)
             if outputs:
                 self._maybe_report_now()
-
-    def _bus_up(self) -> bool:
-        """NATS is connected and everything held back has gone out."""
-        return self.nc is not None and self.nc.is_connected and not self._held
-
-    async def _wait_for_bus(self) -> None:
-        while self.nc is not None and not self.nc.is_closed:
-            if self.nc.is_connected:
-                if not self._held:
-                    return
-                subject, payload = self._held[0]
-                try:
-                    await self.nc.publish(subject, payload)
-                except OutboundBufferLimitError:
-                    await asyncio.sleep(0.05)
-                    continue
-                self._held.pop(0)
-                continue
-            await asyncio.sleep(0.05)
-
-    async def publish_chunk(self, subject: str, payload: bytes) -> None:
-        """A token chunk must arrive: if NATS cannot take it now, hold it (`_wait_for_bus`)."""
-        if not self._held:
-            try:
-                await self.nc.publish(subject, payload)
-                return
-            except OutboundBufferLimitError:
-                log.warning("llumlet %s: NATS is away and its buffer full: holding output", self.instance_id)
-        self._held.append((subject, payload))
-
-    async def _publish_step_chunks(self, step_chunks: dict[str, list[TokenChunk]]) -> None:
-        """One message per gateway for a step's chunks (a lone chunk goes as itself): with N
-        requests of one gateway here, one NATS message per step instead of N."""
-        for subject, chunks in step_chunks.items():
-            for start in range(0, len(chunks), STEP_BATCH_CHUNKS):
-                part = chunks[start:start + STEP_BATCH_CHUNKS]
-                await self.publish_chunk(subject, encode(part[0] if len(part) == 1 else TokenChunkBatch(part)))
-
-    async def _publish_output(self, output: StepOutput,
-                              step_chunks: dict[str, list[TokenChunk]] | None = None) -> None:
-        subject = self.routes.subject(output.request_id)
-        if subject is None:
-            return  # aborted meanwhile
-        offset = self.routes.offset(output.request_id)
-        if output.finish_reason is not None:
-            self.routes.close(output.request_id)
-        self.spans.output(output)
-        chunk = TokenChunk(
-            request_id=output.request_id,
-            instance_id=self.instance_id,
-            start_index=output.start_index + offset,
-            token_ids=output.token_ids,
-            finish_reason=output.finish_reason,
-            num_prompt_tokens=max(0, output.num_prompt_tokens - offset),
-            num_preemptions=output.num_preemptions,
-            logprobs=output.logprobs,
-            num_cached_tokens=output.num_cached_tokens if output.start_index == 0 else None,
-        )
-        if step_chunks is not None and subject in self._batching_subjects:
-            step_chunks.setdefault(subject, []).append(chunk)
-            return
-        await self.publish_chunk(subject, encode(chunk))
 
     async def fail_request(self, request_id: str, reason: str) -> None:
         subject = self.routes.close(request_id)
@@ -374,7 +305,7 @@ class Llumlet:
                 error=f"{reason} ({self.instance_id})",
                 resumable=resumable,
             )
-            await self.publish_chunk(subject, encode(chunk))
+            await self.output.publish_chunk(subject, encode(chunk))
             self.engine.abort_request(request_id)
         self.spans.end_all("failed", error=reason)
         await self.nc.flush()
@@ -437,50 +368,3 @@ class Llumlet:
                 pass
             self._report_now.clear()
             await self.publish_report()
-
-
-class _MigrationHooks:
-    """What the migration runtime may do to its llumlet (`MigrationHooks`)."""
-
-    def __init__(self, llumlet: Llumlet) -> None:
-        self.llumlet = llumlet
-
-    def refusal(self) -> str | None:
-        return "draining" if self.llumlet.draining else None
-
-    def migrated_out(self, request_id: str) -> None:
-        self.llumlet.routes.close(request_id)  # the destination publishes from now on
-        self.llumlet.metrics.request_left(request_id)
-        self.llumlet.metrics.migrated("out")
-        self.llumlet.spans.ended(request_id, "migrated_out")
-
-    def resumed(self) -> None:
-        self.llumlet.wake_engine()
-
-    def changed(self) -> None:
-        self.llumlet.report_soon()
-
-    async def fail_request(self, request_id: str, reason: str) -> None:
-        await self.llumlet.fail_request(request_id, reason)
-
-    async def migrated_in(self, commit: MigrationCommit) -> None:
-        """Publish from now on; first, everything output so far: the source may not have
-        published its last token before it stopped (the gateway drops what it has seen)."""
-        llumlet, request = self.llumlet, commit.request
-        llumlet.routes.open(request.request_id, request.reply_subject, request.resume_from)
-        if request.batched_output:
-            llumlet._batching_subjects.add(request.reply_subject)
-        llumlet.metrics.migrated("in")
-        llumlet.spans.started(request, migrated_in=True, num_output_tokens=len(commit.output_token_ids))
-        llumlet.wake_engine()
-        llumlet.report_soon()
-        catch_up = TokenChunk(
-            request_id=request.request_id,
-            instance_id=llumlet.instance_id,
-            start_index=request.resume_from,
-            token_ids=commit.output_token_ids,
-            num_prompt_tokens=len(request.prompt_token_ids) - request.resume_from,
-            num_preemptions=commit.num_preemptions,
-            handover=True,
-        )
-        await llumlet.publish_chunk(request.reply_subject, encode(catch_up))
