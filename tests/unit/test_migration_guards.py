@@ -159,12 +159,18 @@ async def test_the_first_prealloc_is_refused_while_requests_wait_here() -> None:
     intake.copier.close()
 
 
-async def test_later_stages_of_an_admitted_migration_are_not_guarded() -> None:
+async def test_every_stage_of_an_admitted_migration_passes_the_guard_again() -> None:
+    """One guard for every reservation (issue 15: a 1-block first stage topped up later reserved a
+    whole instance): a destination that became busy since refuses the next stage, which wastes the
+    copy so far but never takes blocks its own queue needs (the source aborts; the request goes on
+    there)."""
     intake = Intake(IntakeLoad(num_blocks_free=90, num_blocks_total=100, num_waiting=0))
     mid = new_migration_id()
     assert (await intake.prealloc(mid, 0, 5)).ok
+    assert (await intake.prealloc(mid, 1, 2)).ok  # still room, nothing waiting
     intake.load = IntakeLoad(num_blocks_free=5, num_blocks_total=100, num_waiting=3)  # since then
-    assert (await intake.prealloc(mid, 1, 2)).ok  # the request is on its way: refusing now wastes the copy
+    refused = await intake.prealloc(mid, 2, 2)
+    assert not refused.ok and refused.reason.startswith("busy")
     intake.copier.close()
 
 
