@@ -219,6 +219,15 @@ class PriorityLoad(Struct):
     waiting_demand_blocks: Count = 0
 
 
+class InstanceRole(enum.StrEnum):
+    """What an instance serves (issue 19 §2): `prefill` instances take new requests and hand each
+    one, at its first token, to a `decode` instance by live migration; `mixed` does both."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+
 class LoadReport(Struct):
     """Llumlet → global scheduler (and gateways, for bypass mode): one instance's load.
 
@@ -248,6 +257,7 @@ class LoadReport(Struct):
     max_model_len: Count = 0
     model: str = ""
     engine: str = ""
+    role: InstanceRole = InstanceRole.MIXED
     # Freeness as the llumlet computed it (for dashboards); the scheduler recomputes.
     freeness: float = 0.0
     dispatch_freeness: float = 0.0

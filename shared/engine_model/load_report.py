@@ -13,7 +13,7 @@ from typing import Protocol
 
 from shared.engine_model.block_manager import blocks_for_tokens
 from shared.engine_model.views import RequestPhase, RequestView
-from shared.messages import LoadReport, PriorityLoad
+from shared.messages import InstanceRole, LoadReport, PriorityLoad
 from shared.policy.freeness import QueueDemand, freeness
 
 
@@ -120,6 +120,7 @@ def build_load_report(
     max_model_len: int = 0,
     model: str = "",
     engine: str = "",
+    role: InstanceRole = InstanceRole.MIXED,
 ) -> LoadReport:
     """`headroom_blocks`: the execution-priority headroom the report's own freeness fields (for
     dashboards) are computed with; None leaves them 0 (the simulator: its policies compute
@@ -145,6 +146,7 @@ def build_load_report(
         max_model_len=max_model_len,
         model=model,
         engine=engine,
+        role=role,
     )
     if headroom_blocks is not None:  # (None: nobody reads them; the policies compute their own)
         report.freeness = freeness(report, headroom_blocks, QueueDemand.HEAD)
