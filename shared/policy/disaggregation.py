@@ -1,0 +1,78 @@
+"""Prefill/decode disaggregation as a live migration (issue 19 §2), as pure functions.
+
+New requests go to prefill (and mixed) instances; when a request's prefill completes on a
+prefill instance (its first token), it moves by the ordinary live migration to the decode
+instance that is freest *then*, not one picked at arrival. When no decode (or mixed) instance
+may take it under the one migration guard, it keeps decoding where it is: the prefill instance
+degrades to mixed for that request rather than making it wait.
+
+A fleet without a live prefill instance behaves exactly as before: every instance takes new
+requests and nothing hands off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from shared.messages import InstanceRole, LoadReport
+from shared.policy.freeness import QueueDemand, freeness
+from shared.policy.migration import MigrationGuard, may_migrate_into
+
+# Hand-off destinations, best first: decode instances exist for this; mixed ones only when no
+# decode instance has room. Prefill instances never take a hand-off.
+HANDOFF_ROLES = (InstanceRole.DECODE, InstanceRole.MIXED)
+
+
+def wants_handoff(role: InstanceRole) -> bool:
+    """Only a prefill instance hands its requests off at their first token."""
+    return role is InstanceRole.PREFILL
+
+
+def has_live_prefill(loads: Sequence[LoadReport]) -> bool:
+    return any(l.role is InstanceRole.PREFILL and not l.draining for l in loads)
+
+
+def dispatch_pool(loads: Sequence[LoadReport]) -> list[LoadReport]:
+    """The instances a new request may be dispatched to: prefill and mixed ones while any live
+    prefill instance exists (decode instances keep their memory for hand-offs); otherwise all
+    of them, so a fleet with no prefill instance (or whose prefill instances are all draining)
+    dispatches as it always did rather than refusing."""
+    if not has_live_prefill(loads):
+        return list(loads)
+    return [l for l in loads if l.role is not InstanceRole.DECODE]
+
+
+def may_take_handoff(load: LoadReport, request_blocks: int, guard: MigrationGuard) -> bool:
+    """The destination side of the guard, exactly as a migration's PRE-ALLOC is checked: no
+    queue there, and `request_blocks` leave its guard margin free."""
+    return may_migrate_into(
+        num_blocks=request_blocks, num_blocks_free=load.num_blocks_free, num_blocks_total=load.num_blocks_total,
+        num_waiting=load.num_waiting, guard=guard, draining=load.draining,
+        num_blocks_committed=load.committed_blocks,
+    )
+
+
+def handoff_destination(
+    source: LoadReport,
+    loads: Sequence[LoadReport],
+    request_blocks: int,
+    guard: MigrationGuard,
+    headroom_blocks: Mapping[int, int],
+) -> str | None:
+    """Where a request that just finished its prefill on `source` decodes: the freest decode
+    instance that may take its `request_blocks`, else the freest such mixed instance; None: it
+    stays on `source` (degrades to mixed).
+
+    The guard's per-request limits (residence, return) and its freeness gap are not applied: a
+    hand-off moves a request because of the instance's role, not to balance load, and a request
+    at its first token has just arrived. Ties go to the smaller instance id (deterministic)."""
+    for role in HANDOFF_ROLES:
+        eligible = [
+            l for l in loads
+            if l.role is role and l.instance_id != source.instance_id and may_take_handoff(l, request_blocks, guard)
+        ]
+        if eligible:
+            best = min(eligible, key=lambda l: (-freeness(l, headroom_blocks, QueueDemand.HEAD), l.instance_id))
+            return best.instance_id
+    return None
+

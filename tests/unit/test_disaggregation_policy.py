@@ -1,0 +1,122 @@
+"""P/D disaggregation policy: who takes new requests, who hands off, and where a request decodes
+after its prefill (freest decode instance under the one migration guard, else mixed, else stay)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.messages import InstanceRole, LoadReport
+from shared.policy.disaggregation import dispatch_pool, handoff_destination, wants_handoff
+from shared.policy.migration import MigrationGuard
+from tests.unit.policy_helpers import make_load
+
+P, D, M = InstanceRole.PREFILL, InstanceRole.DECODE, InstanceRole.MIXED
+GUARD = MigrationGuard()  # the defaults the services and the simulator run
+NO_HEADROOM: dict[int, int] = {}
+
+
+def load(instance_id: str, role: InstanceRole, **kw) -> LoadReport:
+    return msgspec.structs.replace(make_load(instance_id, **kw), role=role)
+
+
+def ids(loads: list[LoadReport]) -> list[str]:
+    return [l.instance_id for l in loads]
+
+
+def dest(source: LoadReport, loads: list[LoadReport], blocks: int = 10) -> str | None:
+    return handoff_destination(source, loads, blocks, GUARD, NO_HEADROOM)
+
+
+# -- roles and the dispatch pool ------------------------------------------------------------------
+
+
+def test_only_prefill_instances_hand_off():
+    assert wants_handoff(P)
+    assert not wants_handoff(D)
+    assert not wants_handoff(M)
+
+
+def test_new_requests_avoid_decode_instances_while_a_prefill_instance_lives():
+    loads = [load("p", P), load("d", D), load("m", M)]
+    assert ids(dispatch_pool(loads)) == ["p", "m"]
+
+
+def test_fleet_without_prefill_dispatches_to_everyone():
+    loads = [load("d", D), load("m", M), load("m2", M)]
+    assert ids(dispatch_pool(loads)) == ["d", "m", "m2"]
+    assert dispatch_pool([]) == []
+
+
+def test_draining_prefill_instances_do_not_keep_decode_out_of_the_pool():
+    # The only prefill instance is leaving: new requests must still find a home.
+    loads = [load("p", P, draining=True), load("d", D)]
+    assert ids(dispatch_pool(loads)) == ["p", "d"]
+
+
+# -- hand-off destination -------------------------------------------------------------------------
+
+
+def test_freest_decode_instance_is_chosen():
+    source = load("p", P, running={0: (1, 10)})
+    loads = [source, load("d1", D, running={0: (2, 60)}), load("d2", D, running={0: (2, 20)})]
+    assert dest(source, loads) == "d2"
+
+
+def test_decode_instances_come_before_a_freer_mixed_one():
+    source = load("p", P, running={0: (1, 10)})
+    loads = [source, load("m", M), load("d", D, running={0: (4, 50)})]
+    assert dest(source, loads) == "d"
+
+
+def test_mixed_instance_takes_it_when_no_decode_instance_has_room():
+    source = load("p", P, running={0: (1, 10)})
+    loads = [source, load("d", D, running={0: (4, 85)}), load("m", M, running={0: (1, 30)})]
+    assert dest(source, loads, blocks=10) == "m"
+
+
+def test_no_room_anywhere_keeps_the_request_where_it_is():
+    source = load("p", P, running={0: (1, 10)})
+    loads = [source, load("d", D, running={0: (4, 85)}), load("p2", P)]
+    assert dest(source, loads, blocks=10) is None
+
+
+def test_guard_margin_decides_room():
+    # 100 blocks, guard keeps 10 % free: 40 used + 50 moved leaves exactly 10 -> fits; 51 does not.
+    source = load("p", P)
+    loads = [source, load("d", D, running={0: (2, 40)})]
+    assert dest(source, loads, blocks=50) == "d"
+    assert dest(source, loads, blocks=51) is None
+
+
+def test_destination_with_a_queue_or_draining_is_refused():
+    source = load("p", P)
+    loads = [source, load("d1", D, waiting=[3]), load("d2", D, draining=True)]
+    assert dest(source, loads) is None
+
+
+def test_prefill_instances_never_take_a_hand_off():
+    source = load("p", P, running={0: (1, 10)})
+    loads = [source, load("p2", P)]
+    assert dest(source, loads) is None
+
+
+def test_committed_blocks_are_not_room():
+    source = load("p", P)
+    busy = msgspec.structs.replace(load("d", D, running={0: (1, 20)}), committed_blocks=60)
+    assert dest(source, [source, busy], blocks=20) is None
+    assert dest(source, [source, busy], blocks=5) == "d"
+
+
+def test_ties_go_to_the_smaller_id_whatever_the_order():
+    source = load("p", P)
+    loads = [load("d2", D), load("d1", D), source]
+    assert dest(source, loads) == "d1"
+    assert dest(source, list(reversed(loads))) == "d1"
+
+
+def test_headroom_counts_in_freeness():
+    # d1 is emptier but runs a high-priority request whose headroom reserves 50 blocks.
+    source = load("p", P)
+    loads = [source, load("d1", D, running={-1: (1, 10)}), load("d2", D, running={0: (1, 30)})]
+    assert handoff_destination(source, loads, 5, GUARD, {-1: 50}) == "d2"
+    assert handoff_destination(source, loads, 5, GUARD, NO_HEADROOM) == "d1"
