@@ -6,8 +6,9 @@ from __future__ import annotations
 import msgspec
 
 from shared.messages import InstanceRole, LoadReport
-from shared.policy.disaggregation import dispatch_pool, handoff_destination, wants_handoff
-from shared.policy.migration import MigrationGuard
+from shared.policy.config import PolicyConfig
+from shared.policy.disaggregation import dispatch_pool, handoff_destination, rebalancing_pairs, wants_handoff
+from shared.policy.migration import MigrationGuard, MigrationPair, pair_migrations
 from tests.unit.policy_helpers import make_load
 
 P, D, M = InstanceRole.PREFILL, InstanceRole.DECODE, InstanceRole.MIXED
@@ -120,3 +121,20 @@ def test_headroom_counts_in_freeness():
     loads = [source, load("d1", D, running={-1: (1, 10)}), load("d2", D, running={0: (1, 30)})]
     assert handoff_destination(source, loads, 5, GUARD, {-1: 50}) == "d2"
     assert handoff_destination(source, loads, 5, GUARD, NO_HEADROOM) == "d1"
+
+
+# -- load-balancing rounds ------------------------------------------------------------------------
+
+
+def test_rebalancing_never_moves_a_request_into_a_prefill_instance():
+    config = PolicyConfig(headroom_blocks={})
+    full_decode = load("d", D, running={0: (10, 100)})
+    idle_prefill, idle_mixed = load("p", P), load("m", M)
+    assert pair_migrations([full_decode, idle_prefill], config, GUARD) == [MigrationPair("d", "p")]
+    assert rebalancing_pairs([full_decode, idle_prefill], config, GUARD) == []
+    # a prefill instance short of memory (requests degraded there) is still a source
+    full_prefill = load("p", P, running={0: (10, 100)})
+    assert rebalancing_pairs([full_prefill, idle_mixed], config, GUARD) == [MigrationPair("p", "m")]
+    # no prefill instance: exactly the ordinary pairing
+    loads = [load("m1", M, running={0: (10, 100)}), idle_mixed]
+    assert rebalancing_pairs(loads, config, GUARD) == pair_migrations(loads, config, GUARD)
