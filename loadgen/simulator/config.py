@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from loadgen.simulator.admission import AdmissionModel
 from shared.engine_model.latency import SIMPLE_MODELS
 from shared.engine_model.config import SchedulerConfig
+from shared.messages import InstanceRole
 from shared.policy.config import PolicyConfig, ScalingConfig
 from shared.policy.migration import DEFAULT_GUARD, DEFAULT_STAGES, MigrationGuard, StageRule
 
@@ -73,6 +74,10 @@ class SimConfig:
     autoscale: AutoscaleModel | None = None
     timeline_interval_s: float = 1.0
     admission: AdmissionModel | None = None  # early rejection (None: admit everything)
+    # P/D disaggregation (issue 19 §2): the first `num_prefill` instances prefill only, the next
+    # `num_decode` decode only, the rest (and any the autoscaler adds) are mixed. 0/0: all mixed.
+    num_prefill: int = 0
+    num_decode: int = 0
 
     def __post_init__(self) -> None:
         if self.num_instances < 1:
@@ -84,10 +89,25 @@ class SimConfig:
         for name in ("report_interval_s", "migration_interval_s", "timeline_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
+        if min(self.num_prefill, self.num_decode) < 0 or self.num_prefill + self.num_decode > self.num_instances:
+            raise ValueError(f"{self.num_prefill} prefill + {self.num_decode} decode instances do not fit in "
+                             f"{self.num_instances}")
         if self.autoscale is not None:
             s = self.autoscale.scaling
             if not s.min_instances <= self.num_instances <= s.max_instances:
                 raise ValueError("the initial instance count must lie within the autoscale min/max")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.num_prefill > 0 or self.num_decode > 0
+
+    def role_of(self, index: int) -> InstanceRole:
+        """The role of the `index`-th instance launched."""
+        if index < self.num_prefill:
+            return InstanceRole.PREFILL
+        if index < self.num_prefill + self.num_decode:
+            return InstanceRole.DECODE
+        return InstanceRole.MIXED
 
     def with_scheduler(self, **changes) -> SimConfig:
         """This cluster with these local-scheduler settings changed (`step_mode="v0"`, ...)."""

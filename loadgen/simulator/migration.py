@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from loadgen.simulator.instance import InstanceState, SimInstance
 from shared.engine_model.request import RequestStatus, SimRequest
 from shared.engine_model.scheduler import SimScheduler
+from shared.policy.disaggregation import rebalancing_pairs
 from shared.policy.freeness import QueueDemand, freeness
 from shared.policy.migration import (
     MigrationCandidate,
@@ -56,6 +58,7 @@ class Migration:
     stage_blocks: int = 0  # blocks the stage in flight copies
     stages: list[tuple[int, bool]] = field(default_factory=list)  # (blocks, last) per stage
     suspended_at: float | None = None
+    handoff: bool = False  # a P/D hand-off at the first token, not a load-balancing move
 
     @property
     def lease_id(self) -> str:
@@ -152,6 +155,9 @@ class Migrator:
         self.active: dict[str, Migration] = {}  # migration id -> migration
         self.stats = MigrationStats()
         self.left_at: dict[str, dict[str, float]] = {}  # request id -> instance -> when it left it
+        # Told of every migration's end (committed or aborted, after the slots are freed): the
+        # P/D hand-offs, which wait for a free slot.
+        self.on_finished: Callable[[Migration], None] | None = None
         self._ids = 0
 
     @property
@@ -167,7 +173,7 @@ class Migrator:
         sim.events.push(sim.now + sim.config.migration_interval_s, self.on_round)
         loads = sim.loads()
         config = sim.policy_config
-        pairs = pair_migrations(loads, config, self.guard)
+        pairs = (rebalancing_pairs if sim.config.disaggregated else pair_migrations)(loads, config, self.guard)
         self.pairs = {pair.src: pair.dst for pair in pairs}
         self.stats.rounds += 1
         self.stats.pairs += len(pairs)
@@ -205,14 +211,21 @@ class Migrator:
                                     guard=self.guard, draining=report.draining,
                                     num_blocks_committed=report.committed_blocks):
                 return False
+        self.start(src, dst, chosen.request_id)
+        return True
+
+    def start(self, src: SimInstance, dst: SimInstance, request_id: str, *, handoff: bool = False) -> Migration:
+        """Move a decoding request from `src` to `dst`, stage by stage; the caller checked the
+        slots, the guard and that the request decodes. `handoff`: a P/D hand-off (issue 19)."""
+        assert src.migrations_out < self.model.max_per_instance and dst.migrations_in < self.model.max_per_instance
         self._ids += 1
-        migration = Migration(f"m{self._ids}", chosen.request_id, src, dst, started_at=sim.now)
+        migration = Migration(f"m{self._ids}", request_id, src, dst, started_at=self.sim.now, handoff=handoff)
         self.active[migration.migration_id] = migration
         src.migrations_out += 1
         dst.migrations_in += 1
         self.stats.started += 1
         self._next_stage(migration)
-        return True
+        return migration
 
     # -- stages ----------------------------------------------------------------------------------
 
@@ -310,3 +323,5 @@ class Migrator:
         for instance in (migration.src, migration.dst):
             self.sim.kick(instance)  # blocks were freed or a request joined the batch
             self.sim.maybe_stop(instance)
+        if self.on_finished is not None:
+            self.on_finished(migration)

@@ -1,0 +1,140 @@
+"""P/D disaggregation in the simulator (issue 19 §2): at a request's first token on a prefill
+instance, hand it off to the decode instance that is freest then, by the simulator's ordinary
+live migration (`Migrator.start`: the same stages, KV copy cost from its bytes and the
+migration bandwidth, the same commit that frees the prompt's blocks on the source).
+
+The destination comes from the shared policy (`handoff_destination`, under the one migration
+guard). A request waits for a hand-off only while the migration slots are busy (the source's
+one way out, or every destination's way in), and it decodes meanwhile; when no decode or mixed
+instance has room, it stays for good (degrades to mixed) rather than wait.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from loadgen.simulator.instance import SimInstance
+from loadgen.simulator.migration import Migration, Migrator, MigrationStatus, is_decoding
+from shared.engine_model.request import SimRequest
+from shared.messages import InstanceRole
+from shared.policy.disaggregation import HANDOFF_ROLES, handoff_destination, wants_handoff
+from shared.policy.migration import MigrationGuard
+
+if TYPE_CHECKING:
+    from loadgen.simulator.cluster import ClusterSimulator
+
+# With `--no-migration-guard` a hand-off still needs the blocks, nothing more.
+ROOM_ONLY = MigrationGuard(dest_max_waiting=1 << 30, min_freeness_gap=0.0, min_residence_s=0.0,
+                           dest_min_free_fraction_after=0.0, min_return_s=0.0)
+
+
+@dataclass
+class HandoffStats:
+    prefilled: int = 0  # requests that reached their first token on a prefill instance, still to decode
+    started: int = 0
+    committed: int = 0  # moved to a decode (or mixed) instance
+    aborted: int = 0  # the hand-off migration failed; the request stayed
+    degraded: int = 0  # no decode or mixed instance had room: decoded on the prefill instance
+    finished_waiting: int = 0  # finished on the prefill instance while waiting for a slot
+    rebalanced: int = 0  # moved by a load-balancing round while waiting for a slot
+    to_mixed: int = 0  # of `committed`, those that went to a mixed instance
+    wait_s: list[float] = field(default_factory=list)  # first token -> hand-off started
+    downtime_s: list[float] = field(default_factory=list)  # the request's stop at the commit
+
+    def to_json(self) -> dict:
+        doc = asdict(self)
+        for name in ("wait_s", "downtime_s"):
+            values = doc.pop(name)
+            doc[f"mean_{name[:-2]}_ms"] = round(sum(values) / len(values) * 1e3, 2) if values else 0.0
+        return doc
+
+
+class Handoffs:
+    def __init__(self, sim: ClusterSimulator, migrator: Migrator) -> None:
+        self.sim = sim
+        self.migrator = migrator
+        self.guard = sim.config.guard or ROOM_ONLY
+        self.headroom = sim.policy_config.headroom_blocks
+        self.stats = HandoffStats()
+        self.pending: dict[str, dict[str, float]] = {}  # prefill instance -> request id -> first token at
+        self._retrying = False
+        self._again = False
+        migrator.on_finished = self._on_migration_finished
+
+    def on_first_tokens(self, instance: SimInstance, requests: list[SimRequest]) -> None:
+        """After a step: requests that sampled their first token on a prefill instance and have
+        more to generate start their hand-off (or wait for a slot)."""
+        if not wants_handoff(instance.role):
+            return
+        for r in requests:
+            if r.num_output_tokens == 1 and r.finished_time is None:
+                self.stats.prefilled += 1
+                self.pending.setdefault(instance.instance_id, {})[r.request_id] = self.sim.now
+        self._retry()
+
+    def _on_migration_finished(self, migration: Migration) -> None:
+        if migration.handoff:
+            if migration.status is MigrationStatus.COMMITTED:
+                self.stats.committed += 1
+                self.stats.to_mixed += migration.dst.role is InstanceRole.MIXED
+                self.stats.downtime_s.append(self.migrator.stats.downtime_s[-1])
+            else:
+                self.stats.aborted += 1
+        self._retry()  # a slot is free
+
+    def _retry(self) -> None:
+        """Try every waiting hand-off, oldest first per source. Re-entrant calls (a migration
+        that aborts at once frees its slot inside `start`) only ask for another pass."""
+        if self._retrying:
+            self._again = True
+            return
+        self._retrying = True
+        try:
+            self._again = True
+            while self._again:
+                self._again = False
+                for source_id, waiting in list(self.pending.items()):
+                    for request_id in list(waiting):
+                        if not self._try(self.sim.instances[source_id], request_id, waiting):
+                            break
+        finally:
+            self._retrying = False
+
+    def _try(self, src: SimInstance, request_id: str, waiting: dict[str, float]) -> bool:
+        """Settle or start one waiting hand-off; False when the slots are busy, so the requests
+        behind it on this source need not be tried in this pass."""
+        if request_id not in waiting:
+            return True  # settled by a nested pass
+        request = src.scheduler.get(request_id)
+        if request is None:  # finished, or a load-balancing round moved it, while it waited
+            del waiting[request_id]
+            if request_id in self.sim.placed_at:
+                self.stats.rebalanced += 1
+            else:
+                self.stats.finished_waiting += 1
+            return True
+        limit = self.migrator.model.max_per_instance
+        if src.migrations_out >= limit:
+            return False
+        if not is_decoding(request) or self._moving(request_id):
+            return True  # recomputing after a preemption, or already moving
+        targets = [i for i in self.sim.serving if i.role in HANDOFF_ROLES]
+        free = [i for i in targets if i.migrations_in < limit]
+        loads = [self.sim.report_of(i, fresh=True) for i in free]
+        blocks = src.scheduler.block_manager.num_blocks_of(request_id)
+        dst = handoff_destination(self.sim.report_of(src, fresh=True), loads, blocks, self.guard, self.headroom)
+        if dst is None:
+            if len(free) < len(targets):
+                return False  # a busy destination may have room once its migration ends
+            del waiting[request_id]
+            self.stats.degraded += 1
+            return True
+        first_token_at = waiting.pop(request_id)
+        self.stats.started += 1
+        self.stats.wait_s.append(self.sim.now - first_token_at)
+        self.migrator.start(src, self.sim.instances[dst], request_id, handoff=True)
+        return True
+
+    def _moving(self, request_id: str) -> bool:
+        return any(m.request_id == request_id for m in self.migrator.active.values())
