@@ -40,12 +40,16 @@ class DispatchIndex:
     def __len__(self) -> int:
         return len(self._loads)
 
-    def put(self, load: LoadReport) -> None:
-        """An instance's new load (a report, or a dispatch accounted): re-ranked in O(log N)."""
+    def put(self, load: LoadReport, order: int | None = None) -> None:
+        """An instance's new load (a report, or a dispatch accounted): re-ranked in O(log N).
+
+        `order`: the instance's place in the scan's list, when the caller keeps one (the simulator
+        lists instances as they started serving, which is not always the order of their first
+        report); by default, the order first put. It is read when the instance is first put."""
         old = self._keys.get(load.instance_id)
         neg_score = -dispatch_score(load, self.config.headroom_blocks)
         if old is None:
-            arrival = next(self._arrival)
+            arrival = next(self._arrival) if order is None else order
         else:
             previous = self._loads[load.instance_id]
             if old[0] == neg_score and previous.draining == load.draining:

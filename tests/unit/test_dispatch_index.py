@@ -93,3 +93,21 @@ def test_table_keeps_the_index_in_step_through_reports_dispatches_and_expiry():
         assert [l.instance_id for l in index.loads_in_arrival_order()] == [l.instance_id for l in table.live()]
         if expected.instance_id is not None:
             table.replace_load(account_dispatch(table.get(expected.instance_id), request))
+
+
+def test_explicit_order_decides_which_of_equal_scores_is_the_best():
+    """Equal dispatch scores, unequal freeness: the scan checks the rejection threshold on the
+    first of the best in its list, so the index must rank ties in the caller's list order even
+    when the instances first report in another (the simulator's instances that start serving)."""
+    crowded = make_load("crowded", total=100, running={0: (2, 40)})  # room 60 over 2 requests
+    queued = make_load("queued", total=100, running={0: (1, 30)}, waiting=[10])  # room 60 over 1 + 1 queued
+    config = PolicyConfig(reject_below_freeness=45.0)  # crowded's freeness 30, queued's 60
+    request = DispatchRequest(request_id="r", num_prompt_tokens=10, max_tokens=1)
+    for listed in ([crowded, queued], [queued, crowded]):
+        index = DispatchIndex(config)
+        for load in reversed(listed):  # first put last
+            index.put(load, order=listed.index(load))
+        assert [l.instance_id for l in index.loads_in_arrival_order()] == [l.instance_id for l in listed]
+        assert index.choose(request) == choose_instance(listed, request, config)
+    assert choose_instance([crowded, queued], request, config).reason is Refusal.OVERLOADED
+    assert choose_instance([queued, crowded], request, config).instance_id is not None
