@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.engine_model.latency import LatencyModel
 from shared.engine_model.load_report import build_load_report
 from shared.engine_model.scheduler import SimScheduler
 from shared.engine_model.step import SchedulerOutput
-from shared.messages import LoadReport
+from shared.messages import InstanceRole, LoadReport
 
 
 class InstanceState(enum.Enum):
@@ -28,6 +29,7 @@ class SimInstance:
     latency: LatencyModel
     launched_at: float
     state: InstanceState = InstanceState.LIVE
+    role: InstanceRole = InstanceRole.MIXED
     stopped_at: float | None = None
     step: SchedulerOutput | None = None  # the step in flight, if any
     report: LoadReport | None = None  # the last report, plus dispatches accounted since
@@ -37,6 +39,8 @@ class SimInstance:
     num_steps: int = 0
     busy_s: float = 0.0
     _seq: int = field(default=0, repr=False)
+    # Told of every report built (the simulator's dispatch index keeps its ranking by it).
+    on_report: Callable[[SimInstance], None] | None = field(default=None, repr=False)
 
     @property
     def serving(self) -> bool:
@@ -93,6 +97,9 @@ class SimInstance:
             num_migrating=self.migrations_in + self.migrations_out,
             max_model_len=max_model_len,
             engine="sim",
+            role=self.role,
         )
         self.report_at = now
+        if self.on_report is not None:
+            self.on_report(self)
         return self.report
