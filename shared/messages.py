@@ -122,10 +122,16 @@ class GenerateRequest(Struct):
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
-    """One output token's log probability and the top alternatives', best first (id, logprob)."""
+    """One output token's log probability and the top alternatives', best first (id, logprob).
+    -inf is a probability of zero (the gateway writes vLLM's floor, -9999.0); NaN is refused."""
 
     logprob: float
     top: Annotated[list[tuple[TokenId, float]], Meta(max_length=1024)] = []
+
+    def __post_init__(self) -> None:
+        _no_nan(logprob=self.logprob)
+        if any(math.isnan(value) for _token, value in self.top):
+            raise ValueError("a top logprob is NaN")
 
 
 class TokenChunk(Struct):
@@ -150,7 +156,7 @@ class TokenChunk(Struct):
     # failed), so the gateway may resume it elsewhere from the tokens it delivered.
     resumable: bool = False
     # One per token of `token_ids`, when the request asked for logprobs (None on a handover's
-    # repeat of the output so far: the destination never saw those probabilities).
+    # repeat of the output so far, but for the source's last step: `MigrationCommit.tail_logprobs`).
     logprobs: list[TokenLogprob] | None = None
     # On an instance's first output of the request: prompt tokens its engine found in the prefix
     # cache (vLLM's num_cached_tokens; None: not the first output, or the engine keeps no cache).
@@ -158,6 +164,7 @@ class TokenChunk(Struct):
 
 
 MAX_BATCH_CHUNKS = 4096
+MAX_TAIL_LOGPROBS = 256  # output tokens of one engine step (more than one with speculative decoding)
 
 
 class TokenChunkBatch(msgspec.Struct, array_like=True):
@@ -377,6 +384,14 @@ class MigrationCommit(Struct):
     num_preemptions: Count = 0
     # Instances the request has left (id -> wall-clock time it left), for the return-trip limit.
     departures: dict[str, float] = {}
+    # Logprobs of the last len(tail_logprobs) output tokens (the source's last step, when the
+    # request asked for them): its chunk may reach the gateway after the destination's catch-up,
+    # which then carries them, so no token of the stream goes without.
+    tail_logprobs: Annotated[list[TokenLogprob], Meta(max_length=MAX_TAIL_LOGPROBS)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.tail_logprobs is not None and len(self.tail_logprobs) > len(self.output_token_ids):
+            raise ValueError(f"{len(self.tail_logprobs)} tail logprobs for {len(self.output_token_ids)} output tokens")
 
 
 def encode(msg: msgspec.Struct) -> bytes:

@@ -64,13 +64,30 @@ class LlumletMigrationHooks:
         llumlet.spans.started(request, migrated_in=True, num_output_tokens=len(commit.output_token_ids))
         llumlet.wake_engine()
         llumlet.report_soon()
-        catch_up = TokenChunk(
+        for catch_up in catch_up_chunks(llumlet.instance_id, commit):
+            await llumlet.output.publish_chunk(request.reply_subject, encode(catch_up))
+
+
+def catch_up_chunks(instance_id: str, commit: MigrationCommit) -> list[TokenChunk]:
+    """The destination's first chunks: the output so far, in order (at least one chunk, even
+    empty: it hands the stream over). The source's last step may reach the gateway after them,
+    so its tokens go in a chunk of their own with the logprobs the commit carries; the tokens
+    before them, streamed by the source's earlier steps, have none here."""
+    request, outputs, tail = commit.request, commit.output_token_ids, commit.tail_logprobs or []
+    split = len(outputs) - len(tail)
+    parts = [(0, split, None)] if split or not tail else []
+    if tail:
+        parts.append((split, len(outputs), tail))
+    return [
+        TokenChunk(
             request_id=request.request_id,
-            instance_id=llumlet.instance_id,
-            start_index=request.resume_from,
-            token_ids=commit.output_token_ids,
+            instance_id=instance_id,
+            start_index=request.resume_from + start,
+            token_ids=outputs[start:end],
             num_prompt_tokens=len(request.prompt_token_ids) - request.resume_from,
             num_preemptions=commit.num_preemptions,
             handover=True,
+            logprobs=logprobs,
         )
-        await llumlet.output.publish_chunk(request.reply_subject, encode(catch_up))
+        for start, end, logprobs in parts
+    ]

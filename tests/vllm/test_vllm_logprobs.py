@@ -37,3 +37,14 @@ async def test_zero_top_logprobs_gives_the_sampled_token_only(vllm_engine):
     collector = await run_until_idle(vllm_engine)
     logprobs = [lp for o in collector.outputs for lp in (o.logprobs or [])]
     assert len(logprobs) == 3 and all(lp.top == [] and lp.logprob <= 0 for lp in logprobs)
+
+
+def test_a_nan_logprob_goes_out_as_minus_infinity():
+    """NaN is refused on the wire (and is no JSON); -inf is what the gateway floors to -9999.0."""
+    from types import SimpleNamespace
+
+    from services.llumlet.engines.vllm.params import logprobs_of
+
+    position = {4: SimpleNamespace(logprob=math.nan, rank=1), 9: SimpleNamespace(logprob=-math.inf, rank=2)}
+    (logprob,) = logprobs_of([4], [position], top=2)
+    assert logprob.logprob == -math.inf and logprob.top == [(4, -math.inf), (9, -math.inf)]

@@ -30,7 +30,7 @@ from services.llumlet.engines.vllm.state import (
     Tracked,
     TrackedStatus,
 )
-from shared.messages import FinishReason
+from shared.messages import MAX_TAIL_LOGPROBS, FinishReason, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,14 @@ def continuation(tracked: Tracked, request: Any, output_token_ids: list[int], lo
                                    min_tokens=max(0, sampling.min_tokens - done))
     params = to_vllm_sampling_params(msgspec.structs.replace(request, sampling=rest))
     return AddCommand(tracked, list(request.prompt_token_ids) + list(output_token_ids), params, load)
+
+
+def _tail_logprobs(tracked: Tracked, num_outputs: int) -> list[TokenLogprob] | None:
+    """The last step's logprobs, if that step's tokens are the last of the output."""
+    if tracked.last_logprobs is None:
+        return None
+    start, logprobs = tracked.last_logprobs
+    return logprobs[-MAX_TAIL_LOGPROBS:] if start + len(logprobs) == num_outputs else None
 
 
 def engine_kwargs(config: VllmEngineConfig, served_model_name: str) -> dict[str, Any]:
@@ -223,7 +231,8 @@ class VllmDriver:
         internal_id = tracked.internal_id
         (block_ids,) = self.probe.kv_cache_manager.get_block_ids(internal_id)
         outputs = (*tracked.prior_output_token_ids, *vreq.output_token_ids)
-        suspended = Suspended(internal_id, tuple(block_ids), vreq.num_computed_tokens, vreq.num_preemptions, outputs)
+        suspended = Suspended(internal_id, tuple(block_ids), vreq.num_computed_tokens, vreq.num_preemptions, outputs,
+                              tail_logprobs=_tail_logprobs(tracked, len(outputs)))
         self.kv_state.held.add(internal_id)
         self.llm_engine.abort_request([internal_id], internal=True)
         assert internal_id in self.probe.scheduler.requests, "the connector did not hold the blocks"
@@ -315,6 +324,8 @@ class VllmDriver:
             output = self._to_step_output(tracked, request_output)
             if output is not None:
                 produced.append((tracked, output))
+                if output.logprobs:
+                    tracked.last_logprobs = (output.start_index, output.logprobs)
                 tracked.num_delivered += len(output.token_ids)
         for tracked in finished:
             self._forget(tracked)

@@ -163,6 +163,7 @@ class VllmMigration:
             output_token_ids=list(suspended.output_token_ids),
             num_computed_tokens=suspended.num_computed_tokens,
             num_preemptions=suspended.num_preemptions,
+            tail_logprobs=suspended.tail_logprobs,
         )
 
     async def release_migrated(self, request_id: str) -> bool:

@@ -6,6 +6,7 @@ request vLLM would refuse fails in `add_request` with a clear `EngineError` inst
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -37,8 +38,15 @@ def logprobs_of(token_ids: Sequence[int], positions: Sequence[Mapping[int, Any]]
     out = []
     for token_id, position in zip(token_ids, positions, strict=True):
         ranked = sorted((lp.rank, t, lp.logprob) for t, lp in position.items() if lp.rank is not None and lp.rank <= top)
-        out.append(TokenLogprob(position[token_id].logprob, [(t, logprob) for _rank, t, logprob in ranked]))
+        out.append(TokenLogprob(_not_nan(position[token_id].logprob),
+                                [(t, _not_nan(logprob)) for _rank, t, logprob in ranked]))
     return out
+
+
+def _not_nan(logprob: float) -> float:
+    """NaN (a broken distribution, e.g. an overflow in half precision) is refused on the wire
+    and is no JSON: it goes out as -inf, which the gateway writes as vLLM's floor (-9999.0)."""
+    return -math.inf if math.isnan(logprob) else logprob
 
 
 def check_request(request: GenerateRequest, *, max_model_len: int, vocab_size: int) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.engine_model.views import RequestView, StepOutput
+from shared.messages import TokenLogprob
 
 
 class TrackedStatus(enum.Enum):
@@ -57,6 +58,9 @@ class Tracked:
     # Tokens generated before this engine took the request (a migrated request, or one resumed
     # after a failed migration): vLLM sees them as prompt.
     prior_output_token_ids: list[int] = field(default_factory=list)
+    # The last step's logprobs (start index, one per token), when the request asked for them: a
+    # migration's commit carries them (the gateway may not have that step's chunk yet).
+    last_logprobs: tuple[int, list[TokenLogprob]] | None = None
     status: TrackedStatus = TrackedStatus.QUEUED
     suspended: Suspended | None = None  # what it was when suspended (status SUSPENDED only)
     placed_at: float = field(default_factory=time.monotonic)  # arrived or migrated in here
@@ -81,6 +85,7 @@ class Suspended:
     num_computed_tokens: int
     num_preemptions: int
     output_token_ids: tuple[int, ...]  # all of them, since the request's start
+    tail_logprobs: list[TokenLogprob] | None = None  # of the last of them (`Tracked.last_logprobs`)
 
 
 @dataclass(frozen=True)
