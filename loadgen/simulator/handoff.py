@@ -42,6 +42,11 @@ class HandoffStats:
     wait_s: list[float] = field(default_factory=list)  # first token -> hand-off started
     downtime_s: list[float] = field(default_factory=list)  # the request's stop at the commit
 
+    def summary(self) -> str:
+        return (f"{self.committed} of {self.prefilled} handed off ({self.to_mixed} to mixed), {self.degraded} stayed "
+                f"for want of room, {self.aborted} aborted, {self.finished_waiting} finished waiting for a slot; "
+                f"mean wait {self.to_json()['mean_wait_ms']} ms, mean stop {self.to_json()['mean_downtime_ms']} ms")
+
     def to_json(self) -> dict:
         doc = asdict(self)
         for name in ("wait_s", "downtime_s"):
