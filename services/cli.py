@@ -17,6 +17,8 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
     from services.supervisor import run_cluster, say
     from services.tools.make_model import ensure_tiny_model
 
+    roles = llumlet_roles(args)
+    args.instances = len(roles) if roles else (args.instances if args.instances is not None else 2)
     if args.instances < 1:
         raise SystemExit(f"corral up: --instances must be at least 1, got {args.instances}")
     if args.metrics_port < 0 or args.metrics_port + args.instances > 65535:
@@ -53,7 +55,22 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
         ready_timeout_s=args.ready_timeout_s,
         host=args.host,
         metrics_port=args.metrics_port,
+        roles=roles,
     )
+
+
+def llumlet_roles(args: argparse.Namespace) -> list[str]:
+    """`--prefill N --decode M`: the role of each llumlet, prefill ones first (none: all mixed)."""
+    if not args.prefill and not args.decode:
+        return []
+    if args.prefill < 1 or args.decode < 1:
+        raise SystemExit(f"corral up: --prefill and --decode need at least 1 each, got {args.prefill} and {args.decode}")
+    if args.instances is not None:
+        raise SystemExit("corral up: --prefill/--decode set the instance count: drop --instances")
+    if args.autoscale:
+        raise SystemExit("corral up: --prefill/--decode with --autoscale is not supported (the autoscaler starts "
+                         "mixed llumlets)")
+    return ["prefill"] * args.prefill + ["decode"] * args.decode
 
 
 def _cmd_scheduler(args: argparse.Namespace) -> int:
@@ -130,7 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start NATS (embedded unless --nats-url), the scheduler, N llumlets and the gateway",
                         description="Unrecognised flags are passed to every llumlet (see `corral llumlet --help`).")
     up.add_argument("--nats-url", default=env("NATS_URL", None), help="use this NATS server instead of an embedded one")
-    up.add_argument("--instances", type=int, default=2, help="number of llumlets")
+    up.add_argument("--instances", type=int, default=None, help="number of llumlets (default 2)")
+    up.add_argument("--prefill", type=int, default=0,
+                    help="prefill/decode disaggregation: N prefill llumlets (with --decode M; instead of --instances)")
+    up.add_argument("--decode", type=int, default=0, help="M decode llumlets (with --prefill N)")
     up.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     up.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     up.add_argument("--engine", choices=["sim", "vllm"], default=None, help="default: vllm when importable, else sim")

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -192,6 +192,7 @@ def run_cluster(
     host: str = "127.0.0.1",
     cpu_layout: CpuLayout | None = None,
     metrics_port: int = 0,
+    roles: Sequence[str] = (),
 ) -> int:
     """`cpu_layout`: each llumlet on its own cores, everything else on the control plane's.
     `metrics_port` P > 0: the scheduler serves /metrics on P, llumlet i on P + 1 + i (each its
@@ -220,7 +221,7 @@ def run_cluster(
         else:
             say(f"using NATS at {nats_url}")
         cluster.children = plan_children(nats_url, instances, gateway_args, llumlet_args, scheduler_args,
-                                         autoscaler_args, cpu_layout, url, metrics_port)
+                                         autoscaler_args, cpu_layout, url, metrics_port, roles)
         for child in cluster.children if auth is not None else ():
             child.argv = auth.argv_for(child.argv)
         for child in reversed(cluster.children):  # scheduler first, gateway last
@@ -248,8 +249,9 @@ def run_cluster(
 
 def plan_children(nats_url: str, instances: int, gateway_args: list[str], llumlet_args: list[str],
                   scheduler_args: list[str], autoscaler_args: list[str] | None, cpu_layout: CpuLayout | None,
-                  gateway_url: str, metrics_port: int) -> list[Child]:
-    """Gateway first, scheduler last (the order they stop in); every metrics port distinct."""
+                  gateway_url: str, metrics_port: int, roles: Sequence[str] = ()) -> list[Child]:
+    """Gateway first, scheduler last (the order they stop in); every metrics port distinct.
+    `roles`: llumlet i's `--role` (after the user's flags: `--prefill/--decode` win)."""
     control = cpu_layout.control if cpu_layout is not None else None
     common = ["--nats-url", nats_url]
 
@@ -266,7 +268,8 @@ def plan_children(nats_url: str, instances: int, gateway_args: list[str], llumle
             # As many torch threads as cores of its own (before llumlet_args: a user's flag wins).
             threads = [] if cpus is None else ["--vllm-cpu-threads", str(len(cpus))]
             flag, url = metrics(1 + i)
-            argv = ["llumlet", *common, "--instance-id", f"llumlet-{i}", *threads, *flag, *llumlet_args]
+            role = ["--role", roles[i]] if i < len(roles) else []
+            argv = ["llumlet", *common, "--instance-id", f"llumlet-{i}", *threads, *flag, *llumlet_args, *role]
             children.append(Child(f"llumlet-{i}", argv, cpus, metrics_url=url))
     else:
         children.append(Child("autoscaler", ["autoscaler", *common, *autoscaler_args], control))

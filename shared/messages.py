@@ -336,6 +336,23 @@ class MigrateOrder(Struct):
     round: Count = 0
 
 
+class HandoffQuery(Struct):
+    """Prefill llumlet → scheduler, when a request's prefill completes (its first token): which
+    decode instance takes it now? (issue 19 §2: the destination is chosen then, not at arrival.)"""
+
+    instance_id: InstanceId
+    request_id: RequestId
+    num_blocks: Count  # the request's KV blocks, the room the destination needs
+
+
+class HandoffAnswer(Struct):
+    """Scheduler → prefill llumlet: migrate the request to `dst_instance_id`; None: no decode
+    instance has room, so it keeps decoding where it is."""
+
+    dst_instance_id: InstanceId | None = None
+    reason: Annotated[str, Meta(max_length=1024)] | None = None  # why none, in words
+
+
 class DrainOrder(Struct):
     drain: bool = True
 

@@ -23,6 +23,7 @@ from services.gateway.errors import ApiError, refusal_error
 from shared import subjects, tracing
 from shared.messages import DispatchReply, DispatchRequest, Refusal, WireError, decode, encode
 from shared.policy import PolicyConfig, choose_instance
+from shared.policy.disaggregation import dispatch_pool
 from shared.policy.dispatch import REJECT_NO_INSTANCE
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,8 @@ class Dispatcher:
         if not self.bypassing:
             self.bypassing = True
             log.warning("%s: dispatching from this gateway's load reports (bypass mode)", why)
-        decision = choose_instance(self._instances.live_loads(), request, self._policy)
+        # (the scheduler's dispatch pool: no decode instance while a prefill one is live)
+        decision = choose_instance(dispatch_pool(self._instances.live_loads()), request, self._policy)
         if decision.instance_id is None:
             reason = decision.reason or Refusal.NO_INSTANCE
             raise refusal_error(reason, _message(reason, decision.rejected or REJECT_NO_INSTANCE), prompt_param)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from shared import subjects
 from shared.messages import LoadReport, MigrateOrder, encode
 from shared.policy.config import PolicyConfig
-from shared.policy.migration import MigrationGuard, pair_migrations
+from shared.policy.disaggregation import rebalancing_pairs
+from shared.policy.migration import MigrationGuard
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ class MigrationPairer:
         migratable = [load for load in loads if load.kv_address]  # (no KV receiver: migration is off there)
         # The policy's anti-thrash guard (no destination with a queue, a freeness gap), as the
         # simulator pairs, so the services pair exactly as `loadgen simulate` measured.
-        wanted = {pair.src: pair.dst for pair in pair_migrations(migratable, self.policy, self.guard)}
+        # (none into a prefill instance: it hands its requests off, issue 19 §2)
+        wanted = {pair.src: pair.dst for pair in rebalancing_pairs(migratable, self.policy, self.guard)}
         orders = []
         for src, standing in list(self.pairs.items()):
             if wanted.get(src) != standing.dst_instance_id:

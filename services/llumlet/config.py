@@ -11,6 +11,7 @@ from shared import subjects
 from shared.config import add_nats_argument, env, short_id
 from shared.engine_model.config import QUEUE_POLICIES, STEP_MODES, SchedulerConfig
 from shared.engine_model.latency import SIMPLE_MODELS
+from shared.messages import InstanceRole
 from shared.policy.config import PolicyConfig
 
 
@@ -36,6 +37,11 @@ class LlumletConfig:
     # Publish a report at once when free blocks moved by this fraction of the capacity.
     report_change_fraction: float = 0.05
     seed: int = 0
+    # Prefill/decode disaggregation (issue 19 §2): a prefill instance hands each request, at its
+    # first token, to a decode instance by live migration (`handoff_concurrency` at a time);
+    # decode instances take no new requests while a prefill instance is live.
+    role: InstanceRole = InstanceRole.MIXED
+    handoff_concurrency: int = 2
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     # Live migration: the KV receiver listens on kv_host:kv_port (0: an ephemeral port) and is
     # advertised to peers as kv_advertise_host (default: kv_host).
@@ -73,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=env("SEED", 0))
     parser.add_argument("--metrics-port", type=int, default=env("METRICS_PORT", 0),
                         help="serve Prometheus metrics on this port (0: off)")
+    parser.add_argument("--role", choices=[r.value for r in InstanceRole], default=env("ROLE", "mixed"),
+                        help="prefill: take new requests and hand each to a decode instance at its first token "
+                             "(live migration); decode: take only hand-offs while a prefill instance is live; "
+                             "mixed: both (default)")
+    parser.add_argument("--handoff-concurrency", type=int, default=env("HANDOFF_CONCURRENCY", 2),
+                        help="a prefill instance's hand-offs in flight at once")
     mig = parser.add_argument_group("live migration")
     mig.add_argument("--enable-migration", action=argparse.BooleanOptionalAction,
                      default=env("ENABLE_MIGRATION", True), help="take part in live migration (default: on)")
@@ -150,6 +162,8 @@ def config_from_args(args: argparse.Namespace) -> LlumletConfig:
         stop_grace_s=args.stop_grace_s,
         metrics_port=args.metrics_port,
         seed=args.seed,
+        role=_role(args.role),
+        handoff_concurrency=_positive("--handoff-concurrency", args.handoff_concurrency),
         enable_migration=args.enable_migration,
         kv_host=args.kv_host,
         kv_port=args.kv_port,
@@ -159,6 +173,19 @@ def config_from_args(args: argparse.Namespace) -> LlumletConfig:
         vllm=VllmSettings(kv_cache_space_gib=args.vllm_kv_cache_gib, max_num_seqs=args.vllm_max_num_seqs,
                           cpu_threads=args.vllm_cpu_threads),
     )
+
+
+def _role(value: str) -> InstanceRole:
+    try:  # (argparse checks a flag's choices, not a default from CORRAL_ROLE)
+        return InstanceRole(value)
+    except ValueError:
+        raise SystemExit(f"bad role {value!r}: one of {', '.join(r.value for r in InstanceRole)}") from None
+
+
+def _positive(flag: str, value: int) -> int:
+    if value < 1:
+        raise SystemExit(f"{flag} must be at least 1, got {value}")
+    return value
 
 
 def sim_engine_from_args(args: argparse.Namespace) -> SimEngineConfig:

@@ -1,0 +1,138 @@
+"""Prefill/decode hand-off on a prefill instance (issue 19 §2): when a request's prefill completes
+(its first token, already published from here), it moves by the ordinary live migration to the
+decode instance the global scheduler picks *then* (`shared.policy.disaggregation`).
+
+The hand-off moves exactly that request (`MigrationCoordinator.migrate`, not the pair loop's
+`select_request_to_migrate`), and bypasses the per-request residence limit: the request moves
+because of this instance's role, not to balance load. When the scheduler names no destination
+(no decode instance has room), does not answer, or the migration fails, the request keeps
+decoding here: the instance degrades to mixed for it instead of making it wait. A destination
+that refuses the migration (it filled up meanwhile, or has its incoming migrations in flight) is
+asked about once more, later, with a fresh choice.
+
+Hand-offs queue in first-token order and run `concurrency` at a time; a queued request decodes
+here meanwhile, and the destination is chosen when its turn comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+
+from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from services.llumlet.migration.ops import LivePhase, MigrationSnapshot
+from services.llumlet.migration.outgoing import OutgoingMigration
+from services.llumlet.migration.protocol import MigrationStatus
+from shared import subjects
+from shared.engine_model.views import StepOutput
+from shared.messages import HandoffAnswer, HandoffQuery, WireError, decode, encode
+
+log = logging.getLogger(__name__)
+
+ASK_TIMEOUT_S = 0.5  # the scheduler answers from its load table: a slow answer is a loaded scheduler
+ATTEMPTS = 2  # a destination's refusal (a race with its own load) gets one more, later choice
+
+
+class HandoffOutcome(enum.Enum):
+    HANDED_OFF = "handed_off"  # committed on the decode instance
+    NO_ROOM = "no_room"  # the scheduler found no decode instance with room: it decodes here
+    NO_SCHEDULER = "no_scheduler"  # nobody answered: it decodes here
+    REFUSED = "refused"  # the destination refused every attempt: it decodes here
+    GONE = "gone"  # it finished, was aborted or left before its turn (or its migration)
+
+
+Ask = Callable[[HandoffQuery], Awaitable[HandoffAnswer | None]]  # None: no scheduler answered
+Migrate = Callable[[str, str], Awaitable[OutgoingMigration | None]]
+Snapshot = Callable[[str], MigrationSnapshot | None]
+
+
+def first_tokens(outputs: Iterable[StepOutput]) -> list[str]:
+    """Requests whose prefill completed in this step and that go on decoding: their first output
+    token (index 0 of this instance's output), not their last."""
+    return [o.request_id for o in outputs if o.start_index == 0 and o.token_ids and o.finish_reason is None]
+
+
+class PrefillHandoff:
+    def __init__(self, instance_id: str, ask: Ask, migrate: Migrate, snapshot: Snapshot, concurrency: int) -> None:
+        assert concurrency >= 1, concurrency
+        self.instance_id = instance_id
+        self._ask = ask
+        self._migrate = migrate
+        self._snapshot = snapshot
+        self.concurrency = concurrency
+        self._queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
+        self.outcomes: collections.Counter[HandoffOutcome] = collections.Counter()
+
+    def prefilled(self, outputs: Iterable[StepOutput]) -> None:
+        """After a step's output is published: queue the hand-off of each request it prefilled."""
+        for request_id in first_tokens(outputs):
+            self._queue.put_nowait((request_id, 1))
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as group:
+            for i in range(self.concurrency):
+                group.create_task(self._worker(), name=f"handoff-{i}")
+
+    async def _worker(self) -> None:
+        while True:
+            request_id, attempt = await self._queue.get()
+            try:
+                outcome = await self.hand_off(request_id, attempt)
+            except Exception:  # a bug must not stop later hand-offs: this request decodes here
+                log.exception("hand-off of %s failed", request_id)
+                continue
+            if outcome is not None:
+                self.outcomes[outcome] += 1
+
+    async def hand_off(self, request_id: str, attempt: int = 1) -> HandoffOutcome | None:
+        """One attempt; None when it was queued again for another."""
+        snapshot = self._snapshot(request_id)
+        if snapshot is None or snapshot.phase is not LivePhase.RUNNING:
+            return HandoffOutcome.GONE  # (a preempted one is QUEUED: it decodes here once back)
+        answer = await self._ask(HandoffQuery(self.instance_id, request_id, snapshot.num_blocks))
+        if answer is None:
+            return HandoffOutcome.NO_SCHEDULER
+        if answer.dst_instance_id is None:
+            log.info("hand-off of %s: it decodes here (%s)", request_id, answer.reason or "no destination")
+            return HandoffOutcome.NO_ROOM
+        m = await self._migrate(request_id, answer.dst_instance_id)
+        if m is None:
+            return HandoffOutcome.GONE  # finished meanwhile, or another migration holds it
+        if m.status is MigrationStatus.FINISHED:
+            return HandoffOutcome.HANDED_OFF
+        if m.status is MigrationStatus.ABORTED_DST and attempt < ATTEMPTS:
+            self._queue.put_nowait((request_id, attempt + 1))
+            return None
+        return HandoffOutcome.REFUSED if m.status is MigrationStatus.ABORTED_DST else HandoffOutcome.GONE
+
+
+def nats_ask(nc: Callable[[], Client | None], timeout_s: float = ASK_TIMEOUT_S) -> Ask:
+    """Ask the global scheduler (its queue group) over NATS; None when none answers."""
+
+    async def ask(query: HandoffQuery) -> HandoffAnswer | None:
+        client = nc()
+        if client is None or not client.is_connected:
+            return None
+        try:
+            reply = await client.request(subjects.HANDOFF, encode(query), timeout=timeout_s)
+            return decode(reply.data, HandoffAnswer)
+        except NoRespondersError:
+            log.warning("hand-off of %s: no global scheduler is running", query.request_id)
+        except (NatsTimeoutError, TimeoutError):
+            log.warning("hand-off of %s: the global scheduler did not answer within %.1f s", query.request_id,
+                        timeout_s)
+        except WireError as exc:
+            log.warning("hand-off of %s: bad answer: %s", query.request_id, exc)
+        return None
+
+    return ask
