@@ -245,3 +245,44 @@ def test_every_corral_service_reads_its_roles_nats_credentials(resolved):
                    for v in service["volumes"]), name
         if args.command == "autoscaler":
             assert "--nats-creds /run/corral/llumlet.creds" in args.llumlet_args
+
+
+def duration_s(text: str) -> float:
+    """A compose duration ("150s", "2m30s", "1m") in seconds."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|m|s|us)", str(text))
+    assert parts and "".join(n + u for n, u in parts) == str(text), f"not a compose duration: {text!r}"
+    scale = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6}
+    return sum(float(n) * scale[u] for n, u in parts)
+
+
+@needs_compose
+def test_services_stop_gracefully_before_docker_kills_them(resolved):
+    """Compose's stand-in for Kubernetes' preStop drain: a llumlet's own SIGTERM drain (it reports
+    itself draining and the scheduler migrates its requests out for --stop-grace-s; the behaviour
+    is tests/chaos/test_instance_stop.py's) must end, with the engine's stop, before Docker's
+    SIGKILL at stop_grace_period. Without one Docker kills after 10 s, mid-migration."""
+    from services.gateway.server import GRACEFUL_SHUTDOWN_S
+
+    services = resolved["services"]
+    llumlets = {n: s for n, s in services.items() if n.startswith("llumlet")}
+    assert set(llumlets) == {"llumlet", "llumlet-cpu", "llumlet-gpu"}
+    for name, service in llumlets.items():
+        args = parse_corral(corral_argv(service))
+        assert service.get("stop_signal", "SIGTERM") == "SIGTERM", name  # what services.runner handles
+        assert args.stop_grace_s >= 60, f"{name} drains for {args.stop_grace_s} s: too short to migrate out"
+        assert duration_s(service["stop_grace_period"]) >= args.stop_grace_s + 20, name
+    for name in ("gateway", "gateway-gpu"):  # streams end, then NATS drains
+        assert duration_s(services[name]["stop_grace_period"]) >= GRACEFUL_SHUTDOWN_S + 10, name
+    autoscaler = services["autoscaler"]
+    args = parse_corral(corral_argv(autoscaler))
+    children = parse_corral(["llumlet", *shlex.split(args.llumlet_args)])
+    # Its local provider stops its llumlets one after another, each allowed 30 s before a kill
+    # (services/autoscaler/providers.py), so a child's own drain must fit in that.
+    assert children.stop_grace_s + 10 <= 30
+    assert duration_s(autoscaler["stop_grace_period"]) >= args.max_instances * 30
+
+
+def test_compose_durations_parse():
+    assert duration_s("150s") == 150 and duration_s("2m30s") == 150 and duration_s("1h") == 3600
+    with pytest.raises(AssertionError):
+        duration_s("150")
