@@ -26,14 +26,17 @@ class MigrationModel:
     commit_overhead_s: float = 0.02  # last stage: suspend, commit handshake, resume on the destination
     stages: StageRule = DEFAULT_STAGES
     max_per_instance: int = 1  # migrations in flight per instance, in and out counted apart
+    # P/D hand-offs a prefill instance runs at once (the llumlet's --handoff-concurrency); the
+    # destination's limit stays `max_per_instance`.
+    handoff_concurrency: int = 2
 
     def __post_init__(self) -> None:
         if not (self.bandwidth_gbps > 0 and math.isfinite(self.bandwidth_gbps)):
             raise ValueError("migration bandwidth must be a positive number of GB/s")
         if self.stage_overhead_s < 0 or self.commit_overhead_s < 0:
             raise ValueError("migration overheads must be >= 0")
-        if self.max_per_instance < 1:
-            raise ValueError("migrations per instance must be positive")
+        if self.max_per_instance < 1 or self.handoff_concurrency < 1:
+            raise ValueError("migrations per instance and hand-off concurrency must be positive")
 
     def copy_s(self, num_blocks: int, block_bytes: int) -> float:
         return num_blocks * block_bytes / (self.bandwidth_gbps * 1e9)

@@ -5,7 +5,7 @@ migration bandwidth, the same commit that frees the prompt's blocks on the sourc
 
 The destination comes from the shared policy (`handoff_destination`, under the one migration
 guard). A request waits for a hand-off only while the migration slots are busy (the source's
-one way out, or every destination's way in), and it decodes meanwhile; when no decode or mixed
+`handoff_concurrency` hand-offs, as the llumlet's, or every destination's way in), and it decodes meanwhile; when no decode or mixed
 instance has room, it stays for good (degrades to mixed) rather than wait.
 """
 
@@ -119,13 +119,13 @@ class Handoffs:
             else:
                 self.stats.finished_waiting += 1
             return True
-        limit = self.migrator.model.max_per_instance
-        if src.migrations_out >= limit:
+        model = self.migrator.model
+        if src.migrations_out >= model.handoff_concurrency:
             return False
         if not is_decoding(request) or self._moving(request_id):
             return True  # recomputing after a preemption, or already moving
         targets = [i for i in self.sim.serving if i.role in HANDOFF_ROLES]
-        free = [i for i in targets if i.migrations_in < limit]
+        free = [i for i in targets if i.migrations_in < model.max_per_instance]
         loads = [self.sim.report_of(i, fresh=True) for i in free]
         blocks = src.scheduler.block_manager.num_blocks_of(request_id)
         dst = handoff_destination(self.sim.report_of(src, fresh=True), loads, blocks, self.guard, self.headroom)

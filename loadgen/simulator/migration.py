@@ -217,7 +217,8 @@ class Migrator:
     def start(self, src: SimInstance, dst: SimInstance, request_id: str, *, handoff: bool = False) -> Migration:
         """Move a decoding request from `src` to `dst`, stage by stage; the caller checked the
         slots, the guard and that the request decodes. `handoff`: a P/D hand-off (issue 19)."""
-        assert src.migrations_out < self.model.max_per_instance and dst.migrations_in < self.model.max_per_instance
+        out_limit = self.model.handoff_concurrency if handoff else self.model.max_per_instance
+        assert src.migrations_out < out_limit and dst.migrations_in < self.model.max_per_instance
         self._ids += 1
         migration = Migration(f"m{self._ids}", request_id, src, dst, started_at=self.sim.now, handoff=handoff)
         self.active[migration.migration_id] = migration
