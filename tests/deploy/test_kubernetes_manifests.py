@@ -216,3 +216,14 @@ def test_nats_and_the_kv_port_admit_only_corral_pods(rendered):
     rules = {tuple(p["port"] for p in rule["ports"]): rule.get("from") for rule in kv_policy["spec"]["ingress"]}
     assert rules[("kv",)] == [{"podSelector": {"matchLabels": llumlet["spec"]["selector"]["matchLabels"]}}]
     assert rules[("metrics",)] is None  # Prometheus and probes from anywhere
+
+
+def test_llumlet_count_is_the_autoscalers_not_the_manifests(rendered):
+    """`kubectl apply` must not reset the count the autoscaler set: the Deployment it scales names
+    none (as with a HorizontalPodAutoscaler), and the autoscaler brings a fresh one (1 pod) up to
+    its initial count."""
+    _, docs = rendered
+    autoscaler = parse_corral(containers(find(docs, "Deployment", "corral-autoscaler"))[0]["args"])
+    scaled = find(docs, "Deployment", autoscaler.k8s_deployment)
+    assert "replicas" not in scaled["spec"]
+    assert 1 <= autoscaler.min_instances <= autoscaler.initial_instances <= autoscaler.max_instances
