@@ -95,8 +95,15 @@ class BlockCopier:
             raise ValueError(f"KV regions of mixed kinds: {kinds}")
         self.kind = "none" if not kinds else "cuda" if "cuda" in kinds else "host"
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-copier")
-        self._backend = _CudaBackend(self.layouts) if self.kind == "cuda" else _HostBackend(self.layouts)
-        self._staging = [self._backend.new_host_buffer(initial_frame_bytes) for _ in range(_NUM_SLOTS)]
+        # Staging for the largest frame up front (a frame holds at least one block): on CUDA,
+        # growing it mid-migration means cudaHostAlloc/cudaMalloc, which wait for the whole
+        # device, so the copy would queue behind the step in flight (seen on an H100).
+        initial = max(initial_frame_bytes, self.block_bytes)
+        self._backend = (_CudaBackend(self.layouts, initial) if self.kind == "cuda"
+                         else _HostBackend(self.layouts))
+        self._staging = [self._backend.new_host_buffer(initial) for _ in range(_NUM_SLOTS)]
+        if self.kind == "cuda":
+            self._backend.warm_up(max(1, initial // max(self.block_bytes, 1)), self._staging[0])
         rows = [layout.byte_rows() for layout in self.layouts if layout.block_bytes]
         self._byte_rows = rows if self.kind == "host" and all(r is not None for r in rows) else None
 
@@ -230,17 +237,31 @@ class _CudaBackend:
     """Gather on a side stream into device staging, then non-blocking D2H into pinned memory;
     scatter the other way. Each call blocks its (worker) thread on a CUDA event only."""
 
-    def __init__(self, layouts: Sequence[_RegionLayout]) -> None:
+    def __init__(self, layouts: Sequence[_RegionLayout], initial_bytes: int) -> None:
         import torch
 
         self.torch = torch
         self.layouts = layouts
         self.device = layouts[0].region.tensor.device
         self.stream = torch.cuda.Stream(device=self.device)
-        self._device_staging = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self._device_staging = torch.empty(initial_bytes, dtype=torch.uint8, device=self.device)
 
     def new_host_buffer(self, nbytes: int) -> np.ndarray:
         return self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=True).numpy()
+
+    def warm_up(self, max_frame_blocks: int, host: np.ndarray) -> None:
+        """Run the gather and scatter kernels once for the smallest and the largest frame, before
+        any migration: CUDA loads a kernel lazily on its first launch, and that load waits for
+        the whole device, so a stage's first copy would queue behind the step in flight (seen on
+        an H100: 290 ms behind queued work, then 1 ms). The blocks keep their bytes: each is
+        written back with what was just read from it (at start-up, before any request)."""
+        num_blocks = min(layout.region.tensor.shape[layout.region.block_dim] for layout in self.layouts)
+        for count in sorted({1, min(max_frame_blocks, num_blocks)}):
+            ids = list(range(count))
+            out = host[: count * sum(layout.block_bytes for layout in self.layouts)]
+            self.gather(ids, out)
+            self.scatter(ids, out)
+        self.torch.cuda.synchronize(self.device)
 
     def _device_buffer(self, nbytes: int):
         if self._device_staging.numel() < nbytes:

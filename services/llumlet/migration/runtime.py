@@ -56,7 +56,7 @@ class LlumletMigration:
 
     async def start(self, nc: Client) -> list[Coroutine[Any, Any, None]]:
         """Listen for KV frames and handshakes; returns the background loops to run."""
-        self.copier = BlockCopier(self.ops.kv_regions())
+        self.copier = BlockCopier(self.ops.kv_regions(), initial_frame_bytes=self.limits.effective_frame_bytes())
         self.incoming = IncomingMigrations(self.ops, self.copier, self.limits, refusal=self.hooks.refusal,
                                            on_change=self.hooks.changed, intake_load=self.ops.intake_load,
                                            on_committed=self._migrated_in)
