@@ -78,6 +78,13 @@ class Handoffs:
                 self.pending.setdefault(instance.instance_id, {})[r.request_id] = self.sim.now
         self._retry()
 
+    def close(self) -> None:
+        """The run is over: every request still waiting for a slot finished where it was."""
+        for source_id, waiting in self.pending.items():
+            for request_id in list(waiting):
+                assert self.sim.instances[source_id].scheduler.get(request_id) is None, request_id
+                self._settle_gone(request_id, waiting)
+
     def _on_migration_finished(self, migration: Migration) -> None:
         if migration.handoff:
             if migration.status is MigrationStatus.COMMITTED:
@@ -112,12 +119,8 @@ class Handoffs:
         if request_id not in waiting:
             return True  # settled by a nested pass
         request = src.scheduler.get(request_id)
-        if request is None:  # finished, or a load-balancing round moved it, while it waited
-            del waiting[request_id]
-            if request_id in self.sim.placed_at:
-                self.stats.rebalanced += 1
-            else:
-                self.stats.finished_waiting += 1
+        if request is None:
+            self._settle_gone(request_id, waiting)
             return True
         model = self.migrator.model
         if src.migrations_out >= model.handoff_concurrency:
@@ -140,6 +143,15 @@ class Handoffs:
         self.stats.wait_s.append(self.sim.now - first_token_at)
         self.migrator.start(src, self.sim.instances[dst], request_id, handoff=True)
         return True
+
+    def _settle_gone(self, request_id: str, waiting: dict[str, float]) -> None:
+        """A waiting request that left its prefill instance: it finished there, or a
+        load-balancing round moved it (it is still placed somewhere)."""
+        del waiting[request_id]
+        if request_id in self.sim.placed_at:
+            self.stats.rebalanced += 1
+        else:
+            self.stats.finished_waiting += 1
 
     def _moving(self, request_id: str) -> bool:
         return any(m.request_id == request_id for m in self.migrator.active.values())
