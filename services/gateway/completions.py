@@ -187,11 +187,14 @@ class Completion:
         self._finished = True
         metrics = self.service.metrics
         metrics.request_done(self.endpoint, status)
+        outputs: list[tuple[str, int]] = []  # (engine, output tokens) of each choice counted
         for choice in self.choices:
             generation, prepared = choice.generation, choice.prepared
             stream = generation.stream
             if self.service.release(stream, abort=not stream.upstream_finished) and stream.holders:
                 metrics.request_finished(timeline_of(generation, prepared, stream.holders[-1]))
+                outputs.append((stream.holders[-1], generation.num_output_tokens))
+        metrics.choices_finished(len(self.choices), outputs)
         first = self.choices[0]
         arrival, first_token = first.prepared.arrival, [c.generation.first_token_at for c in self.choices]
         seen = [t for t in first_token if t is not None]

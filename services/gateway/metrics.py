@@ -2,10 +2,12 @@
 
 The gateway measures what vLLM's frontend measures, as the client sees it: time to first token
 and inter-token latency as they happen (`engine` = the instance holding the request); time per
-output token, e2e latency, decode time, how each request finished and its prompt/output lengths
-when it ends (`engine` = the instance that finished it). Engine-side series (queue and prefill
-time, running/waiting, KV usage, token counters) come from the llumlets; Corral's own
-(`corral:gateway_*`) sit beside them.
+output token, e2e latency, decode time, how each request finished, its prompt/output lengths,
+its max_tokens and the prompt tokens computed (not cached) when it ends (`engine` = the instance
+that finished it); `n` and the longest of its n outputs once per client request, as vLLM's
+parallel sampling records them (`engine` = the instance that finished the longest). Engine-side
+series (queue, prefill and inference time, running/waiting, KV usage, token counters, tokens per
+step) come from the llumlets; Corral's own (`corral:gateway_*`) sit beside them.
 Each gateway owns its registry, so several can live in one process (tests) without clashing.
 """
 
@@ -42,11 +44,11 @@ class RequestTimeline:
     ended: float
     num_prompt_tokens: int
     num_output_tokens: int
-    max_tokens: int  # the budget it ran with
     max_tokens_param: int | None  # what the client asked for, if it did
     finished_reason: str  # one of vllm.FINISHED_REASONS
     first_token_at: float | None = None
     last_token_at: float | None = None
+    num_cached_tokens: int | None = None  # of the prompt, in the first instance's prefix cache
 
 
 def timeline_of(generation: Generation, prepared: PreparedRequest, engine: str) -> RequestTimeline:
@@ -59,8 +61,9 @@ def timeline_of(generation: Generation, prepared: PreparedRequest, engine: str) 
     return RequestTimeline(
         engine=engine, arrival=prepared.arrival, ended=time.monotonic(),
         num_prompt_tokens=len(prepared.prompt_token_ids), num_output_tokens=generation.num_output_tokens,
-        max_tokens=prepared.max_tokens, max_tokens_param=prepared.options.max_tokens, finished_reason=reason,
+        max_tokens_param=prepared.options.max_tokens, finished_reason=reason,
         first_token_at=generation.first_token_at, last_token_at=generation.last_token_at,
+        num_cached_tokens=generation.stream.num_cached_tokens,
     )
 
 
@@ -89,12 +92,18 @@ class GatewayMetrics:
                                     buckets=tokens, registry=r)
         self.output_len = Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
                                     labels, buckets=tokens, registry=r)
-        self.max_tokens = Histogram("vllm:request_max_num_generation_tokens",
-                                    "Histogram of maximum number of requested generation tokens.", labels,
-                                    buckets=tokens, registry=r)
+        # (vLLM's help text says "requested", but it records the most tokens any of the n outputs got.)
+        self.max_generation_tokens = Histogram("vllm:request_max_num_generation_tokens",
+                                               "Histogram of maximum number of requested generation tokens.", labels,
+                                               buckets=tokens, registry=r)
+        self.params_n = Histogram("vllm:request_params_n", "Histogram of the n request parameter.", labels,
+                                  buckets=vllm.REQUEST_PARAMS_N_BUCKETS, registry=r)
         self.max_tokens_param = Histogram("vllm:request_params_max_tokens",
                                           "Histogram of the max_tokens request parameter.", labels,
                                           buckets=tokens, registry=r)
+        self.prefill_computed = Histogram("vllm:request_prefill_kv_computed_tokens",
+                                          "Histogram of new KV tokens computed during prefill (excluding cached "
+                                          "tokens).", labels, buckets=tokens, registry=r)
         self.requests = Counter("corral:gateway_requests", "Requests by endpoint and final HTTP status "
                                 "(mid-stream errors count with their error code; 499: client went away)",
                                 ["model_name", "endpoint", "status"], registry=r)
@@ -131,7 +140,8 @@ class GatewayMetrics:
         for reason in vllm.FINISHED_REASONS:
             self.success.labels(self._model, engine, reason)
         for histogram in (self.ttft, self.itl, self.tpot, self.e2e, self.decode_time, self.prompt_len,
-                          self.output_len, self.max_tokens, self.max_tokens_param):
+                          self.output_len, self.max_generation_tokens, self.params_n, self.max_tokens_param,
+                          self.prefill_computed):
             histogram.labels(self._model, engine)
 
     def request_done(self, endpoint: str, status: int) -> None:
@@ -148,7 +158,7 @@ class GatewayMetrics:
         self.e2e.labels(*labels).observe(t.ended - t.arrival)
         self.prompt_len.labels(*labels).observe(t.num_prompt_tokens)
         self.output_len.labels(*labels).observe(t.num_output_tokens)
-        self.max_tokens.labels(*labels).observe(t.max_tokens)
+        self.prefill_computed.labels(*labels).observe(t.num_prompt_tokens - (t.num_cached_tokens or 0))
         if t.max_tokens_param is not None:
             self.max_tokens_param.labels(*labels).observe(t.max_tokens_param)
         if t.first_token_at is None or t.last_token_at is None:
@@ -157,6 +167,16 @@ class GatewayMetrics:
         self.decode_time.labels(*labels).observe(decode)
         # As vLLM: the first token is prefill's; a one-token request counts 0.
         self.tpot.labels(*labels).observe(decode / (t.num_output_tokens - 1) if t.num_output_tokens > 1 else 0.0)
+
+    def choices_finished(self, n: int, outputs: Sequence[tuple[str, int]]) -> None:
+        """A client request's `n` choices ended (each counted by `request_finished`); `outputs`:
+        (engine, output tokens) of those that reached an instance. Its n, and its longest output."""
+        if not outputs:
+            return
+        engine, longest = max(outputs, key=lambda output: output[1])
+        self.engine_seen(engine)
+        self.params_n.labels(self._model, engine).observe(n)
+        self.max_generation_tokens.labels(self._model, engine).observe(longest)
 
     def first_token(self, engine: str, ttft_s: float) -> None:
         """As it happens (`TokenTimes`), labelled with the instance holding the request then."""

@@ -3,14 +3,15 @@
 
 Measured here because only the engine's side knows them: running/waiting, KV usage, preemptions,
 prefix-cache lookups (counted with each request's first token), prompt and generation tokens as
-the engine computes them, and each request's queue and prefill time (vLLM's definitions: queued
-until the step that first schedules it, prefill until its first token; a preemption restarts
-neither). The client-side latencies (TTFT, ITL, e2e, decode) are the gateway's.
+the engine computes them, tokens per engine step, and each request's queue, prefill and
+inference time and preemptions (vLLM's definitions: queued until the step that first schedules
+it, prefill until its first token, inference until its last; a preemption restarts none). The
+client-side latencies (TTFT, ITL, e2e, decode) are the gateway's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -32,6 +33,7 @@ class LlumletMetrics:
         self._labels = (model_name, instance_id)
         self._queued: dict[str, float] = {}  # arrived, not yet seen scheduled: request id → arrival
         self._scheduled: dict[str, tuple[float, float]] = {}  # no first token yet: id → (arrival, scheduled)
+        self._running: dict[str, float] = {}  # first token out, not finished: id → scheduled
         self._last_probe = float("-inf")
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -40,11 +42,23 @@ class LlumletMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=r).labels(*self._labels)  # present at 0 from the start
 
-        def latency(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, labels, buckets=vllm.REQUEST_LATENCY_BUCKETS, registry=r).labels(*self._labels)
+        def histogram(name: str, doc: str, buckets: Sequence[float] = vllm.REQUEST_LATENCY_BUCKETS) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*self._labels)
+
+        def by_label(metric: type[Counter] | type[Gauge], name: str, doc: str, label: str,
+                     values: Iterable[str]) -> dict[str, Counter | Gauge]:
+            family = metric(name, doc, [*labels, label], registry=r)
+            return {v: family.labels(*self._labels, v) for v in values}  # every value present from the start
 
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        # Every waiting request here waits for room (nothing defers one: no LoRA budget, and a
+        # migrated-in request's KV is in place before it joins the queue).
+        self.waiting_by_reason = by_label(
+            Gauge, "vllm:num_requests_waiting_by_reason", "Number of waiting requests by reason. Reason labels: "
+            "'capacity' = waiting for scheduling capacity; 'deferred' = deferred by transient constraints "
+            "(LoRA budget, KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
+            "reason", vllm.WAITING_REASONS)
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         # Prompt tokens looked up and found, as the engine reports them (zero on one without a prefix
@@ -55,16 +69,28 @@ class LlumletMetrics:
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached",
                                             "Number of cached prompt tokens (local + external).")
-        by_source = Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
-                            [*labels, "source"], registry=r)
+        # Every hit is the engine's own prefix cache (vLLM's "device" tier).
+        self.cached_by_source = by_label(
+            Counter, "vllm:prompt_tokens_cached_by_source", "Prefix-cache hit tokens by the cache tier that supplied "
+            "them: device (local HBM), host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) "
+            "or external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + "
+            "vllm:external_prefix_cache_hits.", "source", vllm.CACHE_HIT_SOURCES)
         # Corral never fills a prompt from outside (a migration moves a request past its prefill).
-        self.prompt_sources = {s: by_source.labels(*self._labels, s)
-                               for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+        self.prompt_sources = by_label(Counter, "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                                       "source", ("local_compute", "local_cache_hit", "external_kv_transfer"))
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        self.queue_time = latency("vllm:request_queue_time_seconds",
-                                  "Histogram of time spent in WAITING phase for request.")
-        self.prefill_time = latency("vllm:request_prefill_time_seconds",
-                                    "Histogram of time spent in PREFILL phase for request.")
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                          "Histogram of number of tokens per engine_step.",
+                                          vllm.ITERATION_TOKENS_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.")
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.")
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.")
+        self.request_preemptions = histogram("vllm:request_num_preemptions",
+                                             "Histogram of the number of times a request was preempted.",
+                                             vllm.REQUEST_NUM_PREEMPTIONS_BUCKETS)
         self.freeness = gauge("corral:llumlet_freeness", "Head-of-line freeness (Llumnix Algorithm 1)")
         self.dispatch_freeness = gauge("corral:llumlet_dispatch_freeness", "Freeness counting the whole waiting queue")
         migrations = Counter("corral:llumlet_migrations", "Requests migrated (committed), by direction",
@@ -77,6 +103,7 @@ class LlumletMetrics:
     def observe_report(self, report: LoadReport) -> None:
         self.running.set(report.num_running)
         self.waiting.set(report.num_waiting)
+        self.waiting_by_reason["capacity"].set(report.num_waiting)
         used = report.num_blocks_total - report.num_blocks_free
         self.kv_usage.set(used / report.num_blocks_total if report.num_blocks_total else 0.0)
         self.freeness.set(report.freeness)
@@ -94,6 +121,7 @@ class LlumletMetrics:
         """Aborted, failed or migrated away before its first token: no queue/prefill time here."""
         self._queued.pop(request_id, None)
         self._scheduled.pop(request_id, None)
+        self._running.pop(request_id, None)
 
     def wants_views(self, now: float) -> bool:
         """Whether to pass the engine's request views to `step_done`: some arrival is still queued
@@ -110,15 +138,21 @@ class LlumletMetrics:
         for view in views:
             if view.phase is RequestPhase.RUNNING and view.request_id in self._queued:
                 self._scheduled[view.request_id] = (self._queued.pop(view.request_id), started)
+        step_tokens = 0
         for output in outputs:
             self.generation_tokens.inc(len(output.token_ids))
+            step_tokens += len(output.token_ids)
             if output.start_index == 0 and output.token_ids:  # its prefill finished in this step
-                self._prefilled(output)
+                step_tokens += self._prefilled(output)
                 self._first_token(output.request_id, started, now)
             if output.finish_reason is not None:
+                self._finished(output, now)
                 self.request_left(output.request_id)
+        # As vLLM: a prompt's computed tokens count in the step that finishes its prefill.
+        self.iteration_tokens.observe(step_tokens)
 
-    def _prefilled(self, output: StepOutput) -> None:
+    def _prefilled(self, output: StepOutput) -> int:
+        """Count a prompt whose prefill is done; the tokens the engine computed for it."""
         cached = output.num_cached_tokens or 0
         self.prompt_tokens.inc(output.num_prompt_tokens)
         self.prompt_tokens_cached.inc(cached)
@@ -127,6 +161,8 @@ class LlumletMetrics:
         if output.num_cached_tokens is not None:  # the engine looked the prompt up in its prefix cache
             self.prefix_queries.inc(output.num_prompt_tokens)
             self.prefix_hits.inc(cached)
+            self.cached_by_source["device"].inc(cached)
+        return output.num_prompt_tokens - cached
 
     def _first_token(self, request_id: str, started: float, now: float) -> None:
         if request_id in self._queued:  # scheduled by this very step (or between two looks)
@@ -137,6 +173,15 @@ class LlumletMetrics:
             return  # arrived by migration, or before metrics were on
         self.queue_time.observe(max(0.0, scheduled - arrived))
         self.prefill_time.observe(max(0.0, now - scheduled))
+        self._running[request_id] = scheduled
+
+    def _finished(self, output: StepOutput, now: float) -> None:
+        """Its preemptions (a migrated request's count carries over); its inference time when it
+        was scheduled here (one that migrated in has its start on another instance's clock)."""
+        self.request_preemptions.observe(output.num_preemptions)
+        scheduled = self._running.get(output.request_id)
+        if scheduled is not None:
+            self.inference_time.observe(max(0.0, now - scheduled))
 
     def migrated(self, direction: str) -> None:
         self.migrations[direction].inc()

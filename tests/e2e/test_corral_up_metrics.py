@@ -113,6 +113,27 @@ def test_every_process_serves_its_own_metrics_and_up_says_where(corral_up):
     assert llumlet["vllm:request_queue_time_seconds_count"] == 1
     assert llumlet["vllm:request_prefill_time_seconds_count"] == 1
     assert 0 < llumlet["vllm:request_prefill_time_seconds_sum"] < gateway["vllm:time_to_first_token_seconds_sum"]
+    # Tokens per step (no prefix cache: every prompt token computed, in the step of the first token),
+    # the request's inference time and preemptions, and once per client request its n and longest output.
+    assert llumlet["vllm:iteration_tokens_total_sum"] == llumlet["vllm:prompt_tokens_total"] + 4
+    assert llumlet["vllm:iteration_tokens_total_count"] >= 4
+    assert llumlet["vllm:request_inference_time_seconds_count"] == 1
+    assert llumlet["vllm:request_inference_time_seconds_sum"] >= llumlet["vllm:request_prefill_time_seconds_sum"]
+    assert llumlet["vllm:request_num_preemptions_count"] == 1
+    assert gateway["vllm:request_params_n_sum"] == gateway["vllm:request_params_n_count"] == 1
+    assert gateway["vllm:request_max_num_generation_tokens_sum"] == 4
+    assert gateway["vllm:request_prefill_kv_computed_tokens_sum"] == gateway["vllm:request_prompt_tokens_sum"] > 0
+
+    reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                       json={"model": model, "prompt": "hello", "max_tokens": 3, "n": 2, "ignore_eos": True})
+    assert reply.status_code == 200 and len(reply.json()["choices"]) == 2, reply.text
+
+    def gateway_total(name: str) -> float:
+        return sum(s.value for s in samples(f"http://127.0.0.1:{port}/metrics") if s.name == name)
+
+    assert (gateway_total("vllm:request_params_n_count"), gateway_total("vllm:request_params_n_sum")) == (2, 3)
+    assert gateway_total("vllm:request_max_num_generation_tokens_sum") == 4 + 3
+    assert gateway_total("vllm:request_params_max_tokens_count") == 3  # per choice, as vLLM's child requests
 
 
 def prometheus_query(url: str, query: str) -> list[dict]:
@@ -148,6 +169,9 @@ def test_a_real_prometheus_stores_the_vllm_names(corral_up, tmp_path):
         assert sorted(r["metric"]["engine"] for r in found) == [f"llumlet-{i}" for i in range(INSTANCES)], log
         reasons = {r["metric"]["finished_reason"] for r in prometheus_query(url, "vllm:request_success_total")}
         assert {"stop", "length", "abort", "error"} <= reasons
+        for series in ("vllm:iteration_tokens_total_bucket", "vllm:request_params_n_count",
+                       "vllm:request_inference_time_seconds_count", "vllm:num_requests_waiting_by_reason"):
+            assert prometheus_query(url, series), series
         assert prometheus_query(url, '{__name__=~"vllm_.+|corral_.+"}') == []  # nothing stored with underscores
     finally:
         prometheus.terminate()

@@ -22,8 +22,9 @@ def gateway_with_one_request() -> GatewayMetrics:
     for _ in range(4):
         metrics.next_tokens("llumlet-1", 0.1)
     metrics.request_finished(RequestTimeline(
-        engine="llumlet-1", arrival=10.0, ended=11.0, num_prompt_tokens=30, num_output_tokens=5, max_tokens=16,
-        max_tokens_param=16, finished_reason="length", first_token_at=10.2, last_token_at=10.6))
+        engine="llumlet-1", arrival=10.0, ended=11.0, num_prompt_tokens=30, num_output_tokens=5,
+        max_tokens_param=16, finished_reason="length", first_token_at=10.2, last_token_at=10.6, num_cached_tokens=16))
+    metrics.choices_finished(1, [("llumlet-1", 5)])
     return metrics
 
 
@@ -34,7 +35,8 @@ def llumlet_after_one_request() -> LlumletMetrics:
     running = RequestView("r1", 0, RequestPhase.RUNNING, 2, 2, 30)
     metrics.step_done(100.5, 100.6, [], [running])
     metrics.step_done(100.6, 100.9, [StepOutput("r1", 0, [7], num_prompt_tokens=30)], [running])
-    metrics.step_done(100.9, 101.0, [StepOutput("r1", 1, [8], FinishReason.LENGTH, num_prompt_tokens=30)])
+    metrics.step_done(100.9, 101.0, [StepOutput("r1", 1, [8], FinishReason.LENGTH, num_prompt_tokens=30,
+                                                num_preemptions=1)])
     return metrics
 
 

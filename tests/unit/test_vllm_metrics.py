@@ -14,8 +14,10 @@ from services.gateway.metrics import GatewayMetrics, RequestTimeline
 from services.llumlet.metrics import SCHEDULE_PROBE_INTERVAL_S, LlumletMetrics
 from shared import vllm_metrics
 from shared.engine_model.views import RequestPhase, RequestView, StepOutput
+from shared.messages import FinishReason
 from shared.metrics_server import CONTENT_TYPE, MetricsServer, render, serve_metrics
 from tests.support.exported_metrics import exposition_texts, gateway_with_one_request, llumlet_after_one_request
+from tests.unit.policy_helpers import make_load
 
 # What Prometheus 2.x sends: OpenMetrics first (the format whose writer drops the colons).
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
@@ -69,8 +71,11 @@ def test_every_vllm_series_has_vllms_name_kind_and_labels():
                 "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
                 "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
                 "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_params_max_tokens",
-                "vllm:request_max_num_generation_tokens"}
-    assert expected <= set(exported)
+                "vllm:request_max_num_generation_tokens", "vllm:request_params_n", "vllm:iteration_tokens_total",
+                "vllm:request_inference_time_seconds", "vllm:request_num_preemptions",
+                "vllm:request_prefill_kv_computed_tokens", "vllm:num_requests_waiting_by_reason",
+                "vllm:prompt_tokens_by_source", "vllm:prompt_tokens_cached", "vllm:prompt_tokens_cached_by_source"}
+    assert expected <= set(exported), expected - set(exported)
 
 
 def test_buckets_are_vllms():
@@ -78,6 +83,9 @@ def test_buckets_are_vllms():
     assert vllm_metrics.TIME_TO_FIRST_TOKEN_BUCKETS == theirs.TIME_TO_FIRST_TOKEN_BUCKETS
     assert vllm_metrics.INTER_TOKEN_LATENCY_BUCKETS == theirs.INTER_TOKEN_LATENCY_BUCKETS
     assert vllm_metrics.REQUEST_LATENCY_BUCKETS == theirs.REQUEST_LATENCY_BUCKETS
+    assert vllm_metrics.ITERATION_TOKENS_BUCKETS == theirs.ITERATION_TOKENS_BUCKETS
+    assert vllm_metrics.REQUEST_PARAMS_N_BUCKETS == theirs.REQUEST_PARAMS_N_BUCKETS
+    assert vllm_metrics.REQUEST_NUM_PREEMPTIONS_BUCKETS == theirs.REQUEST_NUM_PREEMPTIONS_BUCKETS
     for max_model_len in (1, 7, 2048, 4096, 131072):
         assert vllm_metrics.request_tokens_buckets(max_model_len) == theirs.build_1_2_5_buckets(max_model_len)
     text = gateway_with_one_request().render().decode()
@@ -154,7 +162,7 @@ def test_the_gateway_measures_the_request_as_the_client_saw_it():
 
 def test_a_request_without_tokens_counts_its_end_but_no_token_timing():
     metrics = GatewayMetrics("tiny", 2048)
-    metrics.request_finished(RequestTimeline("llumlet-0", 0.0, 0.5, 10, 0, 16, None, "abort"))
+    metrics.request_finished(RequestTimeline("llumlet-0", 0.0, 0.5, 10, 0, None, "abort"))
     text = metrics.render().decode()
     assert value(text, "vllm:request_success_total", finished_reason="abort") == 1
     assert value(text, "vllm:e2e_request_latency_seconds_count") == 1
@@ -208,3 +216,75 @@ def test_prefix_cache_lookups_count_what_the_engine_found_and_nothing_without_a_
     assert value(text, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") == 32
     assert value(text, "vllm:prompt_tokens_by_source_total", source="local_compute") == 58
     assert value(text, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
+
+
+def test_label_values_are_vllms():
+    loggers, sources = (vllm_source(f"v1/metrics/{name}.py").read_text() for name in ("loggers", "cache_hit_source"))
+    reasons = dict(re.findall(r'^(WAITING_REASON_[A-Z]+) = "([a-z]+)"$', loggers, re.M))
+    assert (reasons["WAITING_REASON_CAPACITY"], reasons["WAITING_REASON_DEFERRED"]) == vllm_metrics.WAITING_REASONS
+    sources = re.findall(r'^    [A-Z0-9_]+ = "([a-z0-9_]+)"$', sources, re.M)  # CacheHitSource, in order
+    assert tuple(sources) == vllm_metrics.CACHE_HIT_SOURCES
+
+
+def test_n_and_the_longest_output_are_recorded_once_per_client_request():
+    metrics = GatewayMetrics("tiny", 2048)
+    for engine, tokens in (("llumlet-0", 7), ("llumlet-1", 12), ("llumlet-0", 3)):
+        metrics.request_finished(RequestTimeline(engine, 0.0, 1.0, 20, tokens, 12, "stop", 0.1, 0.9,
+                                                 num_cached_tokens=16))
+    metrics.choices_finished(3, [("llumlet-0", 7), ("llumlet-1", 12), ("llumlet-0", 3)])
+    metrics.choices_finished(1, [])  # never reached an instance: nothing to say
+    text = metrics.render().decode()
+    assert value(text, "vllm:request_params_n_count", engine="llumlet-1") == 1
+    assert value(text, "vllm:request_params_n_sum", engine="llumlet-1") == 3
+    assert value(text, "vllm:request_params_n_bucket", engine="llumlet-1", le="2.0") == 0
+    assert value(text, "vllm:request_params_n_bucket", engine="llumlet-1", le="5.0") == 1
+    assert value(text, "vllm:request_max_num_generation_tokens_sum", engine="llumlet-1") == 12
+    assert value(text, "vllm:request_params_n_count", engine="llumlet-0") == 0
+    # Per choice, as vLLM counts its child requests: the prompt less what the cache held.
+    assert value(text, "vllm:request_prefill_kv_computed_tokens_sum", engine="llumlet-0") == 8
+    assert value(text, "vllm:request_params_max_tokens_count", engine="llumlet-0") == 2
+
+
+def test_the_llumlet_counts_tokens_per_step_and_times_inference_to_the_last_token():
+    text = render(llumlet_after_one_request().registry).decode()
+    # Steps: a prefill chunk (nothing out), the prompt's 30 computed tokens with the first, one more.
+    assert value(text, "vllm:iteration_tokens_total_count") == 3
+    assert value(text, "vllm:iteration_tokens_total_sum") == 32
+    assert value(text, "vllm:iteration_tokens_total_bucket", le="1.0") == 2
+    assert value(text, "vllm:iteration_tokens_total_bucket", le="32.0") == 3
+    assert value(text, "vllm:request_inference_time_seconds_sum") == pytest.approx(0.5)  # scheduled 100.5, last 101.0
+    assert value(text, "vllm:request_num_preemptions_sum") == 1
+    assert value(text, "vllm:request_num_preemptions_count") == 1
+
+
+def test_cached_prompt_tokens_are_the_device_tier_and_computed_ones_fill_the_step():
+    metrics = LlumletMetrics("tiny", "llumlet-0")
+    metrics.step_done(1.0, 1.1, [StepOutput("cached", 0, [3], num_prompt_tokens=40, num_cached_tokens=32),
+                                 StepOutput("decoding", 7, [4, 5])])
+    text = render(metrics.registry).decode()
+    assert value(text, "vllm:iteration_tokens_total_sum") == 8 + 1 + 2
+    assert value(text, "vllm:prompt_tokens_cached_by_source_total", source="device") == 32
+    for source in ("host", "p2p", "disk", "external_unspecified"):
+        assert value(text, "vllm:prompt_tokens_cached_by_source_total", source=source) == 0
+
+
+def test_a_migrated_in_request_counts_its_preemptions_but_no_inference_time_here():
+    metrics = LlumletMetrics("tiny", "llumlet-0")
+    metrics.step_done(1.0, 1.1, [StepOutput("migrated", 12, [3], FinishReason.STOP, num_preemptions=2)])
+    text = render(metrics.registry).decode()
+    assert value(text, "vllm:request_num_preemptions_sum") == 2
+    assert value(text, "vllm:request_num_preemptions_bucket", le="1.0") == 0
+    assert value(text, "vllm:request_inference_time_seconds_count") == 0
+
+
+def test_waiting_requests_all_wait_for_capacity():
+    metrics = LlumletMetrics("tiny", "llumlet-0")
+    text = render(metrics.registry).decode()
+    assert value(text, "vllm:num_requests_waiting_by_reason", reason="capacity") == 0
+    assert value(text, "vllm:num_requests_waiting_by_reason", reason="deferred") == 0
+    assert value(text, "vllm:iteration_tokens_total_count") == 0  # present before the first step
+    metrics.observe_report(make_load("llumlet-0", waiting=[10, 10, 10]))
+    text = render(metrics.registry).decode()
+    assert value(text, "vllm:num_requests_waiting_by_reason", reason="capacity") == \
+        value(text, "vllm:num_requests_waiting") == 3
+    assert value(text, "vllm:num_requests_waiting_by_reason", reason="deferred") == 0

@@ -254,6 +254,7 @@ class VllmDriver:
         del self._suspended[request_id]
         command = continuation(tracked, request, list(suspended.output_token_ids))
         tracked.prior_output_token_ids = list(suspended.output_token_ids)
+        tracked.prior_preemptions += suspended.num_preemptions
         tracked.num_preemptions_seen = 0
         self._add(command)
         # Freed held blocks stay in the prefix cache (evicted last): the re-added request finds
@@ -354,7 +355,7 @@ class VllmDriver:
             finish_reason=reason,
             num_prompt_tokens=tracked.num_prompt_tokens,
             num_cached_tokens=request_output.num_cached_tokens,
-            num_preemptions=tracked.num_preemptions,
+            num_preemptions=tracked.prior_preemptions + tracked.num_preemptions,
             logprobs=logprobs,
         )
 

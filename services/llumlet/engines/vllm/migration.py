@@ -162,7 +162,7 @@ class VllmMigration:
             request=tracked.request,
             output_token_ids=list(suspended.output_token_ids),
             num_computed_tokens=suspended.num_computed_tokens,
-            num_preemptions=suspended.num_preemptions,
+            num_preemptions=tracked.prior_preemptions + suspended.num_preemptions,
             tail_logprobs=suspended.tail_logprobs,
         )
 
@@ -214,7 +214,8 @@ class VllmMigration:
         driver = self.engine.running_driver()
         check_request(request, max_model_len=self.engine.max_model_len, vocab_size=driver.vocab_size)
         tracked = Tracked(request.request_id, request.priority, len(request.prompt_token_ids), request=request,
-                          num_delivered=len(outputs), prior_output_token_ids=outputs)
+                          num_delivered=len(outputs), prior_output_token_ids=outputs,
+                          prior_preemptions=commit.num_preemptions)
         command = continuation(tracked, request, outputs, MigratedLoad(lease_id, commit.num_computed_tokens))
         self.engine.queue_add(tracked, command)
         with self._shared.lock:  # the request owns the blocks now; the driver frees them once loaded

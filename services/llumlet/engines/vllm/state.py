@@ -61,6 +61,9 @@ class Tracked:
     # The last step's logprobs (start index, one per token), when the request asked for them: a
     # migration's commit carries them (the gateway may not have that step's chunk yet).
     last_logprobs: tuple[int, list[TokenLogprob]] | None = None
+    # Preemptions before this vLLM request (on the instances it left, or before a failed
+    # migration re-added it): the request's count goes on from there.
+    prior_preemptions: int = 0
     status: TrackedStatus = TrackedStatus.QUEUED
     suspended: Suspended | None = None  # what it was when suspended (status SUSPENDED only)
     placed_at: float = field(default_factory=time.monotonic)  # arrived or migrated in here
