@@ -17,6 +17,11 @@ KV heads of 128, 16 tokens a block: 16 MiB per block across layers). Three measu
    thread. Median and P99 step time, and the ratio. Also the same with the gather on the default
    stream (what the copier's side stream avoids: the step then waits for the copy).
 3. A round trip checks the bytes: gather on one pool, scatter into another, compare.
+4. The data plane end to end: one stage of the request's blocks from a CUDA pool through the
+   sender (gather on the side stream, CRC, framed over loopback TCP) into the receiver (scatter
+   into a second CUDA pool), both ends on one event loop as in the transfer tests. GB/s, beside
+   what bounds it on the host: a plain loopback TCP copy of the same bytes from one event loop
+   (both ends) and the data plane's CRC-32 over them.
 
 With --device cpu the same runs on torch CPU tensors (steps 1 and 3 only), to check the script.
 The numbers are this one machine's; the JSON records the device name.
@@ -28,6 +33,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import socket
 import threading
 import time
 from pathlib import Path
@@ -35,7 +41,11 @@ from pathlib import Path
 import numpy as np
 
 from services.llumlet.migration.copier import BlockCopier
+from services.llumlet.migration.kv_receiver import KVReceiver
+from services.llumlet.migration.kv_sender import KVSenderPool
+from services.llumlet.migration.kv_wire import AckStatus, FrameHeader, payload_crc32
 from services.llumlet.migration.ops import KVRegion
+from services.llumlet.migration.protocol import MigrationLimits, new_migration_id
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -124,6 +134,102 @@ async def measure_copies(torch, args, device: str, src_layers: list, dst_layers:
               f"({row['fused_scatter_gbps']:5.1f} GB/s) | unfused {row['unfused_gather_ms']:8.2f} / "
               f"{row['unfused_scatter_ms']:8.2f} ms | fusion {row['gather_speedup']:.1f}x / "
               f"{row['scatter_speedup']:.1f}x", flush=True)
+    src.close()
+    dst.close()
+    return rows
+
+
+class _LeaseSink:
+    """The destination's side for one stage at a time: frames land in `lease` in order."""
+
+    def __init__(self, copier: BlockCopier) -> None:
+        self.copier, self.migration_id, self.lease, self.filled = copier, "", [], 0
+        self.done = asyncio.Event()
+
+    def expect(self, migration_id: str, lease: list[int]) -> None:
+        self.migration_id, self.lease, self.filled = migration_id, lease, 0
+        self.done.clear()
+
+    def admit(self, header: FrameHeader) -> AckStatus:
+        ok = header.migration_id == self.migration_id and header.lease_offset == self.filled
+        return AckStatus.OK if ok else AckStatus.BAD_RANGE
+
+    async def write(self, header: FrameHeader, payload: memoryview) -> AckStatus:
+        start = header.lease_offset
+        await self.copier.scatter(self.lease[start:start + header.num_blocks], payload)
+        self.filled += header.num_blocks
+        if self.filled == len(self.lease):
+            self.done.set()
+        return AckStatus.OK
+
+    def frame_failed(self, header: FrameHeader, status: AckStatus) -> None:
+        raise AssertionError(f"frame refused: {status}")
+
+    async def commit_frame(self, header, commit, frame_status):  # no commits in this benchmark
+        return AckStatus.OK, ""
+
+
+async def raw_loopback_gbps(nbytes: int, piece: int = 4 << 20) -> float:
+    """A plain TCP copy of nbytes over loopback, both ends on this event loop (like for like)."""
+    loop = asyncio.get_running_loop()
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    for sock in (client, peer):
+        sock.setblocking(False)
+    data, sink = memoryview(bytearray(nbytes)), memoryview(bytearray(piece))
+
+    async def receive() -> None:
+        left = nbytes
+        while left:
+            left -= await loop.sock_recv_into(peer, sink[: min(piece, left)])
+
+    t0 = time.perf_counter()
+    await asyncio.gather(loop.sock_sendall(client, data), receive())
+    elapsed = time.perf_counter() - t0
+    for sock in (client, peer, server):
+        sock.close()
+    return nbytes / elapsed / 1e9
+
+
+async def measure_data_plane(torch, args, src_layers: list, dst_layers: list) -> list[dict]:
+    limits = MigrationLimits()
+    frame = limits.effective_frame_bytes()
+    src = BlockCopier([KVRegion(t, 1) for t in src_layers], initial_frame_bytes=frame)
+    dst = BlockCopier([KVRegion(t, 1) for t in dst_layers], initial_frame_bytes=frame)
+    sink = _LeaseSink(dst)
+    receiver = KVReceiver(sink, limits, dst.new_host_buffer)
+    address = await receiver.start()
+    senders = KVSenderPool(limits)
+    rng = np.random.default_rng(args.seed + 2)
+    rows = []
+    for length in args.lengths:
+        n = -(-length // args.block_size)
+        times = []
+        for _ in range(args.repeats):
+            ids = rng.choice(args.pool_blocks, size=n, replace=False).tolist()
+            lease = rng.choice(args.pool_blocks, size=n, replace=False).tolist()
+            migration_id = new_migration_id()
+            sink.expect(migration_id, lease)
+            t0 = time.perf_counter()
+            await senders.send_stage(address, migration_id, 0, 0, ids, src)
+            await sink.done.wait()
+            _sync(torch, args.device)
+            times.append(time.perf_counter() - t0)
+            assert all(torch.equal(d[:, lease], s[:, ids]) for s, d in zip(src_layers, dst_layers))
+        row = {"tokens": length, "bytes": src.frame_bytes(n), "stage_ms": statistics.median(times) * 1e3}
+        row["gbps"] = row["bytes"] / row["stage_ms"] / 1e6
+        row["raw_tcp_gbps"] = statistics.median([await raw_loopback_gbps(row["bytes"]) for _ in range(3)])
+        block = bytes(memoryview(bytearray(np.random.default_rng(0).bytes(16 << 20))))
+        t0 = time.perf_counter()
+        payload_crc32(block)  # the data plane's own CRC-32 (ISA-L's where the isal package is there)
+        row["crc32_gbps"] = len(block) / (time.perf_counter() - t0) / 1e9
+        rows.append(row)
+        print(f"{length:>6} tok data plane (gather, CRC, TCP, scatter): {row['stage_ms']:8.2f} ms "
+              f"({row['gbps']:5.2f} GB/s) | raw loopback TCP {row['raw_tcp_gbps']:5.2f} GB/s, "
+              f"CRC-32 {row['crc32_gbps']:5.2f} GB/s", flush=True)
+    senders.close()
+    await receiver.close()
     src.close()
     dst.close()
     return rows
@@ -229,12 +335,14 @@ def main() -> None:
     print(f"device {name}; {args.layers} layers x [2, {args.pool_blocks}, {args.block_size}, "
           f"{args.kv_heads}, {args.head_size}] fp16 per pool", flush=True)
     copies = asyncio.run(measure_copies(torch, args, args.device, src_layers, dst_layers))
+    data_plane = asyncio.run(measure_data_plane(torch, args, src_layers, dst_layers))
     del dst_layers
     interference = measure_interference(torch, args, src_layers) if args.device == "cuda" else None
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": name, "torch": torch.__version__, "args": vars(args),
-                               "copies": copies, "interference": interference}, indent=2))
+                               "copies": copies, "data_plane": data_plane,
+                               "interference": interference}, indent=2))
     print(f"wrote {out}")
 
 
