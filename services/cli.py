@@ -37,6 +37,8 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
         autoscaled = ["--metrics-port", "0", *llumlet_args]
         autoscaler_args = ["--initial-instances", str(args.instances), "--min-instances", str(args.min_instances),
                            "--max-instances", str(args.max_instances), "--llumlet-args", shlex.join(autoscaled)]
+        if roles:  # a pool each, scaled on its own signal (--min/--max-instances per pool)
+            autoscaler_args += ["--initial-prefill", str(args.prefill), "--initial-decode", str(args.decode)]
     try:
         decision = cpu_layout_decision(args.cpu_layout, resolve_engine(args.engine), args.instances, args.autoscale,
                                        available_cpus())
@@ -67,9 +69,6 @@ def llumlet_roles(args: argparse.Namespace) -> list[str]:
         raise SystemExit(f"corral up: --prefill and --decode need at least 1 each, got {args.prefill} and {args.decode}")
     if args.instances is not None:
         raise SystemExit("corral up: --prefill/--decode set the instance count: drop --instances")
-    if args.autoscale:
-        raise SystemExit("corral up: --prefill/--decode with --autoscale is not supported (the autoscaler starts "
-                         "mixed llumlets)")
     return ["prefill"] * args.prefill + ["decode"] * args.decode
 
 

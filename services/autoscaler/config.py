@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from shared.config import add_nats_argument, env
 from shared.policy.config import ScalingConfig
+from shared.policy.scaling import PrefillBand
 
 
 @dataclass
@@ -22,6 +23,15 @@ class AutoscalerConfig:
     # Extra flags for every llumlet the local-process provider starts.
     llumlet_args: list[str] = field(default_factory=list)
     instance_prefix: str = "auto"
+    # Prefill/decode disaggregation (issue 19 §2): with both counts set, two pools of llumlets
+    # (`--role prefill` / `--role decode`), each scaled on its own signal within the limits.
+    initial_prefill: int = 0
+    initial_decode: int = 0
+    prefill_band: PrefillBand = field(default_factory=PrefillBand)
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.initial_prefill > 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +48,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cooldown-s", type=float, default=env("SCALE_COOLDOWN_S", defaults.cooldown_s))
     parser.add_argument("--tick-s", type=float, default=env("SCALE_TICK_S", 0.5))
     parser.add_argument("--instance-prefix", default=env("INSTANCE_PREFIX", "auto"))
+    pools = parser.add_argument_group("prefill/decode pools (both counts: each pool scales on its own signal, "
+                                      "--min/--max-instances per pool)")
+    pools.add_argument("--initial-prefill", type=int, default=env("INITIAL_PREFILL", 0),
+                       help="prefill llumlets to start with")
+    pools.add_argument("--initial-decode", type=int, default=env("INITIAL_DECODE", 0),
+                       help="decode llumlets to start with")
+    band = PrefillBand()
+    pools.add_argument("--prefill-scale-out-tokens", type=int,
+                       default=env("PREFILL_SCALE_OUT_TOKENS", band.scale_out_tokens),
+                       help="add a prefill llumlet while each holds more prompt tokens queued than this")
+    pools.add_argument("--prefill-scale-in-tokens", type=int,
+                       default=env("PREFILL_SCALE_IN_TOKENS", band.scale_in_tokens),
+                       help="drain one while each holds at most this many (and their freeness is high)")
     parser.add_argument("--llumlet-args", default=env("LLUMLET_ARGS", ""),
                         help="flags for the llumlets it starts, one shell-quoted string")
 
@@ -61,4 +84,19 @@ def config_from_args(args: argparse.Namespace) -> AutoscalerConfig:
         tick_s=args.tick_s,
         llumlet_args=shlex.split(args.llumlet_args),
         instance_prefix=args.instance_prefix,
+        **pools_from_args(args),
     )
+
+
+def pools_from_args(args: argparse.Namespace) -> dict:
+    if not args.initial_prefill and not args.initial_decode:
+        return {}
+    if args.initial_prefill < 1 or args.initial_decode < 1:
+        raise SystemExit("autoscaler: --initial-prefill and --initial-decode need at least 1 each")
+    clamp = lambda n: min(max(n, args.min_instances), args.max_instances)  # noqa: E731 (per pool)
+    try:
+        band = PrefillBand(args.prefill_scale_out_tokens, args.prefill_scale_in_tokens)
+    except ValueError as exc:
+        raise SystemExit(f"autoscaler: bad prefill band: {exc}") from exc
+    return {"initial_prefill": clamp(args.initial_prefill), "initial_decode": clamp(args.initial_decode),
+            "prefill_band": band}

@@ -70,7 +70,9 @@ class KubernetesProvider:
 
     # -- InstanceProvider -------------------------------------------------------------------------
 
-    def start_instance(self) -> str:
+    def start_instance(self, role=None) -> str:
+        if role is not None:  # (refused at start-up: provider_from_args)
+            raise ProviderError("one Deployment holds one role: prefill/decode pools are not supported here")
         before = {pod.metadata.name for pod in self._pods()}
         self._change_replicas(+1)
         deadline = time.monotonic() + self.settings.pod_appear_timeout_s

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from services.process_helpers import die_with_parent
 from shared.config import env
+from shared.messages import InstanceRole
 
 log = logging.getLogger(__name__)
 
@@ -22,8 +23,9 @@ class ProviderError(RuntimeError):
 
 
 class InstanceProvider(Protocol):
-    def start_instance(self) -> str:
-        """Begin starting one instance; returns the instance id it will report under."""
+    def start_instance(self, role: InstanceRole | None = None) -> str:
+        """Begin starting one instance (with `role`: of that prefill/decode pool); returns the
+        instance id it will report under."""
 
     def stop_instance(self, instance_id: str) -> None:
         """Stop an instance (called only once it is drained and empty)."""
@@ -42,10 +44,10 @@ class LocalProcessProvider:
         self._ids = itertools.count()
         self._processes: dict[str, subprocess.Popen] = {}
 
-    def start_instance(self) -> str:
+    def start_instance(self, role: InstanceRole | None = None) -> str:
         instance_id = f"{self.prefix}-{next(self._ids)}"
         argv = [sys.executable, "-m", "services.cli", "llumlet", "--nats-url", self.nats_url,
-                "--instance-id", instance_id, *self.llumlet_args]
+                "--instance-id", instance_id, *self.llumlet_args, *(["--role", role.value] if role else [])]
         self._processes[instance_id] = subprocess.Popen(argv, preexec_fn=die_with_parent, start_new_session=True)
         log.info("started llumlet %s (pid %d)", instance_id, self._processes[instance_id].pid)
         return instance_id
@@ -88,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def provider_from_args(args: argparse.Namespace, config) -> InstanceProvider:
     if args.provider == "local":
         return LocalProcessProvider(config.nats_url, config.llumlet_args, config.instance_prefix)
+    if config.disaggregated:
+        raise SystemExit("autoscaler: prefill/decode pools need the local provider (the Kubernetes provider "
+                         "scales one Deployment; a Deployment per role is not supported yet)")
     from services.autoscaler.kubernetes_provider import KubernetesProvider, KubernetesSettings
 
     namespace = args.k8s_namespace or _service_account_namespace()

@@ -1,5 +1,8 @@
 """Autoscaler: keeps the average normal-priority freeness inside a band by adding instances and
-draining them. A drained instance is stopped only once it is empty, so no request is lost."""
+draining them. A drained instance is stopped only once it is empty, so no request is lost.
+
+With prefill/decode pools (issue 19 §2) each pool is scaled apart, on its own signal
+(`pool_scaling_decision`): new llumlets get the pool's `--role`."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from shared.instance_table import InstanceTable
 from shared.messages import (
     Ack,
     DrainOrder,
+    InstanceRole,
     LoadReport,
     ScalingAction,
     ScalingEvent,
@@ -26,9 +30,11 @@ from shared.messages import (
     encode,
 )
 from shared.nats_client import connect
-from shared.policy.scaling import ScaleAction, ScalingState, scaling_decision
+from shared.policy.scaling import ScaleAction, ScalingDecision, ScalingState, pool_scaling_decision, scaling_decision
 
 log = logging.getLogger(__name__)
+
+POOLS = (InstanceRole.PREFILL, InstanceRole.DECODE)
 
 
 class Autoscaler:
@@ -37,6 +43,8 @@ class Autoscaler:
         self.provider = provider
         self.table = InstanceTable(config.instance_timeout_s)
         self.state = ScalingState()
+        self.pool_states = {role: ScalingState() for role in POOLS}  # (with prefill/decode pools)
+        self._roles: dict[str, InstanceRole] = {}  # the pool of each instance started here
         self.nc: Client | None = None
         self._starting: dict[str, float] = {}  # started, not yet reporting → start time
         self._draining: set[str] = set()
@@ -45,9 +53,13 @@ class Autoscaler:
     async def start(self) -> None:
         self.nc = await connect(self.config.nats_url, "autoscaler")
         await self.nc.subscribe(subjects.LOAD_REPORTS_ALL, cb=self._on_report)
-        # Instances the provider already has count (a Kubernetes Deployment's pods outlive us).
-        for _ in range(self.config.initial_instances - len(await asyncio.to_thread(self.provider.managed))):
-            await self._start_one()
+        if self.config.disaggregated:
+            for role, count in zip(POOLS, (self.config.initial_prefill, self.config.initial_decode)):
+                for _ in range(count):
+                    await self._start_one(role)
+        else:  # Instances the provider already has count (a Kubernetes Deployment's pods outlive us).
+            for _ in range(self.config.initial_instances - len(await asyncio.to_thread(self.provider.managed))):
+                await self._start_one()
         self._task = asyncio.create_task(self._loop(), name="autoscaler-loop")
 
     async def stop(self) -> None:
@@ -65,8 +77,12 @@ class Autoscaler:
         self.table.update(report)
         self._starting.pop(report.instance_id, None)
 
-    async def _start_one(self) -> str:
-        instance_id = await asyncio.to_thread(self.provider.start_instance)  # may wait on an API server
+    async def _start_one(self, role: InstanceRole | None = None) -> str:
+        if role is None:
+            instance_id = await asyncio.to_thread(self.provider.start_instance)  # may wait on an API server
+        else:
+            instance_id = await asyncio.to_thread(self.provider.start_instance, role)
+            self._roles[instance_id] = role
         self._starting[instance_id] = time.monotonic()
         return instance_id
 
@@ -82,11 +98,22 @@ class Autoscaler:
         await self._forget_failed_starts()
         await self._stop_drained()
         loads = [l for l in self.table.live() if l.instance_id not in self._draining]
-        decision, self.state = scaling_decision(
-            loads, self.state, self.config.scaling, time.monotonic(), pending=len(self._starting)
-        )
+        if not self.config.disaggregated:
+            decision, self.state = scaling_decision(
+                loads, self.state, self.config.scaling, time.monotonic(), pending=len(self._starting)
+            )
+            await self._act(decision, loads)
+            return
+        for role in POOLS:
+            pending = sum(1 for instance_id in self._starting if self._roles.get(instance_id) is role)
+            decision, self.pool_states[role] = pool_scaling_decision(
+                role, loads, self.pool_states[role], self.config.scaling, self.config.prefill_band, time.monotonic(),
+                pending=pending)
+            await self._act(decision, [l for l in loads if l.role is role], role)
+
+    async def _act(self, decision: ScalingDecision, loads: list[LoadReport], role: InstanceRole | None = None) -> None:
         if decision.action is ScaleAction.OUT:
-            instance_id = await self._start_one()
+            instance_id = await self._start_one(role)
             await self._event(ScalingAction.SCALE_OUT, instance_id, decision.average_freeness)
         elif decision.action is ScaleAction.IN:
             victim = self._managed_victim(loads, decision.victim, await asyncio.to_thread(self.provider.managed))
@@ -118,6 +145,7 @@ class Autoscaler:
             empty = report is not None and report.draining and report.num_running == 0 and report.num_waiting == 0
             if gone or empty:
                 self._draining.discard(instance_id)
+                self._roles.pop(instance_id, None)
                 self.table.remove(instance_id)
                 await asyncio.to_thread(self.provider.stop_instance, instance_id)
                 await self._event(ScalingAction.STOPPED, instance_id, None)
@@ -128,6 +156,7 @@ class Autoscaler:
             if now - started > self.config.start_timeout_s:
                 log.error("instance %s never reported; giving up on it", instance_id)
                 del self._starting[instance_id]
+                self._roles.pop(instance_id, None)
                 await asyncio.to_thread(self.provider.stop_instance, instance_id)
 
     async def _event(self, action: ScalingAction, instance_id: str, average: float | None) -> None:

@@ -49,8 +49,7 @@ def test_corral_up_prefill_and_decode_give_each_llumlet_its_role():
     assert llumlet_roles(up_args("--prefill", "1", "--decode", "2")) == ["prefill", "decode", "decode"]
     assert llumlet_roles(up_args("--instances", "3")) == []  # all mixed, as before
     for argv, why in ((("--prefill", "1"), "at least 1 each"),
-                      (("--prefill", "1", "--decode", "1", "--instances", "4"), "drop --instances"),
-                      (("--prefill", "1", "--decode", "1", "--autoscale"), "not supported")):
+                      (("--prefill", "1", "--decode", "1", "--instances", "4"), "drop --instances")):
         with pytest.raises(SystemExit, match=why):
             llumlet_roles(up_args(*argv))
 
