@@ -6,9 +6,11 @@ The hand-off moves exactly that request (`MigrationCoordinator.migrate`, not the
 `select_request_to_migrate`), and bypasses the per-request residence limit: the request moves
 because of this instance's role, not to balance load. When the scheduler names no destination
 (no decode instance has room), does not answer, or the migration fails, the request keeps
-decoding here: the instance degrades to mixed for it instead of making it wait. A destination
-that refuses the migration (it filled up meanwhile, or has its incoming migrations in flight) is
-asked about once more, later, with a fresh choice.
+decoding here: the instance degrades to mixed for it instead of making it wait. "No room" and a
+destination's refusal are often momentary (a decode instance that just took a hand-off has it
+queued until its next step, and the guard takes no migration into a queue), so both are asked
+about again a moment later, with a fresh choice, `ATTEMPTS` times in all; the request decodes
+here meanwhile.
 
 Hand-offs queue in first-token order and run `concurrency` at a time; a queued request decodes
 here meanwhile, and the destination is chosen when its turn comes.
@@ -36,12 +38,13 @@ from shared.messages import HandoffAnswer, HandoffQuery, WireError, decode, enco
 log = logging.getLogger(__name__)
 
 ASK_TIMEOUT_S = 0.5  # the scheduler answers from its load table: a slow answer is a loaded scheduler
-ATTEMPTS = 2  # a destination's refusal (a race with its own load) gets one more, later choice
+ATTEMPTS = 3  # "no room" and refusals are asked about again, a fresh choice each time...
+RETRY_AFTER_S = 0.05  # ...this much later (about a load report's interval)
 
 
 class HandoffOutcome(enum.Enum):
     HANDED_OFF = "handed_off"  # committed on the decode instance
-    NO_ROOM = "no_room"  # the scheduler found no decode instance with room: it decodes here
+    NO_ROOM = "no_room"  # no decode instance had room, every attempt: it decodes here
     NO_SCHEDULER = "no_scheduler"  # nobody answered: it decodes here
     REFUSED = "refused"  # the destination refused every attempt: it decodes here
     GONE = "gone"  # it finished, was aborted or left before its turn (or its migration)
@@ -66,6 +69,7 @@ class PrefillHandoff:
         self._migrate = migrate
         self._snapshot = snapshot
         self.concurrency = concurrency
+        self.retry_after_s = RETRY_AFTER_S
         self._queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
         self.outcomes: collections.Counter[HandoffOutcome] = collections.Counter()
 
@@ -103,6 +107,8 @@ class PrefillHandoff:
         if answer is None:
             return HandoffOutcome.NO_SCHEDULER
         if answer.dst_instance_id is None:
+            if self._retry(request_id, attempt):
+                return None
             log.info("hand-off of %s: it decodes here (%s)", request_id, answer.reason or "no destination")
             return HandoffOutcome.NO_ROOM
         m = await self._migrate(request_id, answer.dst_instance_id)
@@ -110,10 +116,15 @@ class PrefillHandoff:
             return HandoffOutcome.GONE  # finished meanwhile, or another migration holds it
         if m.status is MigrationStatus.FINISHED:
             return HandoffOutcome.HANDED_OFF
-        if m.status is MigrationStatus.ABORTED_DST and attempt < ATTEMPTS:
-            self._queue.put_nowait((request_id, attempt + 1))
-            return None
-        return HandoffOutcome.REFUSED if m.status is MigrationStatus.ABORTED_DST else HandoffOutcome.GONE
+        if m.status is not MigrationStatus.ABORTED_DST:
+            return HandoffOutcome.GONE  # the source gave up: it finished, was aborted or preempted
+        return None if self._retry(request_id, attempt) else HandoffOutcome.REFUSED
+
+    def _retry(self, request_id: str, attempt: int) -> bool:
+        if attempt >= ATTEMPTS:
+            return False
+        asyncio.get_running_loop().call_later(self.retry_after_s, self._queue.put_nowait, (request_id, attempt + 1))
+        return True
 
 
 def nats_ask(nc: Callable[[], Client | None], timeout_s: float = ASK_TIMEOUT_S) -> Ask:
