@@ -107,3 +107,64 @@ async def test_without_the_commit_s_tail_the_race_leaves_the_late_tokens_null(vl
     seen, num_late = await migrate_with_late_source_chunk(vllm_engine, "lp-race-bare", strip_tail=True)
     missing = [i for i, logprob in seen.items() if logprob is None]
     assert len(missing) == num_late >= 1
+
+
+# -- end to end: two vLLM llumlets, the request moved mid-stream over NATS and the KV link -------
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    from shared.embedded_nats import start_nats
+    from tests.support.cluster import Cluster
+    from tests.vllm.test_vllm_migration import INSTANCES, LLUMLET
+
+    server = start_nats()
+    cluster = Cluster(server.url, tiny_model_dir, tmp_path_factory.mktemp("vllm-migration-logprobs"))
+    cluster.start_scheduler("--no-enable-migration")
+    for instance_id in INSTANCES:
+        cluster.start_llumlet(instance_id, *LLUMLET, engine="vllm")
+    cluster.start_gateway()
+    try:
+        cluster.wait_ready(instances=len(INSTANCES), timeout_s=240)
+        yield cluster
+    finally:
+        cluster.stop()
+        server.stop()
+
+
+async def test_a_stream_moved_between_two_vllm_llumlets_keeps_every_logprob(cluster):
+    import asyncio
+
+    import openai
+
+    from tests.vllm.test_vllm_migration import INSTANCES, Watch
+
+    output_len = 1200
+    client = openai.AsyncOpenAI(base_url=f"{cluster.base_url}/v1", api_key="none", max_retries=0)
+    model = (await client.models.list()).data[0].id
+
+    async def chat() -> list:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Tell me about corrals"}], max_tokens=output_len,
+            temperature=0.0, logprobs=True, top_logprobs=2, stream=True, extra_body={"ignore_eos": True})
+        return [entry async for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for entry in chunk.choices[0].logprobs.content]
+
+    async with Watch(cluster.nats_url) as watch:
+        reference = await chat()
+        task = asyncio.create_task(chat())
+        assert await watch.until(lambda: watch.live_request() is not None, 30)
+        request_id = watch.live_request()
+        assert await watch.until(lambda: len(watch.tokens(request_id, contiguous=False)) >= output_len // 4, 60)
+        src = watch.publishers(request_id)[-1]
+        await watch.move(request_id, src, next(i for i in INSTANCES if i != src))
+        moved = await task
+        assert await watch.wait_finished(request_id)
+    await client.close()
+
+    assert len(watch.publishers(request_id)) == 2
+    # The destination's catch-up sent the source's last step with its logprobs (from the commit).
+    handovers = [c for c in watch.chunks[request_id] if c.handover]
+    assert any(c.logprobs for c in handovers), handovers
+    assert len(moved) == output_len and all(e.logprob is not None and len(e.top_logprobs) == 2 for e in moved)
+    assert [e.token for e in moved] == [e.token for e in reference]  # greedy: the same tokens, moved or not
