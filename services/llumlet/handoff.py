@@ -62,7 +62,8 @@ def first_tokens(outputs: Iterable[StepOutput]) -> list[str]:
 
 
 class PrefillHandoff:
-    def __init__(self, instance_id: str, ask: Ask, migrate: Migrate, snapshot: Snapshot, concurrency: int) -> None:
+    def __init__(self, instance_id: str, ask: Ask, migrate: Migrate, snapshot: Snapshot, concurrency: int,
+                 on_outcome: Callable[[HandoffOutcome], None] = lambda outcome: None) -> None:
         assert concurrency >= 1, concurrency
         self.instance_id = instance_id
         self._ask = ask
@@ -72,6 +73,7 @@ class PrefillHandoff:
         self.retry_after_s = RETRY_AFTER_S
         self._queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
         self.outcomes: collections.Counter[HandoffOutcome] = collections.Counter()
+        self._on_outcome = on_outcome  # (the llumlet's metrics)
 
     def prefilled(self, outputs: Iterable[StepOutput]) -> None:
         """After a step's output is published: queue the hand-off of each request it prefilled."""
@@ -97,6 +99,7 @@ class PrefillHandoff:
                 continue
             if outcome is not None:
                 self.outcomes[outcome] += 1
+                self._on_outcome(outcome)
 
     async def hand_off(self, request_id: str, attempt: int = 1) -> HandoffOutcome | None:
         """One attempt; None when it was queued again for another."""

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from shared import vllm_metrics as vllm
 from shared.engine_model.views import RequestPhase, RequestView, StepOutput
+from services.llumlet.handoff import HandoffOutcome
 from shared.messages import LoadReport
 
 
@@ -96,6 +97,9 @@ class LlumletMetrics:
         migrations = Counter("corral:llumlet_migrations", "Requests migrated (committed), by direction",
                              [*labels, "direction"], registry=r)
         self.migrations = {d: migrations.labels(*self._labels, d) for d in ("in", "out")}
+        self.handoffs = by_label(Counter, "corral:llumlet_handoffs",
+                                 "Prefill instance: requests at their first token, by how their hand-off to a "
+                                 "decode instance ended", "outcome", [o.value for o in HandoffOutcome])
         self._preemptions_seen = 0
 
     # ---- load reports --------------------------------------------------------------------
@@ -185,3 +189,6 @@ class LlumletMetrics:
 
     def migrated(self, direction: str) -> None:
         self.migrations[direction].inc()
+
+    def handed_off(self, outcome: HandoffOutcome) -> None:
+        self.handoffs[outcome.value].inc()
