@@ -2,8 +2,9 @@
 
 Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`.
 Completions: `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`.
-A token the instance sent no probabilities for (a migration's repeat of the output so far,
-arriving before the source's own chunk) has a null logprob and no alternatives.
+A token the instance sent no probabilities for has a null logprob and no alternatives: only a
+migration's repeat of a token from before the source's last step (whose logprobs the commit
+carries), read by the client before the source's own chunk came.
 """
 
 from __future__ import annotations
