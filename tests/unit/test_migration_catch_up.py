@@ -90,3 +90,23 @@ def test_minus_infinity_travels_and_nan_is_refused():
     nan_top.logprobs[0].top = [(1, math.nan)]
     with pytest.raises(WireError, match="NaN"):
         decode(encode(nan_top), TokenChunk)
+
+
+def test_minus_infinity_reaches_the_client_as_vllm_s_floor_in_valid_json():
+    import json
+
+    from services.gateway.logprobs import MIN_LOGPROB, LogprobsFormatter
+    from services.gateway.responses import json_bytes
+
+    def strict(constant: str):  # JSON has no -Infinity or NaN (Python's parser would take them)
+        raise AssertionError(f"{constant} in the JSON")
+
+    formatter = LogprobsFormatter(lambda token_id: f"t{token_id}")
+    tokens = [(3, TokenLogprob(-math.inf, [(3, -math.inf), (4, -math.inf)])), (5, None)]
+    chat = json.loads(json_bytes(formatter.chat(tokens)), parse_constant=strict)
+    assert chat["content"][0]["logprob"] == MIN_LOGPROB == -9999.0
+    assert [t["logprob"] for t in chat["content"][0]["top_logprobs"]] == [MIN_LOGPROB, MIN_LOGPROB]
+    assert chat["content"][1]["logprob"] is None and chat["content"][1]["top_logprobs"] == []
+    completion = json.loads(json_bytes(formatter.completion(tokens, 0)), parse_constant=strict)
+    assert completion["token_logprobs"] == [MIN_LOGPROB, None]
+    assert completion["top_logprobs"] == [{"t3": MIN_LOGPROB, "t4": MIN_LOGPROB}, None]
