@@ -47,7 +47,7 @@ class HandoffOutcome(enum.Enum):
     NO_ROOM = "no_room"  # no decode instance had room, every attempt: it decodes here
     NO_SCHEDULER = "no_scheduler"  # nobody answered: it decodes here
     REFUSED = "refused"  # the destination refused every attempt: it decodes here
-    GONE = "gone"  # it finished, was aborted or left before its turn (or its migration)
+    GONE = "gone"  # it finished, was aborted, left or stayed preempted before its turn (or its migration)
 
 
 Ask = Callable[[HandoffQuery], Awaitable[HandoffAnswer | None]]  # None: no scheduler answered
@@ -80,10 +80,6 @@ class PrefillHandoff:
         for request_id in first_tokens(outputs):
             self._queue.put_nowait((request_id, 1))
 
-    @property
-    def queued(self) -> int:
-        return self._queue.qsize()
-
     async def run(self) -> None:
         async with asyncio.TaskGroup() as group:
             for i in range(self.concurrency):
@@ -104,8 +100,10 @@ class PrefillHandoff:
     async def hand_off(self, request_id: str, attempt: int = 1) -> HandoffOutcome | None:
         """One attempt; None when it was queued again for another."""
         snapshot = self._snapshot(request_id)
+        if snapshot is not None and snapshot.phase is LivePhase.QUEUED and self._retry(request_id, attempt):
+            return None  # preempted meanwhile: it may be back in the batch by then
         if snapshot is None or snapshot.phase is not LivePhase.RUNNING:
-            return HandoffOutcome.GONE  # (a preempted one is QUEUED: it decodes here once back)
+            return HandoffOutcome.GONE
         answer = await self._ask(HandoffQuery(self.instance_id, request_id, snapshot.num_blocks))
         if answer is None:
             return HandoffOutcome.NO_SCHEDULER
