@@ -2,11 +2,12 @@
 reports them (`KvCacheEvents` in order, `KvCacheSnapshot` to start over), for prefix-aware
 dispatch (`shared.policy.prefix_dispatch.PrefixIndex`).
 
-Events carry a per-instance sequence number, from 1. One that does not follow the last applied
-(a lost message, a restarted llumlet, a restarted scheduler hearing an instance mid-stream) is not
-applied: the instance is marked out of sync until a snapshot arrives (the caller asks for one). Meanwhile its entries stay: a stale hit costs a mispredicted TTFT, never a wrong
-answer (the engine matches its own cache). A hash means the instance holds that block and, the
-hashes being chained, every block before it; a prefix matches up to its first missing hash.
+Events carry a per-instance sequence number, from 1 (a snapshot: that of the last event before
+it). One that does not follow the last applied (a lost message, a restarted llumlet, a restarted
+scheduler hearing an instance mid-stream) is not applied: the instance is marked out of sync until a snapshot arrives (the caller asks for one).
+Meanwhile its entries stay: a stale hit costs a mispredicted TTFT, never a wrong answer (the
+engine matches its own cache). A hash means the instance holds that block and, the hashes being
+chained, every block before it; a prefix matches up to its first missing hash.
 """
 
 from __future__ import annotations
@@ -52,6 +53,13 @@ class GlobalPrefixIndex:
             alive &= nxt
         return matched
 
+    def in_sync(self, instance_id: str) -> bool:
+        """Known from a snapshot or from its first event, and no gap since."""
+        return instance_id in self._seq and instance_id not in self.out_of_sync
+
+    def instances(self) -> set[str]:
+        return set(self._seq) | self.out_of_sync
+
     def num_blocks(self, instance_id: str) -> int:
         return len(self._held.get(instance_id, ()))
 
@@ -77,11 +85,11 @@ class GlobalPrefixIndex:
         return True
 
     def restore(self, snapshot: KvCacheSnapshot) -> bool:
-        """Replace an instance's entries with its snapshot (taken after event `seq`). While the
-        instance is in sync, a snapshot older than the events applied is ignored (False)."""
+        """Replace an instance's entries with its snapshot (taken after event `seq`), whatever
+        its seq: one instance's events and snapshots travel in order on one subscription, so a
+        snapshot is never older than what was applied — unless the llumlet restarted (its seq
+        begins again), and then the snapshot is the truth. True: the instance is in sync."""
         iid = snapshot.instance_id
-        if iid not in self.out_of_sync and snapshot.seq < self._seq.get(iid, 0):
-            return False
         self._drop(iid)
         self._add(iid, snapshot.block_hashes)
         self._seq[iid] = snapshot.seq

@@ -62,11 +62,25 @@ GATEWAY_HEARTBEATS_ALL = f"{PREFIX}.gateway.*.alive"
 SCHEDULER_HEARTBEAT = f"{PREFIX}.scheduler.heartbeat"
 
 
+# Prefix caches: each llumlet's KV events and snapshots (shared.messages.KvCacheEvents /
+# KvCacheSnapshot); the schedulers take both with one subscription (`KV_ALL`: one instance's
+# messages stay in order) and ask one for a snapshot on `llumlet(id, "kv_snapshot")`.
+def kv_events(instance_id: str) -> str:
+    return f"{PREFIX}.kv.{valid_token(instance_id)}.events"
+
+
+def kv_snapshot(instance_id: str) -> str:
+    return f"{PREFIX}.kv.{valid_token(instance_id)}.snapshot"
+
+
+KV_ALL = f"{PREFIX}.kv.*.*"
+
+
 # Autoscaler events (scale decisions, drains) for observers and tests.
 SCALING_EVENTS = f"{PREFIX}.scaling.events"
 
 
-_PER_ID = {"load": 3, "llumlet": 4, "migration": 4, "gateway": 4}  # role -> tokens in its subjects
+_PER_ID = {"load": 3, "llumlet": 4, "migration": 4, "gateway": 4, "kv": 4}  # role -> tokens in its subjects
 _FIXED = {DISPATCH, ABORT_ALL, SCALING_EVENTS, SCHEDULER_HEARTBEAT}
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from shared import subjects
 from services.global_scheduler.admission import AdmissionSettings
+from services.global_scheduler.dispatcher import DISPATCH_POLICY_NAMES
 from shared.config import add_nats_argument, env
 from shared.engine_model.latency import SIMPLE_MODELS
 from shared.policy.admission import ADMISSION_POLICY_NAMES, AdmissionPolicy, Slo, SloConfig
@@ -31,6 +32,10 @@ class SchedulerConfig:
     heartbeat_interval_s: float = 0.2
     leader_lease_s: float = 1.0  # a replica silent this long is gone (and a new one waits this long)
     admission: AdmissionSettings | None = None  # early rejection against an SLO (None: admit all)
+    # Dispatch rule by policy name (services.global_scheduler.dispatcher); prefix-aware ones use the
+    # llumlets' KV events and this latency profile's prefill time.
+    dispatch_policy: str = "corral"
+    dispatch_gpu: str = "A10"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--migration-min-freeness-gap", type=float,
                         default=env("MIGRATION_MIN_FREENESS_GAP", DEFAULT_GUARD.min_freeness_gap),
                         help="pair only when the destination is this much freer than the source")
+    parser.add_argument("--dispatch-policy", choices=DISPATCH_POLICY_NAMES, default=env("DISPATCH_POLICY", "corral"),
+                        help="dispatch rule by policy name (corral-prefix: by predicted TTFT with the llumlets' "
+                             "prefix caches; migration stays as --enable-migration says)")
+    parser.add_argument("--dispatch-gpu", choices=sorted(SIMPLE_MODELS), default=env("DISPATCH_GPU", "A10"),
+                        help="latency profile of the prefix-aware policies' prefill-time predictions")
     gate = parser.add_argument_group("admission control (429 when no instance can meet the SLO)")
     gate.add_argument("--admission", choices=ADMISSION_POLICY_NAMES, default=env("ADMISSION", "none"))
     gate.add_argument("--slo-ttft-s", type=float, default=env("SLO_TTFT_S", None), help="TTFT target")
@@ -83,6 +93,8 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         heartbeat_interval_s=min(0.2, args.leader_lease_s / 4),
         leader_lease_s=args.leader_lease_s,
         admission=admission_from_args(args),
+        dispatch_policy=args.dispatch_policy,
+        dispatch_gpu=args.dispatch_gpu,
     )
 
 

@@ -14,6 +14,8 @@ from services.global_scheduler.config import SchedulerConfig
 from services.global_scheduler.leadership import Leadership
 from services.global_scheduler.metrics import SchedulerMetrics
 from services.global_scheduler.migration_loop import MigrationLoop, MigrationPairer
+from services.global_scheduler.dispatcher import DEFAULT_POLICY, NamedDispatch
+from services.global_scheduler.prefix_tracker import PrefixTracker
 from shared import bus_guard, subjects, tracing
 from shared.instance_table import InstanceTable
 from shared.messages import (
@@ -50,6 +52,11 @@ class GlobalScheduler:
         self.admission = (DispatchAdmission(config.admission, self.metrics.registry)
                           if config.admission is not None else None)
         bus_guard.register(self.metrics.registry)
+        # The llumlets' prefix caches (their KV events); dispatch by a policy named other than corral.
+        self.prefixes = PrefixTracker(lambda: (load.instance_id for load in self.table.live()), self.metrics.registry)
+        self.named_dispatch = (NamedDispatch(config.dispatch_policy, config.policy, self.table.live,
+                                             self.prefixes.index, config.dispatch_gpu, self.metrics.registry)
+                               if config.dispatch_policy != DEFAULT_POLICY else None)
 
     def _standing_pairs(self) -> int:
         return 0 if self.migration_loop is None else len(self.migration_loop.pairer.pairs)
@@ -61,7 +68,9 @@ class GlobalScheduler:
         await self.nc.subscribe(subjects.LOAD_REPORTS_ALL, cb=self._on_report)
         await self.nc.subscribe(subjects.DISPATCH, queue=subjects.SCHEDULER_QUEUE, cb=self._on_dispatch)
         await self.nc.subscribe(subjects.SCHEDULER_HEARTBEAT, cb=self._on_peer_heartbeat)
-        self._tasks = [asyncio.create_task(self._expiry_loop(), name="expiry")]
+        await self.prefixes.start(self.nc)
+        self._tasks = [asyncio.create_task(self._expiry_loop(), name="expiry"),
+                       asyncio.create_task(self.prefixes.run(), name="prefix-index")]
         if self.config.enable_migration:
             pairer = MigrationPairer(self.config.policy, self.config.guard)
             self.migration_loop = MigrationLoop(pairer, self.table.live, self.nc.publish,
@@ -82,6 +91,7 @@ class GlobalScheduler:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.prefixes.stop()
         if self.nc is not None and not self.nc.is_closed:
             await self.nc.drain()
 
@@ -101,7 +111,10 @@ class GlobalScheduler:
                 if refusal is not None:
                     self.metrics.dispatched(Refusal.OVERLOADED)
                     return refusal
-            decision = self.index.choose(request)  # = choose_instance(self.table.live(), ...)
+            if self.named_dispatch is None:
+                decision = self.index.choose(request)  # = choose_instance(self.table.live(), ...)
+            else:
+                decision = self.named_dispatch.choose(request)
         self.metrics.dispatched(decision.reason if decision.instance_id is None else None)
         if decision.instance_id is None:
             return DispatchReply(rejected=decision.rejected, reason=decision.reason)

@@ -24,6 +24,8 @@ from services.llumlet.routes import OutputRoutes
 from services.llumlet.migration.runtime import LlumletMigration
 from services.llumlet.migration_hooks import LlumletMigrationHooks
 from services.llumlet.output import OutputPublisher
+from services.llumlet.kv_events import KvEventPublisher
+from services.llumlet.kv_journal import journal_of
 from services.llumlet.migration import kv_auth
 from shared import bus_guard, subjects, tracing
 from shared.messages import (
@@ -104,6 +106,10 @@ class Llumlet:
             asyncio.create_task(self._report_loop(), name="report-loop"),
             asyncio.create_task(self._watch_gateways(), name="gateway-watch"),
         ]
+        if (journal := journal_of(self.engine)) is not None:  # its prefix cache, told to the schedulers
+            kv_events = KvEventPublisher(self.instance_id, self.engine.block_size, journal, lambda: self.nc)
+            await kv_events.subscribe(nc)
+            self._tasks.append(asyncio.create_task(kv_events.run(), name="kv-events"))
         if self.migration is not None:
             for loop in await self.migration.start(nc):
                 self._tasks.append(asyncio.create_task(loop, name=loop.__qualname__))

@@ -18,7 +18,16 @@ Only hashes and ids: the block manager owns the free list and the block tables a
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+
+class CacheListener(Protocol):
+    """Told of every hash the cache starts or stops holding (the llumlet's KV events)."""
+
+    def stored(self, block_hashes: Iterable[int]) -> None: ...
+
+    def removed(self, block_hashes: Iterable[int]) -> None: ...
 
 
 class PrefixCache:
@@ -30,6 +39,10 @@ class PrefixCache:
         self.num_query_tokens = 0  # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens
         self.num_hit_tokens = 0
         self.num_evictions = 0
+        self.listener: CacheListener | None = None
+
+    def held_hashes(self) -> list[int]:
+        return list(self._block_of)
 
     @property
     def num_evictable(self) -> int:
@@ -98,12 +111,17 @@ class PrefixCache:
         self._block_of[block_hash] = block
         self._hash_of[block] = block_hash
         self._refs[block] = 1
+        if self.listener is not None:
+            self.listener.stored((block_hash,))
         return True
 
     def evict(self) -> int:
         """Reclaim the least recently freed evictable block; its hash is forgotten."""
         block, _ = self._evictable.popitem(last=False)
-        del self._block_of[self._hash_of.pop(block)]
+        block_hash = self._hash_of.pop(block)
+        del self._block_of[block_hash]
+        if self.listener is not None:
+            self.listener.removed((block_hash,))
         del self._refs[block]
         self.num_evictions += 1
         return block

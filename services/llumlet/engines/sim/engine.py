@@ -21,6 +21,7 @@ from shared.engine_model.request import RequestStatus, SimRequest
 from services.llumlet.engines.sim.config import SimEngineConfig  # (its home; imported from here too)
 from shared.engine_model.scheduler import SimScheduler
 from services.llumlet.engines.sim.migration import SimMigration
+from services.llumlet.kv_journal import KvEventJournal
 from shared.messages import GenerateRequest
 
 _MASK64 = (1 << 64) - 1
@@ -140,6 +141,17 @@ class SimEngine:
 
     def migration_ops(self) -> SimMigration:
         return self._migration
+
+    def kv_event_journal(self) -> KvEventJournal | None:
+        """What the prefix cache holds, as it changes (None when this engine does not cache)."""
+        cache = self.scheduler.prefix_cache
+        if cache is None:
+            return None
+        if cache.listener is None:
+            journal = KvEventJournal()
+            journal.stored(cache.held_hashes())
+            cache.listener = journal
+        return cache.listener
 
     # -- views for tests and the migration verbs ------------------------------------------------
 

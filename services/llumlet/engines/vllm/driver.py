@@ -17,6 +17,7 @@ import msgspec
 
 from shared.engine_model.views import RequestPhase, RequestView, StepOutput
 from services.llumlet.engines.vllm.config import VllmEngineConfig
+from services.llumlet.engines.vllm.kv_events import HASH_ALGO, install, kv_events_config
 from services.llumlet.engines.vllm.leases import DestinationLeases
 from services.llumlet.engines.vllm.params import finish_reason_of, logprobs_of, to_vllm_sampling_params
 from services.llumlet.engines.vllm.probe import SchedulerProbe
@@ -74,6 +75,9 @@ def engine_kwargs(config: VllmEngineConfig, served_model_name: str) -> dict[str,
         enforce_eager=config.enforce_eager,
         seed=config.seed,
         enable_prefix_caching=config.enable_prefix_caching,
+        # The gateway's chain (shared.prefix_hash), and vLLM's block events into the llumlet's journal.
+        prefix_caching_hash_algo=HASH_ALGO,
+        kv_events_config=kv_events_config() if config.enable_prefix_caching else None,
         scheduling_policy=config.scheduling_policy,
         # One step in, that step's tokens out, so outputs and snapshots describe the same moment.
         # (The CPU build never schedules asynchronously; on a GPU this gives up some overlap.)
@@ -107,6 +111,7 @@ class VllmDriver:
 
         self.kv_state = MIGRATION_STATE
         self.leases = DestinationLeases(self.probe.block_pool, self.kv_state)
+        self.kv_journal = install(self.probe)  # what the prefix cache holds (None: caching off)
 
     @classmethod
     def build(cls, config: VllmEngineConfig, served_model_name: str, shared: SharedState) -> VllmDriver:

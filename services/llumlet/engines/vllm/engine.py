@@ -31,6 +31,7 @@ from services.llumlet.engines.vllm.config import VllmEngineConfig
 from services.llumlet.engines.vllm.driver import VllmDriver, blocks_for
 from services.llumlet.engines.vllm.params import check_request, to_vllm_sampling_params
 from services.llumlet.engines.vllm.migration import VllmMigration
+from services.llumlet.kv_journal import KvEventJournal
 from services.llumlet.engines.vllm.state import AbortCommand, AddCommand, SharedState, Tracked, TrackedStatus
 from shared.messages import GenerateRequest, Refusal
 
@@ -138,6 +139,10 @@ class VllmEngine:
 
     def migration_ops(self) -> VllmMigration:
         return self._migration
+
+    def kv_event_journal(self) -> KvEventJournal | None:
+        """vLLM's KV events, as the engine thread receives them (after `start()`)."""
+        return None if self._driver is None else self._driver.kv_journal
 
     @property
     def shared(self) -> SharedState:

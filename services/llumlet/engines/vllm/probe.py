@@ -24,6 +24,15 @@ class SchedulerProbe:
         # Block 0 is vLLM's null block: never allocated, never free.
         self.num_blocks_total: int = self.block_pool.num_gpu_blocks - 1
 
+    @property
+    def prefix_caching(self) -> bool:
+        return bool(self.kv_cache_manager.enable_caching)
+
+    def set_kv_event_publisher(self, publisher: Any) -> None:
+        """The object the scheduler hands each step's KV-event batch to (`publish(batch)`); the
+        block pool queues events only when the engine was built with KV events enabled."""
+        self.scheduler.kv_event_publisher = publisher
+
     def num_free_blocks(self) -> int:
         """Free blocks, counting cached-but-unreferenced prefix blocks (vLLM evicts them on demand)."""
         return self.block_pool.get_num_free_blocks()

@@ -1,0 +1,60 @@
+"""The dispatch rule of a policy asked for by name (`--dispatch-policy`), over the live loads.
+
+`corral` (the default) is not built here: the scheduler answers it from its ranked
+`DispatchIndex`. Every other name of `shared.policy.baselines.POLICIES` runs the simulator's own
+function (`baselines.dispatch`) over the load table, the prefix-aware ones (`corral-prefix`,
+`prefix-only`, `kv-cost`) with the prefix index the llumlets' KV events keep
+(`prefix_tracker`) and the latency model's prefill time. Only the dispatch rule is taken from the
+name: migration stays as `--enable-migration` says.
+
+Prefix decisions are counted by reason: `cache_hit` (sent where the longest cached prefix is),
+`load_over_cache` (a longer prefix is cached elsewhere, but the queue and room there lost),
+`no_cache_hit` (no instance holds any of the prompt, or the prompt came without hashes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter
+
+from shared.engine_model.latency import LatencyModel
+from shared.messages import DispatchRequest, LoadReport
+from shared.policy.baselines import POLICIES, dispatch, get_policy
+from shared.policy.config import PolicyConfig
+from shared.policy.dispatch import DispatchDecision
+from shared.policy.prefix_dispatch import PrefixContext, PrefixIndex, matched_blocks
+
+DEFAULT_POLICY = "corral"
+DISPATCH_POLICY_NAMES = tuple(POLICIES)
+PREFIX_REASONS = ("cache_hit", "load_over_cache", "no_cache_hit")
+
+
+class NamedDispatch:
+    def __init__(self, name: str, base: PolicyConfig, loads: Callable[[], Sequence[LoadReport]],
+                 index: PrefixIndex, gpu: str, registry: CollectorRegistry) -> None:
+        self.policy = get_policy(name)
+        self.config = self.policy.policy_config(base)
+        self._loads = loads
+        self._turn = 0
+        model = LatencyModel(gpu)
+        self.prefix = PrefixContext(index, prefill_s=lambda n: model.prefill_ms(n) / 1e3 if n > 0 else 0.0)
+        self.prefix_decisions = Counter("corral:scheduler_prefix_dispatch_decisions",
+                                        "Prefix-aware dispatch decisions by reason (cache_hit, load_over_cache, "
+                                        "no_cache_hit)", ["reason"], registry=registry)
+        for reason in PREFIX_REASONS:
+            self.prefix_decisions.labels(reason)
+
+    def choose(self, request: DispatchRequest) -> DispatchDecision:
+        decision = dispatch(self.policy, self._loads(), request, self.config, self._turn, self.prefix)
+        self._turn += 1
+        if decision.instance_id is not None and self.policy.dispatch.uses_prefix_index:
+            self.prefix_decisions.labels(self.reason(request, decision.instance_id)).inc()
+        return decision
+
+    def reason(self, request: DispatchRequest, chosen: str) -> str:
+        matched = matched_blocks(request, self.prefix.index)
+        best = max(matched.values(), default=0)
+        if best == 0:
+            return "no_cache_hit"
+        return "cache_hit" if matched.get(chosen, 0) == best else "load_over_cache"

@@ -1,0 +1,69 @@
+"""vLLM's own KV-cache events, taken in process into the llumlet's `KvEventJournal`.
+
+vLLM's block pool queues `BlockStored` / `BlockRemoved` / `AllBlocksCleared` when
+`kv_events_config.enable_kv_cache_events` is on, and its scheduler hands each step's batch to its
+`kv_event_publisher` (ZMQ in vLLM's server). vLLM validates the publisher's name against its own
+two ("null", "zmq"), so the engine is built with "null" and `install` puts `JournalPublisher` in
+its place on the scheduler (in process, the one object the step calls).
+
+Hashes: with `prefix_caching_hash_algo="sha256_cbor"` vLLM's block hash is the digest
+`shared.prefix_hash` computes, so the gateway's chain and these events name the same blocks.
+vLLM sends it as an int of the digest's last 8 bytes (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`, on by
+default) or as the raw digest; either becomes the 63-bit wire hash. Only the engine's own cache
+(medium GPU or unset: the CPU build says GPU too) counts: an offloading tier's blocks are not
+where a request's prefill is skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.llumlet.kv_journal import KvEventJournal
+from shared.prefix_hash import HASH_BITS, wire_hash
+
+HASH_ALGO = "sha256_cbor"  # the gateway's chain (shared.prefix_hash)
+_MASK = (1 << HASH_BITS) - 1
+_OWN_MEDIA = (None, "GPU")
+
+
+def kv_events_config() -> Any:
+    from vllm.config import KVEventsConfig
+
+    return KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+
+
+def to_wire_hash(block_hash: int | bytes) -> int:
+    return wire_hash(block_hash) if isinstance(block_hash, bytes) else block_hash & _MASK
+
+
+class JournalPublisher:
+    """vLLM's `EventPublisher` interface (`publish(batch)`, `shutdown()`), into a journal."""
+
+    def __init__(self, journal: KvEventJournal) -> None:
+        self.journal = journal
+
+    def publish(self, batch: Any) -> None:
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        for event in batch.events:
+            if isinstance(event, AllBlocksCleared):
+                self.journal.cleared()
+            elif getattr(event, "medium", None) not in _OWN_MEDIA:
+                continue
+            elif isinstance(event, BlockStored):
+                self.journal.stored(map(to_wire_hash, event.block_hashes))
+            elif isinstance(event, BlockRemoved):
+                self.journal.removed(map(to_wire_hash, event.block_hashes))
+
+    def shutdown(self) -> None:
+        return None
+
+
+def install(probe: Any) -> KvEventJournal | None:
+    """Route the engine's KV events into a new journal (None when prefix caching is off: no
+    block is ever cached, no event sent). `probe`: the driver's `SchedulerProbe`."""
+    if not probe.prefix_caching:
+        return None
+    journal = KvEventJournal()
+    probe.set_kv_event_publisher(JournalPublisher(journal))
+    return journal

@@ -1,0 +1,133 @@
+"""What the engine's prefix cache holds, told to the schedulers: `KvCacheEvents` (the block hashes
+stored and removed since the last message, numbered per instance from 1) and `KvCacheSnapshot`
+(everything held, after event `seq`), from which `services.global_scheduler.prefix_tracker` keeps
+the global prefix index.
+
+- `services.llumlet.kv_journal.KvEventJournal` is what an engine writes to as its cache changes.
+- `KvEventPublisher` sends the journal's changes every `interval_s` on the instance's events
+  subject, a snapshot every `snapshot_interval_s` and whenever a scheduler asks (after a gap in
+  the sequence, or on its start), so a lost message or a restarted scheduler resynchronises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+
+from shared import subjects
+from services.llumlet.kv_journal import KvDelta, KvEventJournal
+from shared.messages import Ack, KvCacheEvents, KvCacheSnapshot, encode
+
+log = logging.getLogger(__name__)
+
+KV_EVENTS_INTERVAL_S = 0.05  # batching: a step's stores travel together, ~20 messages a second at most
+KV_SNAPSHOT_INTERVAL_S = 10.0  # a lost message the scheduler did not notice (none followed) heals by then
+HASHES_PER_MESSAGE = 50_000  # ~0.5 MB: under NATS's default 1 MiB payload
+
+
+class KvEventPublisher:
+    def __init__(self, instance_id: str, block_size: int, journal: KvEventJournal, nc: Callable[[], Client | None],
+                 interval_s: float = KV_EVENTS_INTERVAL_S, snapshot_interval_s: float = KV_SNAPSHOT_INTERVAL_S) -> None:
+        self.instance_id = instance_id
+        self.block_size = block_size
+        self.journal = journal
+        self._nc = nc
+        self.interval_s = interval_s
+        self.snapshot_interval_s = snapshot_interval_s
+        self.seq = 0  # of the last events message sent
+        self._lock = asyncio.Lock()  # one sender at a time: seq order is send order
+        self._pending: KvDelta | None = None  # taken, not yet sent (NATS away)
+
+    async def subscribe(self, nc: Client) -> None:
+        await nc.subscribe(subjects.llumlet(self.instance_id, "kv_snapshot"), cb=self._on_snapshot_request)
+        await nc.flush()
+
+    async def run(self) -> None:
+        """Changes every `interval_s`; a snapshot every `snapshot_interval_s` (and one at once)."""
+        loop = asyncio.get_running_loop()
+        next_snapshot = loop.time()
+        while True:
+            if loop.time() >= next_snapshot:
+                await self.publish_snapshot()
+                next_snapshot = loop.time() + self.snapshot_interval_s
+            else:
+                await self.publish_changes()
+            await asyncio.sleep(self.interval_s)
+
+    async def publish_changes(self) -> None:
+        async with self._lock:
+            await self._send_changes(self.journal.take())
+
+    async def publish_snapshot(self) -> None:
+        """Pending changes first (their seq), then everything held after them."""
+        async with self._lock:
+            delta, held = self.journal.take_with_snapshot()
+            if not await self._send_changes(delta):
+                return  # NATS away: a snapshot follows the held changes later
+            snapshot = KvCacheSnapshot(self.instance_id, self.seq, self.block_size, held)
+            try:  # (one message: a cache past ~100k blocks exceeds NATS's default payload and is refused)
+                await self._nc().publish(subjects.kv_snapshot(self.instance_id), encode(snapshot))
+            except NatsError as exc:
+                log.warning("KV snapshot of %s (%d blocks) not sent: %s", self.instance_id, len(held), exc)
+
+    async def _send_changes(self, delta: KvDelta) -> bool:
+        """Send `delta` (after any held back): False while NATS cannot take it (it is kept)."""
+        if self._pending is not None:
+            delta = _merge(self._pending, delta)
+            self._pending = None
+        if delta.is_empty:
+            return self._connected()
+        if not self._connected():
+            self._pending = delta
+            return False
+        messages = list(_split(delta))
+        for i, part in enumerate(messages):
+            events = KvCacheEvents(self.instance_id, self.seq + 1, self.block_size, part.stored, part.removed, part.cleared)
+            try:
+                await self._nc().publish(subjects.kv_events(self.instance_id), encode(events))
+            except NatsError as exc:  # not sent: kept whole, under the same seq
+                log.debug("KV events of %s not sent: %s", self.instance_id, exc)
+                rest = messages[i:]
+                self._pending = rest[0] if len(rest) == 1 else _merge_all(rest)
+                return False
+            self.seq += 1
+        return True
+
+    def _connected(self) -> bool:
+        nc = self._nc()
+        return nc is not None and nc.is_connected
+
+    async def _on_snapshot_request(self, msg: Msg) -> None:
+        await self.publish_snapshot()  # to every scheduler: each may use it, none is hurt by it
+        if msg.reply:
+            await msg.respond(encode(Ack(ok=True)))
+
+
+def _merge(first: KvDelta, then: KvDelta) -> KvDelta:
+    if then.cleared:
+        return then
+    changes = {h: True for h in first.stored} | {h: False for h in first.removed}
+    changes.update({h: True for h in then.stored} | {h: False for h in then.removed})
+    return KvDelta(first.cleared, [h for h, v in changes.items() if v], [h for h, v in changes.items() if not v])
+
+
+def _merge_all(deltas: list[KvDelta]) -> KvDelta:
+    merged = deltas[0]
+    for delta in deltas[1:]:
+        merged = _merge(merged, delta)
+    return merged
+
+
+def _split(delta: KvDelta, limit: int = HASHES_PER_MESSAGE) -> Iterable[KvDelta]:
+    """Messages of at most `limit` hashes, removals first (the lists are disjoint: any cut is safe)."""
+    items = [(h, False) for h in delta.removed] + [(h, True) for h in delta.stored]
+    if not items:
+        yield delta
+    for start in range(0, len(items), limit):
+        part = items[start:start + limit]
+        yield KvDelta(delta.cleared and start == 0, [h for h, held in part if held], [h for h, held in part if not held])

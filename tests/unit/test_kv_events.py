@@ -1,0 +1,129 @@
+"""The llumlet's KV events: the journal's net changes, the sim engine's prefix cache feeding it,
+and the publisher and the scheduler's tracker over a real nats-server (a lost message and a
+restarted scheduler resynchronise from a snapshot)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+from prometheus_client import CollectorRegistry
+
+from services.global_scheduler.prefix_tracker import PrefixTracker
+from services.llumlet.engines.sim.engine import SimEngine
+from services.llumlet.kv_events import KvEventPublisher, _split
+from services.llumlet.kv_journal import KvDelta, KvEventJournal, journal_of
+from shared.messages import GenerateRequest, SamplingParams
+from shared.prefix_hash import block_hashes
+from tests.unit.migration_helpers import sim_config
+
+
+def test_the_journal_sends_net_changes_and_mirrors_what_is_held():
+    journal = KvEventJournal()
+    journal.stored([1, 2, 3])
+    journal.removed([2])
+    journal.removed([3])
+    journal.stored([3])  # evicted and stored again between two messages: stored
+    delta = journal.take()
+    assert sorted(delta.stored) == [1, 3] and delta.removed == [2] and not delta.cleared
+    assert journal.take().is_empty
+    journal.stored([4])
+    journal.cleared()
+    journal.stored([5])
+    delta, held = journal.take_with_snapshot()
+    assert delta == KvDelta(True, [5], []) and held == [5]
+
+
+def test_a_large_change_is_cut_into_messages_removals_first():
+    parts = list(_split(KvDelta(True, [10, 11, 12], [1, 2]), limit=2))
+    assert [(p.cleared, p.removed, p.stored) for p in parts] == [(True, [1, 2], []), (False, [], [10, 11]),
+                                                                  (False, [], [12])]
+
+
+async def test_the_sim_engines_cache_writes_its_stores_and_evictions_to_the_journal():
+    engine = SimEngine(sim_config(time_scale=1e-5, num_blocks=8, block_size=4, max_model_len=64,
+                                  enable_prefix_caching=True))
+    journal = journal_of(engine)
+    assert journal is not None and journal_of(engine) is journal
+
+    async def run(rid: str, prompt: list[int]) -> None:
+        engine.add_request(GenerateRequest(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True), "out"))
+        while engine.has_work():
+            await engine.step()
+
+    first = list(range(1, 13))  # 3 full blocks
+    await run("a", first)
+    assert sorted(journal.take().stored) == sorted(block_hashes(first, 4))
+    second = list(range(100, 128))  # 7 blocks: the 8-block pool must evict the first prompt's
+    await run("b", second)
+    delta = journal.take()
+    assert delta.removed and set(delta.removed) <= set(block_hashes(first, 4))
+    assert set(delta.stored) == set(block_hashes(second, 4))
+    assert sorted(journal.take_with_snapshot()[1]) == sorted(engine.scheduler.prefix_cache.held_hashes())
+
+
+def test_an_engine_without_a_prefix_cache_has_no_journal():
+    engine = SimEngine(sim_config(time_scale=1e-5, num_blocks=8, block_size=4, max_model_len=64))
+    assert journal_of(engine) is None
+
+
+async def _until(predicate, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+async def test_events_keep_the_index_and_a_gap_or_a_restart_resynchronises(nats_url):
+    llumlet_nc, scheduler_nc = await nats.connect(nats_url), await nats.connect(nats_url)
+    journal = KvEventJournal()
+    publisher = KvEventPublisher("kv-a", 16, journal, lambda: llumlet_nc, interval_s=0.01, snapshot_interval_s=3600)
+    await publisher.subscribe(llumlet_nc)
+    tracker = PrefixTracker(lambda: ["kv-a"], CollectorRegistry(), resync_retry_s=0.05)
+    await tracker.start(scheduler_nc)
+    sender = asyncio.create_task(publisher.run())  # (first: the changes so far, then a snapshot)
+    try:
+        journal.stored([1, 2, 3])
+        await _until(lambda: tracker.index.matches([1, 2, 3]) == {"kv-a": 3})
+        # A lost message: taken and never sent, its number spent. The next one shows the gap.
+        journal.removed([3])
+        journal.take()
+        publisher.seq += 1
+        journal.stored([7])
+        # The gap is not applied; the tracker asks for a snapshot at once, and the snapshot heals it.
+        await _until(lambda: tracker.events.labels("gap")._value.get() == 1)
+        await _until(lambda: tracker.index.in_sync("kv-a") and tracker.index.matches([7]) == {"kv-a": 1})
+        assert tracker.index.matches([1, 2, 3]) == {"kv-a": 2}
+        assert tracker.snapshot_requests._value.get() == 1
+        # A scheduler started now has heard nothing: it asks every live instance.
+        fresh = PrefixTracker(lambda: ["kv-a"], CollectorRegistry())
+        await fresh.start(scheduler_nc)
+        fresh.tick()
+        await _until(lambda: fresh.index.in_sync("kv-a"))
+        assert fresh.index.matches([1, 2]) == {"kv-a": 2}
+        # An instance that left is forgotten.
+        fresh._live_instances = lambda: []
+        fresh.tick()
+        assert fresh.index.matches([1, 2]) == {} and fresh.index.size == 0
+    finally:
+        sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)
+        await tracker.stop()
+        await llumlet_nc.close()
+        await scheduler_nc.close()
+
+
+async def test_an_instance_without_a_cache_is_not_asked_every_tick(nats_url):
+    nc = await nats.connect(nats_url)
+    tracker = PrefixTracker(lambda: ["no-cache"], CollectorRegistry(), resync_retry_s=0.0)
+    await tracker.start(nc)
+    try:
+        tracker.tick()
+        await _until(lambda: not tracker._requests)
+        tracker.tick()
+        await asyncio.sleep(0.05)
+        assert tracker.snapshot_requests._value.get() == 1
+    finally:
+        await tracker.stop()
+        await nc.close()
