@@ -4,9 +4,11 @@ live migration (`Migrator.start`: the same stages, KV copy cost from its bytes a
 migration bandwidth, the same commit that frees the prompt's blocks on the source).
 
 The destination comes from the shared policy (`handoff_destination`, under the one migration
-guard). A request waits for a hand-off only while the migration slots are busy (the source's
-`handoff_concurrency` hand-offs, as the llumlet's, or every destination's way in), and it decodes meanwhile; when no decode or mixed
-instance has room, it stays for good (degrades to mixed) rather than wait.
+guard). A request waits for a hand-off while the migration slots are busy (the source's
+`handoff_concurrency` hand-offs, as the llumlet's, or every destination's way in), and it decodes
+meanwhile. "No room" and an aborted hand-off are asked about again `HANDOFF_ATTEMPTS` times in
+all, `HANDOFF_RETRY_AFTER_S` apart, as the llumlet does; after the last it stays for good
+(degrades to mixed) rather than wait.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from loadgen.simulator.instance import SimInstance
 from loadgen.simulator.migration import Migration, Migrator, MigrationStatus, is_decoding
 from shared.engine_model.request import SimRequest
 from shared.messages import InstanceRole
-from shared.policy.disaggregation import HANDOFF_ROLES, handoff_destination, wants_handoff
+from shared.policy.disaggregation import (
+    HANDOFF_ATTEMPTS, HANDOFF_RETRY_AFTER_S, HANDOFF_ROLES, handoff_destination, wants_handoff,
+)
 from shared.policy.migration import MigrationGuard
 
 if TYPE_CHECKING:
@@ -31,21 +35,28 @@ ROOM_ONLY = MigrationGuard(dest_max_waiting=1 << 30, min_freeness_gap=0.0, min_r
 
 @dataclass
 class HandoffStats:
-    prefilled: int = 0  # requests that reached their first token on a prefill instance, still to decode
-    started: int = 0
+    """Each request that reached its first token on a prefill instance with more to generate
+    (`prefilled`) ends as exactly one of `committed`, `degraded`, `finished_waiting` and
+    `rebalanced`; `started`, `aborted` and `retried` count events."""
+
+    prefilled: int = 0
     committed: int = 0  # moved to a decode (or mixed) instance
-    aborted: int = 0  # the hand-off migration failed; the request stayed
-    degraded: int = 0  # no decode or mixed instance had room: decoded on the prefill instance
-    finished_waiting: int = 0  # finished on the prefill instance while waiting for a slot
-    rebalanced: int = 0  # moved by a load-balancing round while waiting for a slot
+    degraded: int = 0  # no room (or a failed hand-off) at every attempt: decoded on the prefill instance
+    finished_waiting: int = 0  # finished on the prefill instance while waiting for a slot or a retry
+    rebalanced: int = 0  # moved by a load-balancing round while waiting
+    started: int = 0  # hand-off migrations started
+    aborted: int = 0  # ... that failed (the request may be asked about again)
+    retried: int = 0  # attempts after the first
     to_mixed: int = 0  # of `committed`, those that went to a mixed instance
-    wait_s: list[float] = field(default_factory=list)  # first token -> hand-off started
+    wait_s: list[float] = field(default_factory=list)  # first token -> a hand-off migration started
     downtime_s: list[float] = field(default_factory=list)  # the request's stop at the commit
 
     def summary(self) -> str:
+        doc = self.to_json()
         return (f"{self.committed} of {self.prefilled} handed off ({self.to_mixed} to mixed), {self.degraded} stayed "
-                f"for want of room, {self.aborted} aborted, {self.finished_waiting} finished waiting for a slot; "
-                f"mean wait {self.to_json()['mean_wait_ms']} ms, mean stop {self.to_json()['mean_downtime_ms']} ms")
+                f"for want of room, {self.finished_waiting} finished waiting; {self.aborted} hand-offs aborted, "
+                f"{self.retried} asked again; mean wait {doc['mean_wait_ms']} ms, "
+                f"mean stop {doc['mean_downtime_ms']} ms")
 
     def to_json(self) -> dict:
         doc = asdict(self)
@@ -63,6 +74,9 @@ class Handoffs:
         self.headroom = sim.policy_config.headroom_blocks
         self.stats = HandoffStats()
         self.pending: dict[str, dict[str, float]] = {}  # prefill instance -> request id -> first token at
+        self.attempts: dict[str, int] = {}  # request id -> attempts that found no room or were refused
+        self.not_before: dict[str, float] = {}  # request id -> when it may be asked about again
+        self.first_token_at: dict[str, float] = {}
         self._retrying = False
         self._again = False
         migrator.on_finished = self._on_migration_finished
@@ -75,6 +89,7 @@ class Handoffs:
         for r in requests:
             if r.num_output_tokens == 1 and r.finished_time is None:
                 self.stats.prefilled += 1
+                self.first_token_at[r.request_id] = self.sim.now
                 self.pending.setdefault(instance.instance_id, {})[r.request_id] = self.sim.now
         self._retry()
 
@@ -93,6 +108,7 @@ class Handoffs:
                 self.stats.downtime_s.append(self.migrator.stats.downtime_s[-1])
             else:
                 self.stats.aborted += 1
+                self._again_later(migration.src, migration.request_id)
         self._retry()  # a slot is free
 
     def _retry(self) -> None:
@@ -125,8 +141,8 @@ class Handoffs:
         model = self.migrator.model
         if src.migrations_out >= model.handoff_concurrency:
             return False
-        if not is_decoding(request) or self._moving(request_id):
-            return True  # recomputing after a preemption, or already moving
+        if not is_decoding(request) or self._moving(request_id) or self.sim.now < self.not_before.get(request_id, 0.0):
+            return True  # recomputing after a preemption, already moving, or asked about again later
         targets = [i for i in self.sim.serving if i.role in HANDOFF_ROLES]
         free = [i for i in targets if i.migrations_in < model.max_per_instance]
         loads = [self.sim.report_of(i, fresh=True) for i in free]
@@ -136,13 +152,32 @@ class Handoffs:
             if len(free) < len(targets):
                 return False  # a busy destination may have room once its migration ends
             del waiting[request_id]
-            self.stats.degraded += 1
+            self._again_later(src, request_id)
             return True
-        first_token_at = waiting.pop(request_id)
+        del waiting[request_id]
         self.stats.started += 1
-        self.stats.wait_s.append(self.sim.now - first_token_at)
+        self.stats.wait_s.append(self.sim.now - self.first_token_at[request_id])
         self.migrator.start(src, self.sim.instances[dst], request_id, handoff=True)
         return True
+
+    def _again_later(self, src: SimInstance, request_id: str) -> None:
+        """No room, or the hand-off failed: ask again later while attempts remain (if the request
+        still decodes there), else it stays on its prefill instance."""
+        attempts = self.attempts[request_id] = self.attempts.get(request_id, 0) + 1
+        if src.scheduler.get(request_id) is None:  # finished there while its hand-off ran
+            self.stats.finished_waiting += 1
+            return
+        if attempts >= HANDOFF_ATTEMPTS:
+            self.stats.degraded += 1
+            return
+        self.stats.retried += 1
+        self.not_before[request_id] = self.sim.now + HANDOFF_RETRY_AFTER_S
+        self.pending.setdefault(src.instance_id, {})[request_id] = self.first_token_at[request_id]
+        self.sim.events.push(self.sim.now + HANDOFF_RETRY_AFTER_S, self._on_retry_due)
+
+    def _on_retry_due(self, _: object) -> None:
+        if not self.sim.done:
+            self._retry()
 
     def _settle_gone(self, request_id: str, waiting: dict[str, float]) -> None:
         """A waiting request that left its prefill instance: it finished there, or a

@@ -22,6 +22,12 @@ from shared.policy.migration import MigrationGuard, MigrationPair, may_migrate_i
 # Hand-off destinations, best first: decode instances exist for this; mixed ones only when no
 # decode instance has room. Prefill instances never take a hand-off.
 HANDOFF_ROLES = (InstanceRole.DECODE, InstanceRole.MIXED)
+# "No room" and a destination's refusal are asked about again, a fresh choice each time, this
+# many times in all, this far apart (about a load report's interval: a decode instance holds a
+# just-committed hand-off queued until its next step, and the guard takes nothing into a queue);
+# the request decodes on its prefill instance meanwhile and stays there after the last.
+HANDOFF_ATTEMPTS = 3
+HANDOFF_RETRY_AFTER_S = 0.05
 
 
 def wants_handoff(role: InstanceRole) -> bool:
