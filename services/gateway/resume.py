@@ -7,6 +7,12 @@ fault: the continuation of a token sequence does not depend on which instance co
 
 What an engine cannot rebuild from tokens cannot be resumed, and ends the request with a terminal
 error instead of output that silently differs (`resume_refusal`).
+
+A stream can also fall silent with its holder alive: its last chunk was lost (no gap shows), or
+the holder dropped it without a word. After `SILENCE_PROBE_S` of silence the holder is sent the
+request's continuation (`Resumer.silent`): "already running here" (a duplicate refusal) means it
+still holds the request (queued, preempted, a long prefill), and it is asked again after twice
+as long; taken means it no longer held it, and it now continues the stream where it stands.
 """
 
 from __future__ import annotations
@@ -33,9 +39,16 @@ log = logging.getLogger(__name__)
 # no instance left at all it ends at once.
 RESUME_PATIENCE_S = 5.0
 RESUME_RETRY_S = 0.25
+SILENCE_PROBE_S = 2.0  # a stream silent this long has its holder asked; then after 2x, 4x … as long
+SILENCE_PROBE_MAX_S = 30.0
 
 # place(request, stream, exclude, resume_from): dispatch and send it, as for a new request.
 Place = Callable[["PreparedRequest", OutputStream, list[str], int], Awaitable[None]]
+# send(instance, request, stream, resume_from): hand it to that instance; raises as `Place` does
+# (a refusal is an ApiError), or anything else when the instance is gone.
+Send = Callable[[str, "PreparedRequest", OutputStream, int], Awaitable[None]]
+# abort(request id, why): drop the request on every instance.
+Abort = Callable[[str, str], None]
 
 
 def unresumable_state(options: GenerationOptions) -> str | None:
@@ -67,6 +80,11 @@ def resume_refusal(options: GenerationOptions, resumes: int, max_resumes: int, d
     return None
 
 
+def silence_probe_due(silent_s: float, probes: int) -> bool:
+    """Whether a stream silent for `silent_s`, its holder asked `probes` times already, is asked again."""
+    return silent_s >= min(SILENCE_PROBE_MAX_S, SILENCE_PROBE_S * 2 ** probes)
+
+
 def resumed_request(request: PreparedRequest, delivered: list[int]) -> PreparedRequest:
     """The same request, continued after `delivered`: those tokens join the prompt."""
     options = request.options
@@ -80,8 +98,11 @@ class Resumer:
 
     def __init__(self, place: Place, max_resumes: int, spawn: Callable[[Coroutine[Any, Any, None]], None],
                  on_resumed: Callable[[float], None] | None = None,
-                 is_open: Callable[[str], bool] = lambda request_id: True) -> None:
+                 is_open: Callable[[str], bool] = lambda request_id: True,
+                 send: Send | None = None, abort: Abort | None = None) -> None:
         self._place = place
+        self._send = send  # (None: silent streams are not probed)
+        self._abort = abort
         self._is_open = is_open  # False once the client is gone: stop trying
         self.max_resumes = max_resumes
         self._spawn = spawn
@@ -123,6 +144,14 @@ class Resumer:
                                       len(delivered))
                     break
                 except ApiError as error:
+                    if error.reason is Refusal.DUPLICATE:
+                        # The instance chosen runs the request already: a migration of it landed
+                        # there before its holder was lost. It is the holder (`_place` made it so):
+                        # its chunks continue the stream, and silence would be noticed (`silent`).
+                        log.info("request %s: %s; %s holds it already (migrated there): kept there",
+                                 stream.request_id, why, stream.holder)
+                        stream.heard()
+                        return
                     if (error.reason is not Refusal.OVERLOADED or time.monotonic() - started > RESUME_PATIENCE_S
                             or not self._is_open(stream.request_id)):
                         raise
@@ -140,3 +169,52 @@ class Resumer:
                  stream.holder, len(delivered), took * 1000)
         if self._on_resumed is not None:
             self._on_resumed(took)
+
+    def silent(self, stream: OutputStream, instance_id: str, not_before: float = 0.0) -> None:
+        """No chunk for a while from `instance_id`, its holder, alive as far as its load reports
+        tell: when due (`silence_probe_due`, silence counted from `not_before` at the earliest),
+        ask it by sending it the request's continuation."""
+        if (self._send is None or stream.finished or stream.probing or stream.placing or instance_id != stream.holder
+                or instance_id in stream.left):
+            return
+        if not silence_probe_due(time.monotonic() - max(stream.quiet_since, not_before), stream.silence_probes):
+            return
+        request = self._requests.get(stream.request_id)
+        if request is None:
+            return
+        stream.probing = True
+        self._spawn(self._probe(stream, request, instance_id))
+
+    async def _probe(self, stream: OutputStream, request: PreparedRequest, instance_id: str) -> None:
+        assert self._send is not None
+        silent_s = time.monotonic() - stream.quiet_since
+        why = f"no output from instance {instance_id} for {silent_s:.1f} s"
+        delivered = list(stream.delivered)
+        refusal = resume_refusal(request.options, stream.resumes, self.max_resumes, len(delivered), request.max_tokens)
+        try:
+            await self._send(instance_id, resumed_request(request, delivered), stream, len(delivered))
+        except ApiError as error:
+            if error.reason is Refusal.DUPLICATE:  # it still holds the request: wait, ask again later
+                stream.silence_probes += 1
+                return
+            self.lost(stream, instance_id, f"{why}, and it no longer holds the request ({error.message})")
+            return
+        except Exception as exc:  # (gone, or no answer)
+            self.lost(stream, instance_id, f"{why}, and it did not answer ({exc or type(exc).__name__})")
+            return
+        finally:
+            stream.probing = False
+        # It took the continuation: it had dropped the request (its last chunk was lost, or it
+        # was dropped without a word), and now runs it again from where the stream stands.
+        if stream.finished or not self._is_open(stream.request_id) or refusal is not None:
+            if self._abort is not None:
+                self._abort(stream.request_id, "a silent stream's continuation that must not run")
+            if refusal is not None:
+                log.warning("request %s: %s, and it no longer holds the request; not resumed: %s",
+                            stream.request_id, why, refusal)
+                stream.fail(f"{why}, and it no longer holds the request; it cannot be resumed: {refusal}", 503)
+            return
+        stream.resumes += 1
+        stream.heard()
+        log.warning("request %s: %s, and it no longer held the request (its last chunk lost?): resumed there "
+                    "after %d delivered tokens", stream.request_id, why, len(delivered))

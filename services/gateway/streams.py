@@ -171,6 +171,12 @@ class OutputStream:
         self.left: set[str] = set()
         self.resumes = 0
         self.gap_since: float | None = None  # when chunks first waited past a gap (a lost chunk)
+        # A lost last chunk leaves no gap: silence is the only sign. Since when no chunk came (or
+        # the holder changed), and how often the holder was asked about it since (resume.py).
+        self.quiet_since = time.monotonic()
+        self.silence_probes = 0
+        self.probing = False  # its holder is being asked now
+        self.placing = False  # a generate order for it is in flight (GatewayService._place)
         self._on_lost = on_lost
         # Queued deliveries of a migration's catch-up chunk (no logprobs: the destination never
         # saw them), by their first token index: a late chunk from the source may fill them in.
@@ -190,6 +196,12 @@ class OutputStream:
             self.holder = instance_id
             self.holder_since = time.monotonic()
             self.holders.append(instance_id)
+            self.heard()
+
+    def heard(self) -> None:
+        """Something came from (or was agreed with) the holder: silence counts from now."""
+        self.quiet_since = time.monotonic()
+        self.silence_probes = 0
 
     def feed(self, chunk: TokenChunk) -> None:
         if self.finished or chunk.instance_id in self.left:
@@ -200,6 +212,7 @@ class OutputStream:
             return
         if chunk.handover or not self.orderer.is_stale(chunk):
             self.set_holder(chunk.instance_id)
+        self.heard()
         if chunk.num_prompt_tokens:
             self.num_prompt_tokens = chunk.num_prompt_tokens
         if self.num_cached_tokens is None and chunk.num_cached_tokens is not None:
