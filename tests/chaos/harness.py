@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from services.gateway.detokenizer import IncrementalDetokenizer
 from services.llumlet.engines import model_vocabulary
 from services.llumlet.engines.sim.engine import SyntheticTokens
 from shared import subjects
-from shared.messages import GenerateRequest, decode
+from shared.messages import AbortRequest, GenerateRequest, decode
 from tests.support.cluster import Cluster
 from tests.support.observer import NatsObserver
 
@@ -144,6 +145,49 @@ class GenerateLog:
     @property
     def resumes(self) -> list[GenerateRequest]:
         return [o for o in self.orders if o.resume_from > 0]
+
+
+class AbortClock:
+    """When each request's abort was on the bus, timed by a NATS client on a thread of its own:
+    a test's own event loop, busy reading a thousand streams, would read it late and charge its
+    own lag to the system under test. Times are `clock()`'s."""
+
+    def __init__(self, url: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.url = url
+        self.clock = clock
+        self.seen: dict[str, float] = {}
+        self.beats: list[float] = []  # gateway heartbeats on the bus (llumlets abort a silent gateway's requests)
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._watch()), name="abort-clock", daemon=True)
+
+    def __enter__(self) -> AbortClock:
+        self._thread.start()
+        assert self._ready.wait(10), "the abort clock did not connect"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        assert self._loop is not None and self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(5)
+
+    async def _watch(self) -> None:
+        nc = await nats.connect(self.url)
+
+        async def on_abort(msg) -> None:
+            self.seen.setdefault(decode(msg.data, AbortRequest).request_id, self.clock())
+
+        async def on_beat(msg) -> None:
+            self.beats.append(self.clock())
+
+        await nc.subscribe(subjects.ABORT_ALL, cb=on_abort)
+        await nc.subscribe(subjects.GATEWAY_HEARTBEATS_ALL, cb=on_beat)
+        await nc.flush()
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        self._ready.set()
+        await self._stop.wait()
+        await nc.close()
 
 
 @dataclass

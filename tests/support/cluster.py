@@ -58,6 +58,7 @@ class Cluster:
     gateway_port: int = 0
     procs: dict[str, ServiceProcess] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every process
+    repo: Path = REPO  # the tree whose services run (benchmarks compare another revision's)
 
     @property
     def base_url(self) -> str:
@@ -68,7 +69,7 @@ class Cluster:
         handle = open(log_path, "ab")
         process = subprocess.Popen(
             [sys.executable, "-m", "services.cli", *argv, "--nats-url", self.nats_url],
-            cwd=REPO,
+            cwd=self.repo,
             stdout=handle,
             stderr=subprocess.STDOUT,
             env={**os.environ, **self.env, **(env or {})},

@@ -1,0 +1,191 @@
+"""Cancellation at scale (issue 14 §6): `--streams` concurrent streams, half cut by their clients
+at random points; for each cut stream, how long its abort took, leg by leg:
+
+- client -> bus: from the client deciding to leave (before its connection closes) to the abort
+  on the bus, as a NATS client on a thread of its own sees it (`AbortClock`);
+- bus -> engine and client -> engine: to the llumlet's `request … aborted` line, logged right
+  after its engine dropped the request (the llumlets run with CORRAL_LOG_LEVEL=DEBUG).
+
+`--cpus 0` pins the whole run (NATS, scheduler, llumlets, gateway and this client) to one core:
+the saturated machine the 6.1 s P99 was first seen on, made repeatable. `--baseline-rev REV`
+runs the same load first with the gateway of git revision REV (exported to a temporary
+directory; the other services are the current ones), so before and after come from one run,
+side by side.
+
+Usage: .venv/bin/python -m benchmarks.cancellation [--streams 1000] [--tokens 200] [--cpus 0]
+       [--baseline-rev REV]. Writes results/cancellation.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from shared.embedded_nats import start_nats
+from tests.chaos.harness import AbortClock, wait_blocks_back
+from tests.chaos.test_cancellation import percentile, sse_events
+from tests.support.cluster import REPO, Cluster
+
+INSTANCES = ["sim-0", "sim-1", "sim-2"]
+LLUMLET_ARGS = ("--sim-time-scale", "1.0", "--sim-num-blocks", "4000", "--max-model-len", "2048")
+ABORTED_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*request (\S+) aborted \(")
+
+
+async def cut_half(base_url: str, nats_url: str, streams: int, tokens: int, seed: int = 0) -> dict:
+    """As tests/chaos/test_cancellation.py, on wall-clock times (the llumlets' logs use them)."""
+    rng = random.Random(seed)
+    cut_at: dict[str, float] = {}
+    outcomes = {"completed": 0, "cut": 0, "failed": 0}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as http:
+        name = (await http.get("/v1/models")).json()["data"][0]["id"]
+
+        async def one(i: int) -> None:
+            cut_after = rng.randint(1, tokens // 4) if i % 2 else None
+            body = {"model": name, "prompt": [1 + rng.randrange(200) for _ in range(8 + i % 9)], "max_tokens": tokens,
+                    "stream": True, "ignore_eos": True}
+            events = 0
+            try:
+                async with http.stream("POST", "/v1/completions", json=body) as reply:
+                    if reply.status_code != 200:
+                        outcomes["failed"] += 1
+                        return
+                    async for event in sse_events(reply):
+                        if "error" in event:
+                            outcomes["failed"] += 1
+                            return
+                        events += 1
+                        if events == cut_after:
+                            cut_at[event["id"]] = time.time()
+                            outcomes["cut"] += 1
+                            return
+            except httpx.HTTPError as exc:  # (a read timeout: a stream silent for 120 s)
+                outcomes[type(exc).__name__] = outcomes.get(type(exc).__name__, 0) + 1
+                return
+            outcomes["completed"] += 1
+
+        with AbortClock(nats_url, clock=time.time) as clock:
+            started = time.monotonic()
+            await asyncio.gather(*(one(i) for i in range(streams)))
+            took = time.monotonic() - started
+            await asyncio.sleep(2.0)  # the last aborts land
+    gaps = [b - a for a, b in zip(clock.beats, clock.beats[1:])]
+    return {"outcomes": outcomes, "took_s": took, "cut_at": cut_at, "on_bus": clock.seen,
+            "heartbeat_gap_max_s": max(gaps, default=None)}
+
+
+def engine_aborts(log_dir: Path) -> dict[str, float]:
+    """Request id -> when its llumlet's engine dropped it (wall clock, from the DEBUG log line)."""
+    seen: dict[str, float] = {}
+    for instance in INSTANCES:
+        for line in (log_dir / f"{instance}.log").read_text(errors="replace").splitlines():
+            if (match := ABORTED_LINE.match(line)) is not None:
+                at = datetime.datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                seen.setdefault(match[2], at)
+    return seen
+
+
+def legs(run: dict, engine: dict[str, float]) -> dict[str, list[float]]:
+    cut_at, on_bus = run["cut_at"], run["on_bus"]
+    return {
+        "client->bus": [on_bus[r] - t for r, t in cut_at.items() if r in on_bus],
+        # (the log's millisecond stamps against the bus clock's: a few negative values are rounding)
+        "bus->engine": [engine[r] - on_bus[r] for r in cut_at if r in engine and r in on_bus],
+        "client->engine": [engine[r] - t for r, t in cut_at.items() if r in engine],
+    }
+
+
+def run_once(label: str, gateway_repo: Path, args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict:
+    log_dir = tmp / f"logs-{label}"
+    log_dir.mkdir()
+    server = start_nats()
+    cluster = Cluster(server.url, model_dir, log_dir)
+    gateway = Cluster(server.url, model_dir, log_dir, repo=gateway_repo)
+    try:
+        cluster.start_scheduler()
+        for instance in INSTANCES:
+            cluster.spawn(instance, "llumlet", "--instance-id", instance, "--engine", "sim", "--model", str(model_dir),
+                          *LLUMLET_ARGS, env={"CORRAL_LOG_LEVEL": "DEBUG"})
+        gateway.start_gateway()
+        gateway.wait_ready(instances=len(INSTANCES))
+        run = asyncio.run(cut_half(gateway.base_url, server.url, args.streams, args.tokens, args.seed))
+        left = asyncio.run(wait_blocks_back(server.url, INSTANCES, timeout_s=10))
+    finally:
+        gateway.stop()
+        cluster.stop()
+        server.stop()
+    times = legs(run, engine_aborts(log_dir))
+    missing = sorted(set(run["cut_at"]) - set(run["on_bus"]))
+    summary = {"label": label, "outcomes": run["outcomes"], "took_s": round(run["took_s"], 1),
+               "heartbeat_gap_max_s": run["heartbeat_gap_max_s"],
+               "cut_without_abort": len(missing), "blocks_not_back": left}
+    for leg, values in times.items():
+        summary[leg] = {"n": len(values), **{f"p{int(q * 100)}_ms": round(percentile(values, q) * 1000) if values else None
+                                             for q in (0.5, 0.9, 0.99)}, "max_ms": round(max(values) * 1000) if values else None}
+    return summary
+
+
+def exported(revision: str, into: Path) -> Path:
+    """The tree of a git revision, for running its services."""
+    into.mkdir()
+    archive = subprocess.run(["git", "archive", revision], cwd=REPO, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "x"], cwd=into, input=archive, check=True)
+    return into
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=1000)
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpus", default="", help="pin the run to these cores (comma-separated), e.g. 0")
+    parser.add_argument("--baseline-rev", default="", help="also run the gateway of this git revision, first")
+    parser.add_argument("--out", default=str(REPO / "results" / "cancellation.json"))
+    parser.add_argument("--keep-logs", default="", metavar="DIR", help="copy every process's log here")
+    args = parser.parse_args(argv)
+    if args.cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})  # children inherit it
+
+    from services.tools.make_model import make_tiny_model
+
+    results = []
+    with tempfile.TemporaryDirectory() as name:
+        tmp = Path(name)
+        model_dir = tmp / "tiny"
+        make_tiny_model(model_dir, seed=0)
+        if args.baseline_rev:
+            results.append(run_once(args.baseline_rev, exported(args.baseline_rev, tmp / "baseline"), args, model_dir, tmp))
+        results.append(run_once("current", REPO, args, model_dir, tmp))
+        if args.keep_logs:
+            for logs in tmp.glob("logs-*"):
+                shutil.copytree(logs, Path(args.keep_logs) / logs.name, dirs_exist_ok=True)
+    print(f"\n{args.streams} streams of {args.tokens} tokens, half cut; cores: {args.cpus or 'all'}")
+    print(f"{'services':12} {'outcomes':42} {'leg':15} {'n':>4} {'P50':>6} {'P90':>6} {'P99':>6} {'max':>6} ms")
+    for result in results:
+        for i, leg in enumerate(("client->bus", "bus->engine", "client->engine")):
+            head = (f"{result['label']:12} {json.dumps(result['outcomes']):42}" if i == 0 else " " * 55)
+            t = result[leg]
+            print(f"{head} {leg:15} {t['n']:4} " + " ".join(f"{'-' if v is None else v:>6}" for v in
+                                                         (t["p50_ms"], t["p90_ms"], t["p99_ms"], t["max_ms"])))
+        print(f"{'':55} cut without abort: {result['cut_without_abort']}; blocks not back: "
+              f"{result['blocks_not_back'] or 'none'}; longest gap between gateway heartbeats on the bus: "
+              f"{result['heartbeat_gap_max_s']:.2f} s")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
