@@ -47,7 +47,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.vllm_overhead import Proc, free_port, spawn
+from benchmarks.overhead_systems import Proc, free_port, spawn
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM_BENCH = REPO.parent / "shared" / "tools" / "vllm_bench.py"
