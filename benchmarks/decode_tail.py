@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.paper_repro import CONTROL, TRACES, policy_and_config
+from benchmarks.paper_repro import TRACES, policy_and_config
+from benchmarks.ten_percent_rule import CONTROL
 from loadgen.simulator.cluster import ClusterSimulator
 from loadgen.simulator.config import SimConfig
 from loadgen.simulator.workload import WorkloadSpec, build_workload

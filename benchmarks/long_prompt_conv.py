@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.paper_repro import average, breaches
+from benchmarks.ten_percent_rule import average, breaches
 from loadgen.simulator.cluster import ClusterSimulator
 from loadgen.simulator.config import SimConfig
 from loadgen.simulator.metrics import summarize

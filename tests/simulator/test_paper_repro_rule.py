@@ -3,7 +3,7 @@ INFaaS++, more than 10 % worse is a breach (preemption loss only above a floor).
 
 from __future__ import annotations
 
-from benchmarks.paper_repro import (
+from benchmarks.ten_percent_rule import (
     CONTROL, LOSS_FLOOR_S, annotate, bootstrap_ratio_ci, breaches, pooled_ratio, seed_ratios,
 )
 
