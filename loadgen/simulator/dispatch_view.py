@@ -39,6 +39,11 @@ class IndexedDispatch:
         self._unreported: list[SimInstance] = []  # started serving, not yet put
         self._built: deque[tuple[float, SimInstance]] = deque()  # (built at, instance), oldest first
 
+    @property
+    def queued_reports(self) -> int:
+        """Reports remembered for their age (about one per instance)."""
+        return len(self._built)
+
     # -- told by the cluster -------------------------------------------------------------------
 
     def joined(self, instance: SimInstance) -> None:
@@ -54,7 +59,13 @@ class IndexedDispatch:
 
     def reported(self, instance: SimInstance) -> None:
         """The instance built a report (any builder: dispatch, a migration round, the autoscaler)."""
-        self._built.append((instance.report_at, instance))
+        built = self._built
+        built.append((instance.report_at, instance))
+        # Entries superseded by a later report (which has an entry behind them) go from the front
+        # as they come, so the queue stays about one entry per instance even while no dispatch
+        # reads it (after the last arrival every migration round still reports).
+        while built[0][1].report_at != built[0][0]:
+            built.popleft()
         self.accounted(instance)
 
     def accounted(self, instance: SimInstance) -> None:
