@@ -23,7 +23,13 @@ at the moment of migration (time scale 1), i.e. what a real GPU would spend on o
 Client stall = what the client sees (Llumnix's downtime, ending at the client): the gap in the
 request's token stream, as the gateway orders it (`services.gateway.streams`), between the last new
 token from the source and the first new token from the destination; beside it, the request's own
-median gap between new tokens in the same run (the stall's ideal is one of those).
+median gap between new tokens in the same run (the stall's ideal is one of those). Arrivals are
+stamped by a client process of its own (`record_client`: not this one, whose event loop and GIL the
+source llumlet shares). Where the stall goes, phase by phase (`HANDOVER_PHASES`), lines up on one
+clock (monotonic, shared by the processes of a host): the source's record (its last step's end,
+suspend, last stage out), the destination's handover log line (commit, in its engine, the step that
+computed the request's first token there: `services/llumlet/migration/handover.py`), and the
+client's arrivals.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from services.gateway.streams import HandoverClock, TokenOrderer
 from services.llumlet.config import LlumletConfig
 from services.llumlet.engines.sim.engine import SimEngine, SimEngineConfig
 from shared.engine_model.config import SchedulerConfig
+from services.llumlet.migration.handover import parse_handovers
 from services.llumlet.migration.protocol import MigrationLimits, MigrationStatus
 from services.llumlet.service import Llumlet
 from shared import subjects
@@ -126,30 +133,69 @@ class Chunks:
         self.deliveries: dict[str, list[float]] = defaultdict(list)  # when new tokens reached the client
         self.gaps: dict[str, list[float]] = defaultdict(list)  # between them, but at a migration
         self.stalls: dict[str, list[float]] = defaultdict(list)  # at each migration (seconds)
+        # At each migration: when the last new token from the source and the first from the
+        # destination reached the client (monotonic seconds).
+        self.handovers: dict[str, list[tuple[float, float]]] = defaultdict(list)
 
     async def on_chunk(self, msg) -> None:
-        chunk = decode(msg.data, TokenChunk)
-        now, rid = time.monotonic(), chunk.request_id
+        """A chunk relayed by the client recorder (`record_client`), with its arrival time there."""
+        (now,) = _STAMP.unpack_from(msg.data)
+        chunk = decode(msg.data[_STAMP.size:], TokenChunk)
+        rid = chunk.request_id
         self.by_request[rid].append((now, chunk))
         if any(d.token_ids for d in self._orderers[rid].accept(chunk)):  # (as `OutputStream.feed`)
             stall = self._clocks[rid].delivered(chunk.instance_id, now)
             if stall is not None:
                 self.stalls[rid].append(stall)
+                self.handovers[rid].append((now - stall, now))
             elif self.deliveries[rid]:
                 self.gaps[rid].append(now - self.deliveries[rid][-1])
             self.deliveries[rid].append(now)
 
     def client_view(self, request_id: str) -> dict:
         """The first migration's stall, and the request's median gap between new tokens apart
-        from its stalls (ms)."""
+        from its stalls (ms); when its tokens reached the client on either side (monotonic s)."""
+        src_token_at, dst_token_at = self.handovers[request_id][0]
         return {"client_stall_ms": 1e3 * self.stalls[request_id][0],
-                "own_itl_ms": 1e3 * statistics.median(self.gaps[request_id])}
+                "own_itl_ms": 1e3 * statistics.median(self.gaps[request_id]),
+                "src_token_at_client": src_token_at, "dst_token_at_client": dst_token_at}
 
     def count_from(self, request_id: str, instance_id: str) -> int:
         return sum(len(c.token_ids) for _, c in self.by_request[request_id] if c.instance_id == instance_id)
 
     def token_times(self, request_id: str, instance_id: str) -> list[float]:
         return [t for t, c in self.by_request[request_id] if c.instance_id == instance_id and c.token_ids]
+
+
+_STAMP = struct.Struct("!d")  # the client recorder's arrival time (monotonic s) before each relayed chunk
+_RELAY = ".recorded"  # suffix of the subject the recorder relays a subject's chunks on
+
+_RECORDER = """
+import asyncio, sys, time, struct, nats, uvloop
+async def main(url, subject):
+    nc = await nats.connect(url)
+    stamp = struct.Struct("!d")
+    async def on(msg):
+        await nc.publish(subject + "{relay}", stamp.pack(time.monotonic()) + msg.data)
+    await nc.subscribe(subject, cb=on)
+    await nc.flush()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+uvloop.run(main(sys.argv[1], sys.argv[2]))
+""".format(relay=_RELAY)
+
+
+async def record_client(nc, nats_url: str, subject: str, chunks: Chunks) -> subprocess.Popen:
+    """The client, in a process of its own (as the gateway is): it stamps when each chunk on
+    `subject` arrived and relays it to `chunks`. Stamped here, arrivals would wait for this
+    process's event loop and GIL, which the source llumlet (and its engine thread) share."""
+    await nc.subscribe(subject + _RELAY, cb=chunks.on_chunk)
+    proc = subprocess.Popen([sys.executable, "-c", _RECORDER, nats_url, subject], stdout=subprocess.PIPE)
+    line = await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline)
+    if line.strip() != b"ready":
+        proc.kill()
+        raise RuntimeError("the client recorder did not start")
+    return proc
 
 
 async def wait_until(predicate, timeout_s: float, what: str) -> None:
@@ -451,10 +497,13 @@ async def migrate_once(src: Llumlet, nc, chunks: Chunks, length: int, stage_limi
     await nc.publish(subjects.ABORT_ALL, encode(AbortRequest(rid, "benchmark done")))
     src_times = chunks.token_times(rid, SRC)
     duration = m.ended_at - m.started_at
+    client = chunks.client_view(rid)
     return {
         "length": length,
+        "request_id": rid,
         "downtime_ms": 1e3 * m.downtime_s,
-        **chunks.client_view(rid),
+        **client,
+        "handover": source_stamps(m, src.engine.steps, client),
         "modelled_decode_step_ms": 1e3 * modelled_step,
         "stages": [dataclasses.asdict(stage) for stage in m.stages],
         "num_stages": len(m.stages),
@@ -521,6 +570,78 @@ async def recompute_once(s: Settings, length: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# Where the client's stall goes (source record, destination log, token arrivals: one clock)
+# ---------------------------------------------------------------------------------------------
+
+# The stall, phase by phase: each from the previous point to its own (ms). Their sum less
+# `src_token_to_client` is the stall itself.
+HANDOVER_PHASES = (
+    ("src_step_end_to_suspended", "src_last_step_end_at", "suspended_at"),
+    ("suspended_to_last_stage_sent", "suspended_at", "commit_sent_at"),
+    ("last_stage_to_dst_commit", "commit_sent_at", "committed_at"),
+    ("dst_commit_to_in_engine", "committed_at", "in_engine_at"),
+    ("in_engine_to_its_step", "in_engine_at", "first_step_started_at"),
+    ("dst_first_step", "first_step_started_at", "first_step_ended_at"),
+    ("dst_step_end_to_client", "first_step_ended_at", "dst_token_at_client"),
+)
+
+
+def source_stamps(m, steps: list[tuple], client: dict) -> dict:
+    """The source's side of one handover (monotonic s): the end of its last step before the
+    suspend (the step of its last token), the suspend, the last stage out, the commit's ack."""
+    ends = [step[0] + step[1] for step in steps if step[0] + step[1] <= m.suspended_at]
+    return {"src_last_step_end_at": max(ends) if ends else None, "suspended_at": m.suspended_at,
+            "commit_sent_at": m.commit_sent_at, "acked_at": m.committed_at,
+            "src_token_at_client": client["src_token_at_client"], "dst_token_at_client": client["dst_token_at_client"]}
+
+
+def handover_phases(stamps: dict, destination: dict) -> dict | None:
+    """One migration's stall by phase (ms), from its source stamps and its destination's log
+    line (`parse_handovers`); None when either side is missing."""
+    points = {**stamps, **destination}
+    if any(points.get(key) is None for _, a, b in HANDOVER_PHASES for key in (a, b)):
+        return None
+    phases = {name: 1e3 * (points[b] - points[a]) for name, a, b in HANDOVER_PHASES}
+    phases["src_token_to_client"] = 1e3 * (points["src_token_at_client"] - points["src_last_step_end_at"])
+    phases["ack_after_dst_commit"] = 1e3 * (points["acked_at"] - points["committed_at"])
+    return phases
+
+
+def attach_phases(rows: list[dict], log_text: str) -> None:
+    """Each row's `phases` from the destination's handover lines (matched by request id; vLLM's
+    internal id carries a suffix)."""
+    lines = parse_handovers(log_text)
+    for row in rows:
+        rid = row["request_id"]
+        destination = lines.get(rid) or next((v for k, v in lines.items() if k.startswith(rid + "-")), None)
+        row["phases"] = handover_phases(row["handover"], destination) if destination else None
+
+
+def phases_by_length(rows: list[dict]) -> dict[int, dict[str, dict]]:
+    """Per length and phase: median and P90 (ms) over the rows that have a breakdown."""
+    out: dict[int, dict[str, dict]] = {}
+    for length in sorted({r["length"] for r in rows}):
+        have = [r["phases"] for r in rows if r["length"] == length and r.get("phases")]
+        if have:
+            out[length] = {name: {"median": statistics.median(p[name] for p in have),
+                                  "p90": percentile([p[name] for p in have], 90)} for name in have[0]}
+    return out
+
+
+def print_phases(by_length: dict[int, dict[str, dict]]) -> None:
+    if not by_length:
+        print("\nno handover breakdown (no destination handover lines)")
+        return
+    names = list(next(iter(by_length.values())))
+    print("\nwhere the stall goes, median (P90) ms per length; stall = sum of the phases less src_token_to_client")
+    print(f"{'phase':>30}" + "".join(f"{length:>16}" for length in by_length))
+    for name in names:
+        cells = "".join(f"{by_length[length][name]['median']:8.2f} ({by_length[length][name]['p90']:5.1f})"
+                        for length in by_length)
+        print(f"{name:>30}{cells}")
+
+
+# ---------------------------------------------------------------------------------------------
 # Run
 # ---------------------------------------------------------------------------------------------
 
@@ -534,11 +655,12 @@ async def run(s: Settings) -> dict:
     nc = await nats.connect(server.url)
     src = Llumlet(LlumletConfig(SRC, server.url, max_model_len=s.max_model_len, migration=s.limits),
                   TimedSimEngine(engine_config(s, s.kv_bytes_per_token)))
+    recorder = None
     try:
         await src.start()
         dst_report = await wait_for_destination(nc)
         chunks = Chunks()
-        await nc.subscribe(OUTPUT_SUBJECT, cb=chunks.on_chunk)
+        recorder = await record_client(nc, server.url, OUTPUT_SUBJECT, chunks)
         for instance_id in (SRC, DST):
             for i in range(BACKGROUND_REQUESTS):
                 await submit(nc, instance_id, request(f"bg-{instance_id}-{i}", BACKGROUND_PROMPT, 100_000))
@@ -565,6 +687,8 @@ async def run(s: Settings) -> dict:
     finally:
         await src.stop()
         await nc.close()
+        if recorder is not None:
+            recorder.kill()
         dst_proc.terminate()
         dst_proc.wait(20)
         server.stop()
@@ -589,6 +713,7 @@ def summarize(s: Settings, live: list, blocking: list, recompute: list, dst_repo
             values[row["length"]].append(row[key])
         return {length: statistics.median(v) for length, v in values.items()}
 
+    attach_phases(live, s.out.with_suffix(".dst.log").read_text(errors="replace"))
     live_down = by_length(live, "downtime_ms")
     shortest, longest = min(s.lengths), max(s.lengths)
     longest_live = [r for r in live if r["length"] == longest]
@@ -634,6 +759,7 @@ def summarize(s: Settings, live: list, blocking: list, recompute: list, dst_repo
         "recompute_ttft_ms_by_length": recompute_ms,
         "live_stages_by_length": by_length(live, "num_stages"),
         "live_client_stall_ms_by_length": stall_by_length(live),
+        "live_stall_phases_ms_by_length": phases_by_length(live),
         "modelled_decode_step_ms": modelled_step,
         "src_step_ms": {"before_migration": step_before, "during_migration": step_during},
         "transfer_gbps_longest_first_stage": transfer,
@@ -680,6 +806,7 @@ def print_summary(result: dict) -> None:
               f"{result['live_stages_by_length'][length]:6.1f}  {result['blocking_downtime_ms_by_length'][length]:12.1f}  "
               f"{result['recompute_ttft_ms_by_length'][length]:13.1f}")
     print_stalls(result["live_client_stall_ms_by_length"])
+    print_phases(result["live_stall_phases_ms_by_length"])
     before, during = result["src_step_ms"]["before_migration"], result["src_step_ms"]["during_migration"]
     print(f"modelled A10 decode step of the source batch: {result['modelled_decode_step_ms']:.1f} ms")
     if before.get("steps") and during.get("steps"):

@@ -22,7 +22,8 @@ usually none), and the COMMIT round trip: the COMMIT rides in the last KV frame 
 it (TCP both ways, the frame's write, the destination's checks and its add into vLLM; the NATS
 COMMIT only when that ack is lost). Off the downtime but on the request's token gap: on the source, the suspend
 waits for the engine step in flight; on the destination, the request joins vLLM at its next step
-boundary and gets its next token from the step after (from the destination's log). Client stall =
+boundary and gets its next token from that step (from the destination's log; where the client's
+stall goes, phase by phase, as in `benchmarks/migration_sim.py`). Client stall =
 what the client sees: the gap in the request's token stream, ordered as the gateway orders it,
 between the last new token from the source and the first new token from the destination (the
 gateway exports it as `corral:gateway_migration_stall_seconds`), against the request's own median
@@ -38,7 +39,6 @@ import multiprocessing
 import os
 import platform
 import random
-import re
 import statistics
 import subprocess
 import sys
@@ -54,7 +54,12 @@ from benchmarks.migration_sim import (
     launch_destination,
     print_transfer_vs_raw,
     raw_links,
+    print_phases,
+    record_client,
     print_stalls,
+    phases_by_length,
+    attach_phases,
+    source_stamps,
     raw_port,
     run_and_report,
     stall_by_length,
@@ -126,7 +131,7 @@ class Chunks(SimBenchChunks):
     """Arrival time and publisher of every token chunk of the measured requests."""
 
     def forget(self, request_id: str) -> None:
-        for table in (self.by_request, self.deliveries, self.gaps, self.stalls):
+        for table in (self.by_request, self.deliveries, self.gaps, self.stalls, self.handovers):
             table.pop(request_id, None)
 
 
@@ -242,6 +247,7 @@ class Bench:
         await abort(self.nc, rid)
         client, src_times = self.chunks.client_view(rid), self.chunks.token_times(rid, SRC)
         self.chunks.forget(rid)
+        handover = source_stamps(m, self.src.engine.steps, client)
         final, first = m.stages[-1], m.stages[0]
         return {
             "length": length,
@@ -252,6 +258,7 @@ class Bench:
             # request after the ack (which waits for the source's step in flight).
             "downtime_to_release_ms": 1e3 * (m.ended_at - m.suspended_at),
             **client,  # the client stall and the request's own ITL
+            "handover": handover,  # (the source's stamps; `phases` added from the destination's log)
             "suspend_ms": 1e3 * m.suspend_s,
             "final_prealloc_ms": 1e3 * final.prealloc_s,  # a top-up while suspended (usually none)
             "final_copy_ms": 1e3 * final.seconds,
@@ -309,6 +316,7 @@ async def run(s: Settings) -> dict:
                                 max_model_len=s.max_model_len, migration=s.limits,
                                 vllm=VllmSettings(kv_cache_space_gib=s.kv_cache_gib)),
                   timed_engine(engine_config))
+    recorder = None
     try:
         reports = DestinationReports()
         await nc.subscribe(subjects.load_report(DST), cb=reports.on_report)
@@ -318,7 +326,7 @@ async def run(s: Settings) -> dict:
         print(f"both engines up in {time.monotonic() - started:.0f} s: {src.engine.num_blocks_total} blocks of "
               f"{src.engine.block_size} tokens each", flush=True)
         chunks = Chunks()
-        await nc.subscribe(OUTPUT_SUBJECT, cb=chunks.on_chunk)
+        recorder = await record_client(nc, server.url, OUTPUT_SUBJECT, chunks)
         requests = Requests(model_vocabulary(str(s.model_dir))[0], s.seed)
         bench = Bench(s, nc, src, chunks, Background(nc, src, reports, requests, s.max_model_len), requests)
         longest = max(s.lengths)
@@ -351,6 +359,8 @@ async def run(s: Settings) -> dict:
         except TimeoutError:
             print("the source llumlet did not stop within 60 s", file=sys.stderr)
         await nc.close()
+        if recorder is not None:
+            recorder.kill()
         dst_proc.terminate()
         try:
             dst_proc.wait(30)
@@ -373,31 +383,9 @@ def report_line(kind: str, r: dict) -> None:
           f"stage 0 {gbps}{step_note}", flush=True)
 
 
-# -- the destination's share, from its log ----------------------------------------------------
-
-_COMMITTED = re.compile(r"incoming migration (\w+) of (\S+) committed: \d+ blocks \(add_migrated ([\d.]+) ms\)")
-_LOADED = re.compile(r"migrated-in (\S+): added to vLLM ([\d.]+) ms after its commit, first step ([\d.]+)-([\d.]+) ms")
-
-
-def destination_timings(log_text: str) -> dict[str, dict]:
-    """By request id: add_migrated, when the engine thread added it to vLLM, and the step that
-    loaded its KV and computed its next token (ms after the commit, destination clock)."""
-    timings: dict[str, dict] = {}
-    for mid, rid, add_ms in _COMMITTED.findall(log_text):
-        timings[rid] = {"add_migrated_ms": float(add_ms)}
-    for internal_id, added, step_start, step_end in _LOADED.findall(log_text):
-        rid = next((r for r in timings if internal_id.startswith(r)), None)  # vLLM appends a suffix
-        if rid is not None:
-            timings[rid].update(added_to_vllm_ms=float(added), first_step_start_ms=float(step_start),
-                                first_step_end_ms=float(step_end))
-    return timings
-
-
 def summarize(s: Settings, live: list, blocking: list, recompute: list, dst_report: LoadReport, src,
               dst_log: Path) -> dict:
-    dst_timings = destination_timings(dst_log.read_text(errors="replace"))
-    for row in live + blocking:
-        row["destination"] = dst_timings.get(row["request_id"], {})
+    attach_phases(live + blocking, dst_log.read_text(errors="replace"))
 
     def by_length(rows: list, key) -> dict[int, float]:
         values: dict[int, list[float]] = defaultdict(list)
@@ -422,13 +410,6 @@ def summarize(s: Settings, live: list, blocking: list, recompute: list, dst_repo
     breakdown_keys = ("downtime_ms", "final_prealloc_ms", "before_commit_ms", "final_copy_ms", "commit_ms",
                       "suspend_ms", "release_ms", "downtime_to_release_ms", "client_stall_ms", "own_itl_ms")
     breakdown = {key: median(live, key) for key in breakdown_keys}
-    for key in ("add_migrated_ms", "added_to_vllm_ms", "first_step_start_ms", "first_step_end_ms"):
-        breakdown[f"dst_{key}"] = median(live, lambda r, k=key: r["destination"].get(k))
-    # The COMMIT's round trip less what the destination spent on it: TCP both ways with the last
-    # frame and its write, and the two event loops' wake-ups.
-    breakdown["commit_transport_ms"] = median(
-        live, lambda r: r["commit_ms"] - r["destination"]["add_migrated_ms"]
-        if "add_migrated_ms" in r["destination"] else None)
     goals = {
         "downtime_max_median_ms": max(live_down.values()),
         "downtime_flat_longest_over_shortest": live_down[longest] / live_down[shortest],
@@ -451,6 +432,7 @@ def summarize(s: Settings, live: list, blocking: list, recompute: list, dst_repo
         "recompute_ttft_ms_by_length": recompute_ms,
         "live_stages_by_length": by_length(live, "num_stages"),
         "live_client_stall_ms_by_length": stall_by_length(live),
+        "live_stall_phases_ms_by_length": phases_by_length(live),
         "live_final_copy_ms_by_length": by_length(live, "final_copy_ms"),
         "live_commit_ms_by_length": by_length(live, "commit_ms"),
         "commit_via": dict(Counter(r["commit_via"] for r in live)),
@@ -471,17 +453,11 @@ def print_summary(result: dict) -> None:
         print(f"{length:>6}  {live:8.2f}  {result['live_stages_by_length'][length]:6.1f}  "
               f"{result['blocking_downtime_ms_by_length'][length]:12.2f}  {rec:13.1f}  {rec / live:14.1f}")
     print_stalls(result["live_client_stall_ms_by_length"])
+    print_phases(result["live_stall_phases_ms_by_length"])
     b = result["downtime_breakdown_ms"]
-    dst = {k: b[f"dst_{k}"] for k in ("add_migrated_ms", "added_to_vllm_ms", "first_step_start_ms",
-                                      "first_step_end_ms")}
     print(f"downtime breakdown (live, all lengths, medians, ms): total {b['downtime_ms']:.2f} = suspend→COMMIT sent "
           f"{b['before_commit_ms']:.2f} (top-up PRE-ALLOC {b['final_prealloc_ms']:.2f}) + COMMIT round trip "
           f"{b['commit_ms']:.2f} (in the last frame; commit paths {result['commit_via']})")
-    if all(v is not None for v in dst.values()):
-        print(f"  COMMIT round trip = TCP both ways with the frame and its write {b['commit_transport_ms']:.2f} + "
-              f"add_migrated {dst['add_migrated_ms']:.2f}")
-        print(f"  destination after its commit: in vLLM at {dst['added_to_vllm_ms']:.2f} (next step boundary), the "
-              f"step with its next token {dst['first_step_start_ms']:.2f}-{dst['first_step_end_ms']:.2f}")
     print(f"  off the downtime: suspend (waits for the source's step in flight) {b['suspend_ms']:.2f}, release after "
           f"the ack {b['release_ms']:.2f} (suspend → release {b['downtime_to_release_ms']:.2f}); client stall "
           f"{b['client_stall_ms']:.2f} at its own ITL {b['own_itl_ms']:.2f}")

@@ -38,6 +38,7 @@ class OutgoingMigration(MigrationLifecycle):
     commit_s: float = 0.0  # the COMMIT round trip (in a frame: the last copy's, with the commit)
     commit_via: str = ""  # "frame", or "frame+nats" (the frame's ack was lost: asked over NATS)
     commit_sent: bool = False  # a COMMIT may have reached the destination: an abort asks it first
+    commit_sent_at: float | None = None  # the last stage (with the COMMIT) started out
     committed_at: float | None = None  # the destination acknowledged the COMMIT
     release_s: float = 0.0  # freeing the request here afterwards (off the downtime)
     ended_at: float | None = None

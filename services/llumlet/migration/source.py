@@ -265,6 +265,10 @@ class MigrationCoordinator:
             raise SourceAborted("request left the batch before the last stage")
         m.suspended_at = self._clock()
         m.suspend_s = m.suspended_at - asked
+        # The step waited for gave the request its last token here, and the engine loop has
+        # published it (it ran before us): one turn of the event loop lets NATS write it out
+        # before the last stage takes the loop, so the client does not get it a copy later.
+        await asyncio.sleep(0)
 
     async def _copy(self, m: OutgoingMigration, upto: int, phase: LivePhase, prealloc_s: float, final: bool) -> None:
         """Copy request blocks [blocks_sent, upto) into lease blocks of the same indices."""
@@ -321,7 +325,7 @@ class MigrationCoordinator:
         assert upto <= m.lease_blocks, (upto, m.lease_blocks)
         block_ids = self.ops.block_ids_of(m.request_id)[m.blocks_sent : upto]
         raw = encode(commit)
-        asked = self._clock()
+        asked = m.commit_sent_at = self._clock()
         m.commit_via, m.commit_sent = "frame", True
         try:
             transfer = await self.senders.send_stage(m.kv_address, m.migration_id, m.stage, m.blocks_sent, block_ids,

@@ -113,6 +113,7 @@ class SimEngine:
             callback()
 
     async def _step(self) -> list[StepOutput]:
+        started = time.monotonic()
         out = self.scheduler.schedule(self._clock())
         if out.is_empty:
             # Nothing fits (blocks held by reservations) or everything was just preempted.
@@ -125,6 +126,7 @@ class SimEngine:
         outputs = [self._emit(request) for request in events.new_token]
         for request in events.finished:
             self.forget(request.request_id)
+        self._migration.stepped([o.request_id for o in outputs], started)
         return outputs
 
     def num_free_blocks(self) -> int:

@@ -10,10 +10,12 @@ of a step would add up to a step to the client's stall).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from services.llumlet.migration.handover import log_first_step
 from services.llumlet.migration.ops import IntakeLoad, KVRegion, LivePhase, MigrationSnapshot
 from shared.engine_model.kv_pool import KVPool
 from shared.engine_model.request import RequestStatus, SimRequest
@@ -21,6 +23,8 @@ from shared.engine_model.scheduler import SimScheduler
 from shared.engine_model.views import EngineError
 from shared.messages import GenerateRequest, MigrationCommit
 from shared.policy.migration import MigrationCandidate, is_migratable
+
+log = logging.getLogger(__name__)
 
 _PHASES = {
     RequestStatus.WAITING: LivePhase.QUEUED,
@@ -64,6 +68,7 @@ class SimMigration:
         pool = engine.kv_pool
         self._regions = () if pool is None else (KVRegion(pool.data, 0),)
         self._migrated_in_at: dict[str, float] = {}  # request id → when it was committed here
+        self._first_step_due: dict[str, float] = {}  # committed here, no token yet: its commit (monotonic)
 
     @property
     def _scheduler(self) -> SimScheduler:
@@ -162,6 +167,18 @@ class SimMigration:
         # (forget the requests that left since: the table holds only live ones)
         self._migrated_in_at = {rid: t for rid, t in self._migrated_in_at.items() if self._live(rid)}
         self._migrated_in_at[commit.request.request_id] = time.time()
+        self._first_step_due[commit.request.request_id] = time.monotonic()
+
+    def stepped(self, request_ids: list[str], step_started_at: float) -> None:
+        """A step produced tokens for `request_ids`: log the handover of those migrated in whose
+        first token it was (the destination's share of the client's stall)."""
+        if not self._first_step_due:
+            return
+        ended = time.monotonic()
+        for request_id in request_ids:
+            committed = self._first_step_due.pop(request_id, None)
+            if committed is not None:  # (the sim adds it to its scheduler at the commit itself)
+                log_first_step(log, request_id, committed, committed, step_started_at, ended)
 
     def _live(self, request_id: str) -> SimRequest | None:
         request = self._scheduler.get(request_id)

@@ -110,7 +110,7 @@ class VllmDriver:
         from services.llumlet.engines.vllm.connector import MIGRATION_STATE
 
         self.kv_state = MIGRATION_STATE
-        self.leases = DestinationLeases(self.probe.block_pool, self.kv_state)
+        self.leases = DestinationLeases(self.probe.block_pool, self.kv_state, self.block_size)
         self.kv_journal = install(self.probe)  # what the prefix cache holds (None: caching off)
 
     @classmethod
@@ -183,7 +183,7 @@ class VllmDriver:
         self._by_internal_id[internal_id] = tracked
         self._by_request_id[tracked.request_id] = tracked
         if command.load is not None:
-            self.leases.adopt(internal_id, command.load)
+            self.leases.adopt(internal_id, command.load, tracked.vllm_request)
 
     def _abort(self, command: AbortCommand) -> None:
         tracked = command.tracked

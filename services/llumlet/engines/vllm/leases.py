@@ -1,7 +1,10 @@
 """Destination leases on the vLLM engine thread: blocks taken out of vLLM's pool to receive an
 incoming migration's KV, and their hand-over at commit. The migrated request is added to vLLM with a
-`LoadPlan`; in its first step the connector (`connector.py`) copies the lease into the blocks vLLM
-allocated it, and the lease goes back to the pool. Call only on the engine thread.
+`LoadPlan`, and the lease's full blocks join vLLM's prefix cache under the request's own block
+hashes: its first step finds them as a local prefix hit and takes them as they are, so the
+connector (`connector.py`) copies only the rest (the partial last block) into the blocks vLLM
+allocated it, whatever the request's length. Then the lease goes back to the pool (the blocks the
+request took stay its own). Call only on the engine thread.
 """
 
 from __future__ import annotations
@@ -11,13 +14,15 @@ import time
 from typing import Any
 
 from services.llumlet.engines.vllm.state import MigratedLoad
+from services.llumlet.migration.handover import log_first_step
 
 log = logging.getLogger(__name__)
 
 
 class DestinationLeases:
-    def __init__(self, block_pool: Any, kv_state: Any) -> None:
+    def __init__(self, block_pool: Any, kv_state: Any, block_size: int) -> None:
         self._pool = block_pool  # vLLM's BlockPool (`probe.py`)
+        self._block_size = block_size
         self._kv_state = kv_state  # the connector's MigrationState
         self._blocks: dict[str, list[Any]] = {}  # lease id → vLLM blocks taken from the pool
         self._adopted: dict[str, str] = {}  # internal id → lease holding its migrated KV
@@ -38,14 +43,26 @@ class DestinationLeases:
             self._pool.free_blocks(blocks)
         return len(blocks)
 
-    def adopt(self, internal_id: str, load: MigratedLoad) -> None:
+    def adopt(self, internal_id: str, load: MigratedLoad, vllm_request: Any) -> None:
         """The migrated request was added to vLLM: its first step loads the lease."""
         from services.llumlet.engines.vllm.connector import LoadPlan
 
         blocks = self._blocks.get(load.lease_id, [])
+        self._offer_to_prefix_cache(vllm_request, blocks, load.num_tokens)
         self._kv_state.loads[internal_id] = LoadPlan([b.block_id for b in blocks], load.num_tokens)
         self._adopted[internal_id] = load.lease_id
         self._adopted_at[internal_id] = (load.committed_at, time.monotonic())
+
+    def _offer_to_prefix_cache(self, vllm_request: Any, blocks: list[Any], num_tokens: int) -> None:
+        """The lease's full blocks (their KV final) into the prefix cache, as the request's own
+        blocks would be after a step. The lease keeps its reference until the request's first
+        step has run, so none of them is evicted or handed out before that step takes them;
+        without prefix caching (or for a request that skips it) the connector copies them all."""
+        if vllm_request is None or not self._pool.enable_caching:
+            return
+        num_full = min(len(blocks), num_tokens // self._block_size, len(vllm_request.block_hashes))
+        if num_full:
+            self._pool.cache_full_blocks(vllm_request, blocks, 0, num_full, self._block_size, 0)
 
     def is_adopted(self, internal_id: str) -> bool:
         """A migrated request whose KV still sits in its lease (it needs no blocks of the pool's to join)."""
@@ -76,6 +93,4 @@ class DestinationLeases:
         if times is None:
             return
         committed, added = times
-        now = time.monotonic()
-        log.info("migrated-in %s: added to vLLM %.2f ms after its commit, first step %.2f-%.2f ms after it",
-                 internal_id, 1e3 * (added - committed), 1e3 * (step_started - committed), 1e3 * (now - committed))
+        log_first_step(log, internal_id, committed, added, step_started, time.monotonic())
