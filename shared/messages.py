@@ -226,6 +226,9 @@ class PriorityLoad(Struct):
     waiting_demand_blocks: Count = 0
 
 
+MAX_RUNNING_OUTPUTS = 1024  # a load report lists at most this many running requests' outputs
+
+
 class InstanceRole(enum.StrEnum):
     """What an instance serves (issue 19 §2): `prefill` instances take new requests and hand each
     one, at its first token, to a `decode` instance by live migration; `mixed` does both."""
@@ -265,6 +268,11 @@ class LoadReport(Struct):
     model: str = ""
     engine: str = ""
     role: InstanceRole = InstanceRole.MIXED
+    # For admission's `predicted` policy (issue 19 §1): each running request's output so far, and
+    # the requests this instance has finished with their output tokens (its output-length mean).
+    running_output_tokens: Annotated[list[Count], Meta(max_length=MAX_RUNNING_OUTPUTS)] = []
+    num_finished_total: Count = 0
+    finished_output_tokens_total: Count = 0
     # Freeness as the llumlet computed it (for dashboards); the scheduler recomputes.
     freeness: float = 0.0
     dispatch_freeness: float = 0.0

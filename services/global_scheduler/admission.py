@@ -3,11 +3,12 @@
 `Refusal.OVERLOADED` with a retry hint (the gateway's 429 with Retry-After and retry-after-ms)
 when none can; dispatch then chooses among the admitted ones only.
 
-The outlooks come from the load reports alone. A report carries no per-request output progress,
-so every running request counts as just started (remaining output = the estimate's mean): live,
-`predicted` sees the same decode batch as `current-load` until reports summarize it (what the
-simulator reads from its engines directly); nor does the scheduler learn served output lengths
-yet, so the estimate stays at its prior. Step times come from the latency model of `gpu`.
+The outlooks come from the load reports alone: each running request's output so far
+(`running_output_tokens`; past the report's cap, or from a llumlet that does not send them, a
+request counts as just started) and the instance's finished requests with their output tokens,
+which make its output-length estimate (the prior, weighed as a few requests, until it has served
+some) — the same inputs the simulator reads from its engines. Step times come from the latency
+model of `gpu`; the measured step inflation the simulator uses is not reported yet (1.0 here).
 """
 
 from __future__ import annotations
@@ -79,8 +80,13 @@ class DispatchAdmission:
         running_blocks = sum(level.running_blocks for level in load.by_priority)
         context = running_blocks * load.block_size / load.num_running if load.num_running else 0.0
         free = load.num_blocks_free - load.waiting_demand_blocks - load.committed_blocks - load.reserved_blocks
+        generated = list(load.running_output_tokens[: load.num_running])
+        generated += [0] * (load.num_running - len(generated))
+        output = OutputLengthEstimate(prior_mean=self._output.prior_mean, prior_weight=self._output.prior_weight,
+                                      served=load.num_finished_total,
+                                      served_tokens=load.finished_output_tokens_total)
         return InstanceOutlook(load.instance_id, queued_prefill_tokens(load), load.num_waiting,
-                               [0] * load.num_running, context, self._output, free, load.block_size,
+                               generated, context, output, free, load.block_size,
                                total_blocks=load.num_blocks_total)
 
     def _retry_after_s(self, decision: AdmissionDecision, priority: int) -> float:

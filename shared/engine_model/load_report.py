@@ -8,12 +8,12 @@ date as requests move (`RequestCounts` via `SimScheduler.load`, O(priority level
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from shared.engine_model.block_manager import blocks_for_tokens
 from shared.engine_model.views import RequestPhase, RequestView
-from shared.messages import InstanceRole, LoadReport, PriorityLoad
+from shared.messages import MAX_RUNNING_OUTPUTS, InstanceRole, LoadReport, PriorityLoad
 from shared.policy.freeness import QueueDemand, freeness
 
 
@@ -26,6 +26,9 @@ class RequestAggregates:
     head_demand_blocks: int  # of the head of the waiting queue
     waiting_demand_blocks: int
     by_priority: list[PriorityLoad]  # ascending priority
+    # Output tokens so far of each running request, up to MAX_RUNNING_OUTPUTS (live admission's
+    # `predicted` policy; the simulator's reads its engines directly and leaves it empty).
+    running_output_tokens: list[int] = field(default_factory=list)
 
 
 def aggregate_views(views: Sequence[RequestView]) -> RequestAggregates:
@@ -33,6 +36,7 @@ def aggregate_views(views: Sequence[RequestView]) -> RequestAggregates:
     levels: dict[int, PriorityLoad] = {}
     num_waiting = waiting_demand = 0
     head_demand = None
+    outputs: list[int] = []
     for view in views:
         level = levels.get(view.priority)
         if level is None:
@@ -40,6 +44,8 @@ def aggregate_views(views: Sequence[RequestView]) -> RequestAggregates:
         if view.phase is RequestPhase.RUNNING:
             level.num_running += 1
             level.running_blocks += view.physical_blocks
+            if len(outputs) < MAX_RUNNING_OUTPUTS:
+                outputs.append(view.num_output_tokens)
         else:
             level.num_waiting += 1
             level.waiting_demand_blocks += view.demand_blocks
@@ -48,7 +54,8 @@ def aggregate_views(views: Sequence[RequestView]) -> RequestAggregates:
             if head_demand is None:
                 head_demand = view.demand_blocks
     by_priority = sorted(levels.values(), key=lambda level: level.priority)
-    return RequestAggregates(len(views) - num_waiting, num_waiting, head_demand or 0, waiting_demand, by_priority)
+    return RequestAggregates(len(views) - num_waiting, num_waiting, head_demand or 0, waiting_demand, by_priority,
+                             outputs)
 
 
 class _Queued(Protocol):
@@ -121,6 +128,8 @@ def build_load_report(
     model: str = "",
     engine: str = "",
     role: InstanceRole = InstanceRole.MIXED,
+    num_finished_total: int = 0,
+    finished_output_tokens_total: int = 0,
 ) -> LoadReport:
     """`headroom_blocks`: the execution-priority headroom the report's own freeness fields (for
     dashboards) are computed with; None leaves them 0 (the simulator: its policies compute
@@ -147,6 +156,9 @@ def build_load_report(
         model=model,
         engine=engine,
         role=role,
+        running_output_tokens=requests.running_output_tokens,
+        num_finished_total=num_finished_total,
+        finished_output_tokens_total=finished_output_tokens_total,
     )
     if headroom_blocks is not None:  # (None: nobody reads them; the policies compute their own)
         report.freeness = freeness(report, headroom_blocks, QueueDemand.HEAD)

@@ -208,7 +208,8 @@ class SimScheduler:
         num_blocks_of = self.block_manager.num_blocks_of
         for r in (*self.running, *self.suspended.values()):
             blocks = num_blocks_of(r.request_id)
-            views.append(RequestView(r.request_id, r.priority, running, blocks, 0, r.num_tokens, r.num_preemptions))
+            views.append(RequestView(r.request_id, r.priority, running, blocks, 0, r.num_tokens, r.num_preemptions,
+                                     r.num_output_tokens))
         return views
 
     def load(self) -> RequestAggregates:

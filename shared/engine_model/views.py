@@ -40,6 +40,7 @@ class RequestView:
     demand_blocks: int
     num_tokens: int
     num_preemptions: int = 0
+    num_output_tokens: int = 0  # generated so far (admission predicts the remaining output from it)
 
 
 @dataclass(frozen=True)

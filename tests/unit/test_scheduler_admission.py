@@ -79,3 +79,43 @@ def test_flags_build_the_settings_and_bad_ones_exit():
     for argv in (("--admission", "predicted"), ("--admission", "predicted", "--slo-ttft-s", "-1", "--slo-tbt-s", "1")):
         with pytest.raises(SystemExit):
             scheduler_config.config_from_args(parse(*argv))
+
+
+def test_predicted_reads_output_progress_from_the_reports():
+    """A batch about to finish (each running request past its instance's mean output, which the
+    report's finished counts make short) leaves a small decode batch when the new prefill ends:
+    `predicted` admits where `current-load` refuses on TBT. Without the progress fields (a request
+    counts as just started, the mean at its prior) `predicted` refuses the same load too."""
+    slo = SloConfig(Slo(ttft_s=1.0, tbt_s=0.1), reserve=0.1)
+
+    def load(progress: bool):
+        report = make_load("a", total=6000, running={0: (100, 3750)}, waiting=[100])
+        if progress:
+            report.running_output_tokens = [10] * 100
+            report.num_finished_total, report.finished_output_tokens_total = 1000, 4000
+        report.sent_at = time.time()
+        return report
+
+    def decide(policy, progress):
+        s = GlobalScheduler(SchedulerConfig(nats_url="nats://unused:4222", admission=AdmissionSettings(policy, slo)))
+        s.table.update(load(progress))
+        return s.decide(DispatchRequest("r0", 100, 16))
+
+    assert decide(AdmissionPolicy.PREDICTED, progress=True).instance_id == "a"
+    assert decide(AdmissionPolicy.CURRENT_LOAD, progress=True).reason is Refusal.OVERLOADED
+    assert decide(AdmissionPolicy.PREDICTED, progress=False).reason is Refusal.OVERLOADED
+
+
+def test_running_outputs_in_a_report_are_the_views_and_bounded():
+    from shared.engine_model.load_report import aggregate_views
+    from shared.engine_model.views import RequestPhase, RequestView
+    from shared.messages import MAX_RUNNING_OUTPUTS
+
+    views = [RequestView("w", 0, RequestPhase.WAITING, 0, 3, 40)]
+    views += [RequestView(f"r{i}", 0, RequestPhase.RUNNING, 2, 0, 40 + i, num_output_tokens=i) for i in range(3)]
+    assert aggregate_views(views).running_output_tokens == [0, 1, 2]
+    many = [RequestView(f"r{i}", 0, RequestPhase.RUNNING, 1, 0, 9, num_output_tokens=1)
+            for i in range(MAX_RUNNING_OUTPUTS + 5)]
+    aggregates = aggregate_views(many)
+    assert aggregates.num_running == MAX_RUNNING_OUTPUTS + 5
+    assert len(aggregates.running_output_tokens) == MAX_RUNNING_OUTPUTS
