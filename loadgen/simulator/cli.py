@@ -92,6 +92,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help=f"token budget of a step: prefill chunks and decodes (default {engine.max_num_batched_tokens})")
     cluster.add_argument("--kv-bytes-per-token", type=int, default=defaults_sim.kv_bytes_per_token,
                          help="KV bytes per token (default 0.5 MiB: LLaMA-7B fp16)")
+    cluster.add_argument("--prefill", type=int, default=0, metavar="N",
+                         help="P/D disaggregation: the first N instances prefill only and hand each request, at its "
+                              "first token, to a decode instance by live migration (KV copied at "
+                              "--migration-bandwidth-gbps); default 0: all mixed")
+    cluster.add_argument("--decode", type=int, default=0, metavar="M",
+                         help="the next M instances decode only (the rest of --instances are mixed)")
+    cluster.add_argument("--handoff-concurrency", type=int, default=MigrationModel().handoff_concurrency, metavar="K",
+                         help="hand-offs a prefill instance runs at once (default %(default)s, as the llumlet's)")
 
     policy = parser.add_argument_group("policy")
     policy.add_argument("--migration-bandwidth-gbps", type=float, default=MigrationModel().bandwidth_gbps,
@@ -155,6 +163,12 @@ def run(args: argparse.Namespace) -> int:
 
     records = run_sweep(config, policies, spec, rates, on_record=progress, on_workload=_truncation_warning(config))
     print(format_table(records))
+    if config.disaggregated:
+        print(f"\nP/D hand-offs ({config.num_prefill} prefill, {config.num_decode} decode, "
+              f"{config.num_instances - config.num_prefill - config.num_decode} mixed):")
+        for record in records:
+            point = f"@{record.rate:g}" if record.rate is not None else ""
+            print(f"  {record.policy}{point}: {record.result.handoffs.summary()}")
     if config.admission is not None:
         print(f"\nSLO: TTFT {config.admission.slo.default.ttft_s:g} s, TBT {config.admission.slo.default.tbt_s:g} s; "
               f"admission {config.admission.policy.value}")
@@ -166,6 +180,9 @@ def run(args: argparse.Namespace) -> int:
         settings = {"workload": asdict(spec), "rates": rates, "policies": [p.name for p in policies],
                     "cluster": _settings_of(config)}
         document = results_document(records, settings)
+        if config.disaggregated:
+            for run_doc, record in zip(document["runs"], records):
+                run_doc["handoffs"] = record.result.handoffs.to_json()
         if config.admission is not None:
             document["slo"] = [{"policy": r.policy, "rate": r.rate, **slo_metrics(r.result, config.admission.slo).to_json()}
                                for r in records]
@@ -212,9 +229,12 @@ def build_config(args: argparse.Namespace) -> SimConfig:
             migration_interval_s=args.migration_interval_s,
             policy=policy,
             guard=None if args.no_migration_guard else DEFAULT_GUARD,
-            migration=MigrationModel(bandwidth_gbps=args.migration_bandwidth_gbps),
+            migration=MigrationModel(bandwidth_gbps=args.migration_bandwidth_gbps,
+                                     handoff_concurrency=args.handoff_concurrency),
             autoscale=autoscale,
             admission=_admission(args),
+            num_prefill=args.prefill,
+            num_decode=args.decode,
         )
     except ValueError as exc:
         raise LoadgenError(str(exc)) from None

@@ -17,6 +17,7 @@ from loadgen.simulator.admission import SimAdmission
 from loadgen.simulator.autoscale import Autoscaler, ScalingEvent
 from loadgen.simulator.config import SimConfig
 from loadgen.simulator.events import EventQueue
+from loadgen.simulator.handoff import Handoffs, HandoffStats
 from loadgen.simulator.instance import InstanceState, SimInstance
 from loadgen.simulator.migration import MigrationStats, Migrator
 from loadgen.simulator.timeline import Timeline
@@ -27,6 +28,7 @@ from shared.engine_model.scheduler import SimScheduler
 from shared.messages import DispatchRequest, LoadReport, Refusal
 from shared.policy.admission import AdmissionPolicy
 from shared.policy.baselines import DispatchRule, SchedulingPolicy, dispatch
+from shared.policy.disaggregation import dispatch_pool
 from shared.policy.dispatch import DispatchDecision, account_dispatch
 from shared.policy.prefix_dispatch import PrefixContext
 from shared.prefix_hash import trace_block_hashes
@@ -57,6 +59,7 @@ class SimResult:
     num_steps: int
     num_preemptions: int
     dispatches: list[DispatchRecord] = field(default_factory=list)  # when record_dispatches
+    handoffs: HandoffStats | None = None  # P/D hand-offs, when the cluster has roles
 
     @property
     def instance_seconds(self) -> float:
@@ -88,7 +91,9 @@ class ClusterSimulator:
         # Block hashes travel with a request when an engine caches prefixes or dispatch reads them.
         self._hash_prompts = config.scheduler.enable_prefix_caching or policy.dispatch.uses_prefix_index
         self.prefix = PrefixContext(SimPrefixIndex(self.instances), self._prefill_s)
-        self.migrator = Migrator(self) if policy.migration else None
+        # P/D hand-offs ride the migration machinery even under a policy that never rebalances.
+        self.migrator = Migrator(self) if policy.migration or config.disaggregated else None
+        self.handoffs = Handoffs(self, self.migrator) if config.disaggregated else None
         self.autoscaler = Autoscaler(self, config.autoscale) if config.autoscale else None
         admission = config.admission
         self.admission = (SimAdmission(admission, self.latency, self.instances)
@@ -103,7 +108,7 @@ class ClusterSimulator:
         started = time.perf_counter()
         if self.workload.arrivals:
             self.events.push(self.workload.arrivals[0].time_s, self._on_arrival)
-        if self.migrator is not None:
+        if self.migrator is not None and self.policy.migration:
             self.events.push(self.config.migration_interval_s, self.migrator.on_round)
         if self.autoscaler is not None:
             self.events.push(self.config.autoscale.interval_s, self.autoscaler.on_tick)
@@ -117,6 +122,8 @@ class ClusterSimulator:
             handler(payload)
         if self.migrator is not None:
             self.migrator.close()
+        if self.handoffs is not None:
+            self.handoffs.close()
         self._sample_timeline()
         return self._result(time.perf_counter() - started)
 
@@ -125,7 +132,8 @@ class ClusterSimulator:
     def launch_instance(self, ready_after_s: float) -> SimInstance:
         instance_id = f"i{len(self.instances):03d}"
         scheduler = SimScheduler(self.config.scheduler_config(self.policy.queue_policy))
-        instance = SimInstance(instance_id, scheduler, self.latency, launched_at=self.now)
+        instance = SimInstance(instance_id, scheduler, self.latency, launched_at=self.now,
+                               role=self.config.role_of(len(self.instances)))
         self.instances[instance_id] = instance
         if ready_after_s > 0:
             instance.state = InstanceState.STARTING
@@ -159,7 +167,8 @@ class ClusterSimulator:
 
     def _on_step_end(self, instance: SimInstance) -> None:
         step, instance.step = instance.step, None
-        finished = instance.scheduler.update_from_output(step, self.now).finished
+        events = instance.scheduler.update_from_output(step, self.now)
+        finished = events.finished
         if self.admission is not None:
             self.admission.observe_step(instance.instance_id, step)
             if finished:
@@ -170,6 +179,8 @@ class ClusterSimulator:
                 del self.placed_at[request.request_id]
             if len(self.finished) + len(self.rejected) == len(self.workload.arrivals):
                 self.done = True
+        if self.handoffs is not None and events.new_token:
+            self.handoffs.on_first_tokens(instance, events.new_token)
         duration = instance.start_step(self.now)
         if duration is not None:
             self.events.push(self.now + duration, self._on_step_end, instance)
@@ -214,6 +225,8 @@ class ClusterSimulator:
             loads = self.loads()
         else:  # round-robin reads no load; a report only tells it who is serving
             loads = [instance.report or self.report_of(instance) for instance in self.serving]
+        if self.config.num_prefill:  # new requests go to prefill (and mixed) instances only
+            loads = dispatch_pool(loads)
         refused = None
         if self.admission is not None:  # early rejection: before any prefill is spent
             admitted = self.admission.decide(loads, arrival.prompt_len, priority)
@@ -288,6 +301,7 @@ class ClusterSimulator:
             num_steps=sum(i.num_steps for i in self.instances.values()),
             num_preemptions=sum(i.scheduler.num_preemptions_total for i in self.instances.values()),
             dispatches=self.dispatches or [],
+            handoffs=self.handoffs.stats if self.handoffs is not None else None,
         )
 
     def _stall_report(self) -> str:
