@@ -53,7 +53,7 @@ ROLES: dict[str, Permissions] = {
     # Runs one engine: reports load, streams tokens to gateways, migrates to other llumlets.
     "llumlet": Permissions(
         publish=(_any(subjects.load_report("ID")), _any(subjects.gateway_output("ID")), *_migration_verbs(),
-                 _any(subjects.kv_events("ID")), _any(subjects.kv_snapshot("ID"))),
+                 _any(subjects.kv_events("ID")), _any(subjects.kv_snapshot("ID")), subjects.HANDOFF),
         subscribe=(*(_any(subjects.llumlet("ID", v)) for v in ("generate", "drain", "migrate", "kv_snapshot")),
                    subjects.ABORT_ALL,
                    *_migration_verbs(), subjects.GATEWAY_HEARTBEATS_ALL, INBOX),
@@ -62,7 +62,7 @@ ROLES: dict[str, Permissions] = {
     "scheduler": Permissions(
         publish=(_any(subjects.llumlet("ID", "migrate")), _any(subjects.llumlet("ID", "kv_snapshot")),
                  subjects.SCHEDULER_HEARTBEAT),
-        subscribe=(subjects.LOAD_REPORTS_ALL, subjects.DISPATCH, subjects.SCHEDULER_HEARTBEAT,
+        subscribe=(subjects.LOAD_REPORTS_ALL, subjects.DISPATCH, subjects.HANDOFF, subjects.SCHEDULER_HEARTBEAT,
                    subjects.KV_ALL, INBOX),
         responds=True),
     # Client requests in: dispatch, generate and abort orders; tokens back.

@@ -30,6 +30,10 @@ LOAD_REPORTS_ALL = f"{PREFIX}.load.*"
 DISPATCH = f"{PREFIX}.scheduler.dispatch"
 SCHEDULER_QUEUE = "corral-scheduler"
 
+# Prefill/decode hand-offs: a prefill llumlet asks (request/reply, the same queue group) where a
+# request that produced its first token decodes.
+HANDOFF = f"{PREFIX}.scheduler.handoff"
+
 
 def llumlet(instance_id: str, verb: str) -> str:
     """Orders to one llumlet: generate, abort, migrate, drain, shutdown."""
@@ -81,7 +85,7 @@ SCALING_EVENTS = f"{PREFIX}.scaling.events"
 
 
 _PER_ID = {"load": 3, "llumlet": 4, "migration": 4, "gateway": 4, "kv": 4}  # role -> tokens in its subjects
-_FIXED = {DISPATCH, ABORT_ALL, SCALING_EVENTS, SCHEDULER_HEARTBEAT}
+_FIXED = {DISPATCH, HANDOFF, ABORT_ALL, SCALING_EVENTS, SCHEDULER_HEARTBEAT}
 
 
 def pattern_of(subject: str) -> str:

@@ -16,11 +16,14 @@ from services.global_scheduler.metrics import SchedulerMetrics
 from services.global_scheduler.migration_loop import MigrationLoop, MigrationPairer
 from services.global_scheduler.dispatcher import DEFAULT_POLICY, NamedDispatch
 from services.global_scheduler.prefix_tracker import PrefixTracker
+from services.global_scheduler.roles import InstanceRoles
 from shared import bus_guard, subjects, tracing
 from shared.instance_table import InstanceTable
 from shared.messages import (
     DispatchReply,
     DispatchRequest,
+    HandoffAnswer,
+    HandoffQuery,
     LoadReport,
     Refusal,
     SchedulerHeartbeat,
@@ -44,6 +47,7 @@ class GlobalScheduler:
         # Loads ranked by dispatch score as reports arrive: a dispatch reads the top, not every instance.
         self.index = DispatchIndex(config.policy)
         self.table = InstanceTable(config.instance_timeout_s, listener=self.index)
+        self.roles = InstanceRoles(self.table, config.guard, config.policy.headroom_blocks)  # P/D (issue 19 §2)
         self.nc: Client | None = None
         self._tasks: list[asyncio.Task] = []
         self.migration_loop: MigrationLoop | None = None
@@ -67,6 +71,7 @@ class GlobalScheduler:
         self.nc = await connect(self.config.nats_url, "global-scheduler")
         await self.nc.subscribe(subjects.LOAD_REPORTS_ALL, cb=self._on_report)
         await self.nc.subscribe(subjects.DISPATCH, queue=subjects.SCHEDULER_QUEUE, cb=self._on_dispatch)
+        await self.nc.subscribe(subjects.HANDOFF, queue=subjects.SCHEDULER_QUEUE, cb=self._on_handoff)
         await self.nc.subscribe(subjects.SCHEDULER_HEARTBEAT, cb=self._on_peer_heartbeat)
         await self.prefixes.start(self.nc)
         self._tasks = [asyncio.create_task(self._expiry_loop(), name="expiry"),
@@ -102,12 +107,16 @@ class GlobalScheduler:
         if self.table.get(report.instance_id) is None:
             log.info("instance %s joined (%s, %d blocks)", report.instance_id, report.engine, report.num_blocks_total)
         self.table.update(report)
+        self.roles.saw(report)
 
     def decide(self, request: DispatchRequest) -> DispatchReply:
+        predicted: dict[str, float] = {}  # admission's TTFT on each admitted instance
         with self.metrics.decision_seconds.time():
             self.table.expire()
+            if self.roles.disaggregated:  # P/D: decode instances take no new request
+                request = self.roles.restrict(request, self.table.live())
             if self.admission is not None:  # early rejection, before any prefill is spent
-                request, refusal = self.admission.check(self.table.live(), request)
+                request, refusal, predicted = self.admission.check(self.table.live(), request)
                 if refusal is not None:
                     self.metrics.dispatched(Refusal.OVERLOADED)
                     return refusal
@@ -120,7 +129,7 @@ class GlobalScheduler:
             return DispatchReply(rejected=decision.rejected, reason=decision.reason)
         chosen = self.table.get(decision.instance_id)
         self.table.replace_load(account_dispatch(chosen, request))
-        return DispatchReply(instance_id=decision.instance_id)
+        return DispatchReply(instance_id=decision.instance_id, predicted_ttft_s=predicted.get(decision.instance_id))
 
     async def _on_dispatch(self, msg: Msg) -> None:
         with _tracer.start_as_current_span(f"process {subjects.DISPATCH}", context=tracing.extract(msg.headers),
@@ -139,6 +148,15 @@ class GlobalScheduler:
                                      "corral.rejected": reply.rejected or "",
                                      "corral.instances_live": len(self.table)})
             await msg.respond(encode(reply))
+
+    async def _on_handoff(self, msg: Msg) -> None:
+        try:
+            query = decode(msg.data, HandoffQuery)
+        except WireError as exc:
+            bus_guard.rejected(msg.subject, exc.reason, str(exc), log, "hand-off query")
+            await msg.respond(encode(HandoffAnswer(reason=str(exc)[:1024])))
+            return
+        await msg.respond(encode(self.roles.handoff(query)))
 
     async def _on_peer_heartbeat(self, msg: Msg) -> None:
         beat = decode_or_drop(msg.data, SchedulerHeartbeat, log, "scheduler heartbeat", msg.subject)

@@ -9,13 +9,15 @@ from services.llumlet.metrics import LlumletMetrics
 from services.llumlet.output import OutputPublisher
 from services.llumlet.routes import OutputRoutes
 from services.llumlet.tracing import RequestSpans
-from shared.messages import MigrationCommit, TokenChunk, encode
+from shared.messages import InstanceRole, MigrationCommit, TokenChunk, encode
+from shared.policy.disaggregation import wants_handoff
 
 
 class HookedLlumlet(Protocol):
     """The llumlet's surface the hooks use (`Llumlet`; no import of it: no cycle)."""
 
     instance_id: str
+    role: InstanceRole
     draining: bool
     routes: OutputRoutes
     output: OutputPublisher
@@ -36,6 +38,8 @@ class LlumletMigrationHooks:
         self.llumlet = llumlet
 
     def refusal(self) -> str | None:
+        if wants_handoff(self.llumlet.role):
+            return f"{self.llumlet.role} instance: it hands requests off and takes none in"
         return "draining" if self.llumlet.draining else None
 
     def migrated_out(self, request_id: str) -> None:

@@ -16,6 +16,7 @@ from services.llumlet.engine import Engine
 from shared.engine_model.views import EngineError
 from shared.engine_model.load_report import aggregate_views, build_load_report
 from services.llumlet.metrics import LlumletMetrics
+from services.llumlet.served import ServedTally
 from services.llumlet.tracing import RequestSpans, trace_context_of
 from shared.metrics_server import serve_metrics
 from services.llumlet.readiness import not_ready_reason
@@ -24,6 +25,7 @@ from services.llumlet.routes import OutputRoutes
 from services.llumlet.migration.runtime import LlumletMigration
 from services.llumlet.migration_hooks import LlumletMigrationHooks
 from services.llumlet.output import OutputPublisher
+from services.llumlet.handoff import PrefillHandoff, nats_ask
 from services.llumlet.kv_events import KvEventPublisher
 from services.llumlet.kv_journal import journal_of
 from services.llumlet.migration import kv_auth
@@ -44,6 +46,7 @@ from shared.messages import (
     encode,
 )
 from shared.nats_client import connect
+from shared.policy.disaggregation import wants_handoff
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ class Llumlet:
         self.config = config
         self.engine = engine
         self.instance_id = config.instance_id
+        self.role = config.role
         self.nc: Client | None = None
         self.draining = False
         self.leaving = False  # stopping: new requests are refused (DRAINING) so the gateway tries another
@@ -68,7 +72,9 @@ class Llumlet:
         # Token output to the gateways (held in order while NATS cannot take it).
         self.output = OutputPublisher(self.instance_id, self.routes, lambda: self.nc, lambda: self.spans)
         self.migration: LlumletMigration | None = None
+        self.handoff: PrefillHandoff | None = None  # a prefill instance's hand-offs to decode instances
         self.metrics: LlumletMetrics | None = None
+        self.served = ServedTally()  # finished requests and step pace, for admission control
         self.spans = RequestSpans(self.instance_id, "")  # replaced once tracing is set up in start()
 
     def _build_migration(self) -> LlumletMigration | None:
@@ -83,6 +89,17 @@ class Llumlet:
             self.instance_id, ops, config.migration, LlumletMigrationHooks(self),
             config.kv_host, config.kv_port, config.kv_advertise_host,
         )
+
+    def _build_handoff(self) -> PrefillHandoff | None:
+        if not wants_handoff(self.role):
+            return None
+        coordinator = self.migration.coordinator if self.migration is not None else None
+        if coordinator is None:
+            log.warning("role %s without live migration: requests decode here (as on a mixed instance)", self.role)
+            return None
+        return PrefillHandoff(self.instance_id, nats_ask(lambda: self.nc), coordinator.migrate,
+                              self.migration.ops.migration_snapshot, self.config.handoff_concurrency,
+                              on_outcome=self.metrics.handed_off)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -113,10 +130,14 @@ class Llumlet:
         if self.migration is not None:
             for loop in await self.migration.start(nc):
                 self._tasks.append(asyncio.create_task(loop, name=loop.__qualname__))
+        self.handoff = self._build_handoff()
+        if self.handoff is not None:
+            self._tasks.append(asyncio.create_task(self.handoff.run(), name="handoff"))
         await self.publish_report()
         log.info(
-            "llumlet %s up: engine=%s blocks=%d block_size=%d",
+            "llumlet %s up: role=%s engine=%s blocks=%d block_size=%d",
             self.instance_id,
+            self.role,
             self.engine.kind,
             self.engine.num_blocks_total,
             self.engine.block_size,
@@ -207,6 +228,7 @@ class Llumlet:
             self.migration.on_request_aborted(order.request_id)
         if (subject := self.routes.close(order.request_id)) is not None:
             self.engine.abort_request(order.request_id)
+            log.debug("request %s aborted (%s)", order.request_id, order.reason)  # (benchmarks/cancellation.py)
             self.metrics.request_left(order.request_id)
             self.spans.ended(order.request_id, "aborted")
             self._report_now.set()
@@ -244,9 +266,10 @@ class Llumlet:
                     self.engine.abort_request(request_id)
                     self.metrics.request_left(request_id)
                     self.spans.ended(request_id, "aborted", error=why)
-                    # Should it be alive after all, its client sees an error rather than a hang.
+                    # Should it be alive after all (starved, not killed: seen at load 11 on 2 cores),
+                    # it resumes the request elsewhere from the tokens it delivered; nothing is lost.
                     chunk = TokenChunk(request_id, self.instance_id, 0, [], finish_reason=FinishReason.ERROR,
-                                       error=f"{why}: request aborted ({self.instance_id})")
+                                       error=f"{why}: request aborted ({self.instance_id})", resumable=True)
                     await self.output.publish_chunk(subject, encode(chunk))
                 self._report_now.set()
 
@@ -282,7 +305,10 @@ class Llumlet:
                 raise
             views = self.engine.request_views() if self.metrics.wants_views(started) else ()
             self.metrics.step_done(started, time.monotonic(), outputs, views)
+            self.served.step_done(started, time.monotonic(), outputs)
             await self.output.publish_step(outputs)
+            if self.handoff is not None:  # (after the first token went out from here)
+                self.handoff.prefilled(outputs)
             if outputs:
                 self._maybe_report_now()
 
@@ -339,6 +365,12 @@ class Llumlet:
             max_model_len=self.engine.max_model_len,
             model=self.engine.model_name,
             engine=self.engine.kind,
+            num_finished_total=self.served.num_finished,
+            finished_output_tokens_total=self.served.finished_output_tokens,
+            step_time_s=self.served.step_time_s,
+            step_decode_batch=self.served.decode_batch,
+            step_decode_context=self.served.decode_context,
+            role=self.role,
         )
 
     async def publish_report(self) -> None:

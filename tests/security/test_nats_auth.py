@@ -80,6 +80,8 @@ async def _delivered(server, auth, publisher_role: str, subject: str, listener_r
     ("gateway", subjects.llumlet("victim", "drain"), "llumlet", "corral.llumlet.*.drain", False),
     ("admin", subjects.llumlet("victim", "drain"), "llumlet", "corral.llumlet.*.drain", True),
     ("scheduler", subjects.ABORT_ALL, "llumlet", subjects.ABORT_ALL, False),
+    ("llumlet", subjects.HANDOFF, "scheduler", subjects.HANDOFF, True),  # a prefill instance asks where to hand off
+    ("gateway", subjects.HANDOFF, "scheduler", subjects.HANDOFF, False),
 ])
 async def test_each_role_publishes_only_its_own_subjects(secured, role, subject, listener, pattern, allowed):
     server, auth = secured

@@ -7,6 +7,7 @@ import argparse
 
 import msgspec
 import pytest
+from nats.errors import NoRespondersError
 
 from services.cli import build_parser, llumlet_roles
 from services.gateway.dispatcher import Dispatcher
@@ -62,10 +63,18 @@ def test_the_role_flag_comes_after_the_users_llumlet_flags():
     assert llumlets["llumlet-1"][-2:] == ["--role", "decode"]
 
 
-def test_bypass_dispatch_keeps_decode_instances_out_while_a_prefill_instance_lives():
+class NoScheduler:
+    """A bus on which nobody answers dispatch: the gateway dispatches by itself (bypass mode)."""
+
+    async def request(self, *args, **kwargs):
+        raise NoRespondersError
+
+
+async def test_bypass_dispatch_keeps_decode_instances_out_while_a_prefill_instance_lives():
     instances = GatewayInstances(timeout_s=60.0)
     # The decode instance is the freest: by freeness alone it would take every request.
     instances.update(msgspec.structs.replace(make_load("d", running={}), role=InstanceRole.DECODE))
     instances.update(msgspec.structs.replace(make_load("p", running={0: (2, 50)}), role=InstanceRole.PREFILL))
-    dispatcher = Dispatcher(None, instances, GatewayMetrics("m", 4096), timeout_s=1.0)
-    assert {dispatcher._bypass(DispatchRequest(f"r{i}", 10, 10), "test", "prompt") for i in range(5)} == {"p"}
+    dispatcher = Dispatcher(NoScheduler(), instances, GatewayMetrics("m", 4096), timeout_s=1.0)
+    assert {await dispatcher.choose(DispatchRequest(f"r{i}", 10, 10)) for i in range(5)} == {"p"}
+    assert dispatcher.bypassing
