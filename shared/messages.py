@@ -273,6 +273,12 @@ class LoadReport(Struct):
     running_output_tokens: Annotated[list[Count], Meta(max_length=MAX_RUNNING_OUTPUTS)] = []
     num_finished_total: Count = 0
     finished_output_tokens_total: Count = 0
+    # The pace of its recent decoding steps (exponential averages; 0: none yet): wall time,
+    # requests decoded per step and their context tokens. Over the latency model's decode-only
+    # time for that batch they give the step inflation admission scales its TBT predictions by.
+    step_time_s: Seconds = 0.0
+    step_decode_batch: Annotated[float, Meta(ge=0.0, le=1e6)] = 0.0
+    step_decode_context: Annotated[float, Meta(ge=0.0, le=1e12)] = 0.0
     # Freeness as the llumlet computed it (for dashboards); the scheduler recomputes.
     freeness: float = 0.0
     dispatch_freeness: float = 0.0
@@ -328,6 +334,9 @@ class DispatchReply(Struct):
     rejected: str | None = None  # the refusal in words
     retry_after_s: float | None = None
     reason: Refusal | None = None  # set whenever `instance_id` is None
+    # Admission control's predicted TTFT on the chosen instance (None without admission): the
+    # gateway reports how far the measured TTFT strays from it.
+    predicted_ttft_s: Seconds | None = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -130,6 +130,9 @@ def build_load_report(
     role: InstanceRole = InstanceRole.MIXED,
     num_finished_total: int = 0,
     finished_output_tokens_total: int = 0,
+    step_time_s: float = 0.0,
+    step_decode_batch: float = 0.0,
+    step_decode_context: float = 0.0,
 ) -> LoadReport:
     """`headroom_blocks`: the execution-priority headroom the report's own freeness fields (for
     dashboards) are computed with; None leaves them 0 (the simulator: its policies compute
@@ -159,6 +162,9 @@ def build_load_report(
         running_output_tokens=requests.running_output_tokens,
         num_finished_total=num_finished_total,
         finished_output_tokens_total=finished_output_tokens_total,
+        step_time_s=step_time_s,
+        step_decode_batch=step_decode_batch,
+        step_decode_context=step_decode_context,
     )
     if headroom_blocks is not None:  # (None: nobody reads them; the policies compute their own)
         report.freeness = freeness(report, headroom_blocks, QueueDemand.HEAD)
