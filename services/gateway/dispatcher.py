@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -29,6 +30,12 @@ from shared.policy.dispatch import REJECT_NO_INSTANCE
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Placement:
+    instance_id: str
+    predicted_ttft_s: float | None = None  # admission control's, on that instance (None: no admission)
+
+
 class Dispatcher:
     def __init__(self, nc: Client, instances: GatewayInstances, metrics: GatewayMetrics, timeout_s: float,
                  policy: PolicyConfig | None = None) -> None:
@@ -44,13 +51,17 @@ class Dispatcher:
     async def choose(self, request: DispatchRequest, prompt_param: str = "prompt") -> str:
         """The instance to run `request` on; ApiError (400/429/503, see `refusal_error`) when there
         is none. `prompt_param` is the body field a too-long refusal names."""
+        return (await self.place(request, prompt_param)).instance_id
+
+    async def place(self, request: DispatchRequest, prompt_param: str = "prompt") -> Placement:
+        """As `choose`, with the TTFT the scheduler's admission control predicts there."""
         started = time.perf_counter()
         try:
             return await self._choose(request, prompt_param)
         finally:
             self._metrics.dispatch_latency.observe(time.perf_counter() - started)
 
-    async def _choose(self, request: DispatchRequest, prompt_param: str) -> str:
+    async def _choose(self, request: DispatchRequest, prompt_param: str) -> Placement:
         probe = not self.breaker.closed
         if not self.breaker.may_ask():
             return self._bypass(request, "the global scheduler stopped answering", prompt_param)
@@ -81,7 +92,7 @@ class Dispatcher:
         self._breaker_answered()
         self._end_bypass()
         if reply.instance_id is not None:
-            return reply.instance_id
+            return Placement(reply.instance_id, reply.predicted_ttft_s)
         # A scheduler too old to say why: the generic refusal, load shedding (retry later).
         reason = reply.reason or Refusal.OVERLOADED
         raise refusal_error(reason, _message(reason, reply.rejected or "rejected by the global scheduler"),
@@ -117,7 +128,7 @@ class Dispatcher:
         if self._opened is not None and not self._opened.done():
             self._opened.set_result(None)
 
-    def _bypass(self, request: DispatchRequest, why: str, prompt_param: str) -> str:
+    def _bypass(self, request: DispatchRequest, why: str, prompt_param: str) -> Placement:
         if not self.bypassing:
             self.bypassing = True
             log.warning("%s: dispatching from this gateway's load reports (bypass mode)", why)
@@ -128,7 +139,7 @@ class Dispatcher:
             raise refusal_error(reason, _message(reason, decision.rejected or REJECT_NO_INSTANCE), prompt_param)
         self._instances.account(decision.instance_id, request)
         self._metrics.bypass_dispatches.inc()
-        return decision.instance_id
+        return Placement(decision.instance_id)
 
     def _end_bypass(self) -> None:
         if self.bypassing:

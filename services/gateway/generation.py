@@ -36,6 +36,8 @@ class TokenTimes(Protocol):
 
     def next_tokens(self, engine: str, gap_s: float) -> None: ...
 
+    def ttft_predicted(self, predicted_s: float, measured_s: float) -> None: ...
+
 
 class Generation:
     def __init__(self, stream: OutputStream, decode: Callable[[list[int]], str], prompt_token_ids: Sequence[int],
@@ -107,6 +109,8 @@ class Generation:
             self.first_token_at = now
             if times is not None and holders:
                 times.first_token(holders[-1], now - self.arrival)
+            if times is not None and self.stream.predicted_ttft_s is not None:
+                times.ttft_predicted(self.stream.predicted_ttft_s, now - self.arrival)
         elif times is not None and holders:
             times.next_tokens(holders[-1], now - self.last_token_at)
         self.last_token_at = now

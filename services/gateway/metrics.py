@@ -33,6 +33,9 @@ __all__ = ["CONTENT_TYPE", "GatewayMetrics", "RequestTimeline", "timeline_of"]
 DISPATCH_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 # A migration's stall is a decode step or a few (milliseconds to ~100 ms); seconds mean trouble.
 MIGRATION_STALL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+# Admission's TTFT prediction against the TTFT measured here: tens of ms (the bus, the step
+# boundary) when it holds; seconds when the instance was busier than its report said.
+TTFT_PREDICTION_ERROR_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 @dataclass
@@ -117,6 +120,13 @@ class GatewayMetrics:
                                          "the first from the one it moved to", ["model_name"],
                                          buckets=MIGRATION_STALL_BUCKETS, registry=r)
         self.migration_stall.labels(model_name)
+        self.ttft_prediction_error = Histogram(
+            "corral:gateway_ttft_prediction_error_seconds", "How far each admitted request's time to first token "
+            "strayed from admission control's prediction on its instance (the scheduler's, with --admission): "
+            "'late' when it came after the predicted time, 'early' when before", ["model_name", "direction"],
+            buckets=TTFT_PREDICTION_ERROR_BUCKETS, registry=r)
+        for direction in ("late", "early"):
+            self.ttft_prediction_error.labels(model_name, direction)
         self.bypass_dispatches = Counter("corral:gateway_bypass_dispatches", "Requests dispatched by the gateway "
                                          "itself because the global scheduler did not answer", registry=r)
         self.in_flight = Gauge("corral:gateway_requests_in_flight", "Requests dispatched and not finished",
@@ -186,6 +196,11 @@ class GatewayMetrics:
     def next_tokens(self, engine: str, gap_s: float) -> None:
         """The gap since the previous delivery of tokens: vLLM's inter-token latency (one per step)."""
         self.itl.labels(self._model, engine).observe(gap_s)
+
+    def ttft_predicted(self, predicted_s: float, measured_s: float) -> None:
+        """(`TokenTimes`) A request's first token, against the TTFT admission predicted for it."""
+        error = measured_s - predicted_s
+        self.ttft_prediction_error.labels(self._model, "late" if error > 0 else "early").observe(abs(error))
 
     def migration_stalled(self, seconds: float) -> None:
         self.migration_stall.labels(self._model).observe(seconds)

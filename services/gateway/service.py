@@ -232,12 +232,13 @@ class GatewayService:
                                        request.priority, list(exclude), block_hashes=hashes,
                                        prefix_block_size=block_size)
             try:
-                instance_id = await self._dispatcher.choose(dispatch, request.kind.prompt_param)
+                placement = await self._dispatcher.place(dispatch, request.kind.prompt_param)
             except ApiError as error:
                 if not gone:
                     raise
                 raise ApiError(error.status, f"{'; '.join(gone)}; {error.message}", error.param, error.headers,
                                error.reason) from error
+            instance_id, stream.predicted_ttft_s = placement.instance_id, placement.predicted_ttft_s
             stream.set_holder(instance_id)
             try:
                 await self._send_generate(instance_id, request, stream, resume_from)

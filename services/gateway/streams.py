@@ -157,6 +157,7 @@ class OutputStream:
         self.holder_since = time.monotonic()
         self.holders: list[str] = [instance_id] if instance_id else []  # every holder, in order
         self.num_prompt_tokens = 0
+        self.predicted_ttft_s: float | None = None  # admission's, on the instance dispatch chose (if any)
         # From the first instance that reports it: a migration's or a resume's later instance
         # may find more of the prompt (and its own output) cached, but the client's prompt was
         # looked up once.

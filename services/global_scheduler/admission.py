@@ -8,7 +8,14 @@ The outlooks come from the load reports alone: each running request's output so 
 request counts as just started) and the instance's finished requests with their output tokens,
 which make its output-length estimate (the prior, weighed as a few requests, until it has served
 some) — the same inputs the simulator reads from its engines. Step times come from the latency
-model of `gpu`; the measured step inflation the simulator uses is not reported yet (1.0 here).
+model of `gpu`, times the instance's step inflation: the pace its report gives (recent decoding
+steps' wall time, requests decoded and their context) over the model's decode-only time for that
+batch.
+As the simulator's it carries the prefill mixed into the steps; live it also carries how far the
+engine is from the profile (a faster engine than `gpu` gives a ratio below 1), for TBT only.
+
+An admitted request's reply carries its predicted TTFT on the chosen instance, which the gateway
+compares with the TTFT it measures (`corral:gateway_ttft_prediction_error_seconds`).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from shared.policy.admission import (
 from shared.policy.prefix_dispatch import queued_prefill_tokens
 
 MIN_RETRY_S, MAX_RETRY_S = 0.1, 30.0
+MIN_INFLATION, MAX_INFLATION = 0.01, 100.0  # a measured ratio outside these is a broken clock, not a pace
 NO_ROOM_RETRY_S = 1.0  # no instance has room for the prompt now: a second is a few requests' ends
 
 
@@ -59,22 +67,25 @@ class DispatchAdmission:
         for reason in RejectReason:
             self.rejections.labels(reason.value)
 
-    def check(self, loads: Sequence[LoadReport], request: DispatchRequest) -> tuple[DispatchRequest, DispatchReply | None]:
-        """The request with the instances that cannot meet the SLO excluded, or a refusal."""
+    def check(self, loads: Sequence[LoadReport], request: DispatchRequest
+              ) -> tuple[DispatchRequest, DispatchReply | None, dict[str, float]]:
+        """The request with the instances that cannot meet the SLO excluded, or a refusal; and
+        the predicted TTFT on each admitted instance."""
         live = [load for load in loads if not load.draining and load.instance_id not in request.exclude]
         decision = admit([self._outlook(load) for load in live], request.num_prompt_tokens, request.priority,
                          self.settings.policy, self.settings.slo, self._latency)
         if decision.accepted:
             admitted = set(decision.admitted)
             others = [load.instance_id for load in live if load.instance_id not in admitted]
-            return (request if not others else _with_exclude(request, others)), None
+            predicted = {p.instance_id: p.ttft_s for p in decision.predictions if p.instance_id in admitted}
+            return (request if not others else _with_exclude(request, others)), None, predicted
         assert decision.rejected is not None
         self.rejections.labels(decision.rejected.value).inc()
         return request, DispatchReply(
             rejected=f"overloaded: no instance can meet the SLO ({decision.rejected.value})",
             retry_after_s=self._retry_after_s(decision, request.priority),
             reason=Refusal.OVERLOADED,
-        )
+        ), {}
 
     def _outlook(self, load: LoadReport) -> InstanceOutlook:
         running_blocks = sum(level.running_blocks for level in load.by_priority)
@@ -87,7 +98,15 @@ class DispatchAdmission:
                                       served_tokens=load.finished_output_tokens_total)
         return InstanceOutlook(load.instance_id, queued_prefill_tokens(load), load.num_waiting,
                                generated, context, output, free, load.block_size,
-                               total_blocks=load.num_blocks_total)
+                               self._inflation(load), load.num_blocks_total)
+
+    def _inflation(self, load: LoadReport) -> float:
+        """The instance's recent step time over the model's decode-only step for the batch it
+        decoded (1.0 before it reported a decoding step)."""
+        if load.step_time_s <= 0.0 or load.step_decode_batch <= 0.0:
+            return 1.0
+        modelled = self._latency.decode_s(max(1, round(load.step_decode_batch)), round(load.step_decode_context))
+        return min(max(load.step_time_s / modelled, MIN_INFLATION), MAX_INFLATION) if modelled > 0 else 1.0
 
     def _retry_after_s(self, decision: AdmissionDecision, priority: int) -> float:
         """How long until the nearest instance's predicted TTFT is back within the target."""

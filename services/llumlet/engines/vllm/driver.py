@@ -409,4 +409,6 @@ class VllmDriver:
             demand_blocks=blocks_for(num_tokens + 1, self.block_size) if phase is RequestPhase.WAITING else 0,
             num_tokens=num_tokens,
             num_preemptions=vllm_request.num_preemptions,
+            # (a migrated-in request's output before the move is part of vLLM's prompt: added back)
+            num_output_tokens=len(tracked.prior_output_token_ids) + vllm_request.num_output_tokens,
         )
