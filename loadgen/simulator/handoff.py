@@ -109,6 +109,10 @@ class Handoffs:
             else:
                 self.stats.aborted += 1
                 self._again_later(migration.src, migration.request_id)
+        elif migration.status is MigrationStatus.COMMITTED:  # a load-balancing round moved it first
+            waiting = self.pending.get(migration.src.instance_id, {})
+            if migration.request_id in waiting:
+                self._settle_gone(migration.request_id, waiting)
         self._retry()  # a slot is free
 
     def _retry(self) -> None:
