@@ -6,6 +6,7 @@ of waiting out the inactivity timeout."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import httpx
@@ -95,3 +96,30 @@ async def test_an_abort_from_elsewhere_ends_the_stream_with_an_error_at_once(mak
     assert outcome.error and "aborted" in outcome.error and not outcome.hung, outcome
     assert outcome.ended - aborted_at < 2.0
     assert not (left := await wait_blocks_back(cluster.nats_url, INSTANCES)), left
+
+
+async def test_a_gateway_frozen_past_the_silence_limit_resumes_what_the_llumlets_dropped(make_cluster, tiny_model_dir):
+    """A gateway alive but silent (SIGSTOP here; starved on a loaded machine, as seen at load 11 on
+    2 cores) has its requests aborted by the llumlets as orphans. Their error chunks are resumable:
+    once it runs again it resumes each from the tokens it delivered, and its clients see no error."""
+    cluster = make_cluster(3)
+    name, tokens = model_name(cluster), 300
+    sent = prompts(12)
+    gateway = cluster.procs["gateway"].process
+    async with NatsObserver(cluster.nats_url) as observer, GenerateLog(cluster.nats_url) as generated, \
+            httpx.AsyncClient(base_url=cluster.base_url, timeout=60) as http:
+        streams = [asyncio.create_task(stream_completion(http, name, p, tokens)) for p in sent]
+        assert await observer.wait_for(lambda latest: sum(r.num_running for r in latest.values()) >= 12, 20)
+        await asyncio.sleep(0.3)
+        gateway.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(2.5)  # past the llumlets' 1.5 s limit
+        gateway.send_signal(signal.SIGCONT)
+        outcomes = await asyncio.gather(*streams)
+        tally = judge(outcomes, expected(tiny_model_dir, generated, sent, tokens))
+    aborted = [line for name_ in INSTANCES for line in log_lines(cluster, name_, "went silent: aborting")]
+    print(f"\ngateway frozen 2.5 s: {tally.line()}; {len(generated.resumes)} resumes")
+    assert aborted, "no llumlet took the frozen gateway for gone: the test proves nothing"
+    assert tally.completed == len(sent) and tally.wrong == 0, tally
+    assert generated.resumes
+    assert not (left := await wait_blocks_back(cluster.nats_url, INSTANCES)), left
+    assert dead_processes(cluster) == []
