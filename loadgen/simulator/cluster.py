@@ -16,6 +16,7 @@ from loadgen.datasets import PREFIX_BLOCK_TOKENS
 from loadgen.simulator.admission import SimAdmission
 from loadgen.simulator.autoscale import Autoscaler, ScalingEvent
 from loadgen.simulator.config import SimConfig
+from loadgen.simulator.dispatch_view import IndexedDispatch
 from loadgen.simulator.events import EventQueue
 from loadgen.simulator.handoff import Handoffs, HandoffStats
 from loadgen.simulator.instance import InstanceState, SimInstance
@@ -68,7 +69,8 @@ class SimResult:
 
 class ClusterSimulator:
     def __init__(
-        self, config: SimConfig, policy: SchedulingPolicy, workload: Workload, *, record_dispatches: bool = False
+        self, config: SimConfig, policy: SchedulingPolicy, workload: Workload, *, record_dispatches: bool = False,
+        dispatch_index: bool = True,
     ) -> None:
         self.config = config
         self.policy = policy
@@ -98,6 +100,12 @@ class ClusterSimulator:
         admission = config.admission
         self.admission = (SimAdmission(admission, self.latency, self.instances)
                           if admission is not None and admission.policy is not AdmissionPolicy.NONE else None)
+        # Freeness dispatch reads the live scheduler's index (same decisions as the scan, tested);
+        # `dispatch_index=False` scans every instance per arrival, as before (benchmarks compare).
+        self.indexed = (IndexedDispatch(self.policy_config, config.report_interval_s, config.max_seq_len)
+                        if dispatch_index and policy.dispatch is DispatchRule.FREENESS and self.admission is None
+                        and not config.num_prefill
+                        else None)
         self.timeline = Timeline()
         for _ in range(config.num_instances):
             self.launch_instance(ready_after_s=0.0)
@@ -134,17 +142,24 @@ class ClusterSimulator:
         scheduler = SimScheduler(self.config.scheduler_config(self.policy.queue_policy))
         instance = SimInstance(instance_id, scheduler, self.latency, launched_at=self.now,
                                role=self.config.role_of(len(self.instances)))
+        if self.indexed is not None:
+            instance.on_report = self.indexed.reported
         self.instances[instance_id] = instance
         if ready_after_s > 0:
             instance.state = InstanceState.STARTING
             self.events.push(self.now + ready_after_s, self._on_ready, instance)
         else:
-            self.serving.append(instance)
+            self._serve(instance)
         return instance
 
     def _on_ready(self, instance: SimInstance) -> None:
         instance.state = InstanceState.LIVE
+        self._serve(instance)
+
+    def _serve(self, instance: SimInstance) -> None:
         self.serving.append(instance)
+        if self.indexed is not None:
+            self.indexed.joined(instance)
 
     def drain(self, instance: SimInstance) -> None:
         assert instance.state is InstanceState.LIVE, instance.state
@@ -158,6 +173,8 @@ class ClusterSimulator:
             instance.state = InstanceState.STOPPED
             instance.stopped_at = self.now
             self.serving.remove(instance)
+            if self.indexed is not None:
+                self.indexed.left(instance)
 
     def kick(self, instance: SimInstance) -> None:
         """Start the instance's next step if it is idle and has something it can run."""
@@ -221,21 +238,10 @@ class ClusterSimulator:
         hashes = self._block_hashes(arrival)
         message = DispatchRequest(request_id, arrival.prompt_len, arrival.output_len, priority,
                                   block_hashes=hashes, prefix_block_size=self.config.scheduler.block_size)
-        if self._fresh_reports:
-            loads = self.loads()
-        else:  # round-robin reads no load; a report only tells it who is serving
-            loads = [instance.report or self.report_of(instance) for instance in self.serving]
-        if self.config.num_prefill:  # new requests go to prefill (and mixed) instances only
-            loads = dispatch_pool(loads)
-        refused = None
-        if self.admission is not None:  # early rejection: before any prefill is spent
-            admitted = self.admission.decide(loads, arrival.prompt_len, priority)
-            if admitted.accepted:
-                loads = [load for load in loads if load.instance_id in admitted.admitted]
-            else:
-                refused = f"overloaded:{admitted.rejected.value}"
-        decision = (dispatch(self.policy, loads, message, self.policy_config, self._turn, self.prefix)
-                    if refused is None else DispatchDecision(None, refused, Refusal.OVERLOADED))
+        if self.indexed is not None:
+            decision = self.indexed.choose(self.now, message)
+        else:
+            decision = self._decide(arrival, message, priority)
         self._turn += 1
         self.labels[request_id] = arrival.priority
         record = DispatchRecord(request_id, decision.instance_id, decision.rejected, self.now)
@@ -248,6 +254,8 @@ class ClusterSimulator:
         instance = self.instances[decision.instance_id]
         if self._fresh_reports:
             instance.report = account_dispatch(instance.report, message)
+            if self.indexed is not None:
+                self.indexed.accounted(instance)
         request = SimRequest(
             request_id, arrival.prompt_len, max_tokens=arrival.output_len, priority=priority, arrival_time=self.now,
             block_hashes=tuple(hashes),
@@ -255,6 +263,21 @@ class ClusterSimulator:
         instance.scheduler.add_request(request)
         self.placed_at[request_id] = self.now
         self.kick(instance)
+
+    def _decide(self, arrival: SimArrival, message: DispatchRequest, priority: int) -> DispatchDecision:
+        """The policy's choice over every serving instance's report (a scan per arrival)."""
+        if self._fresh_reports:
+            loads = self.loads()
+        else:  # round-robin reads no load; a report only tells it who is serving
+            loads = [instance.report or self.report_of(instance) for instance in self.serving]
+        if self.config.num_prefill:  # new requests go to prefill (and mixed) instances only
+            loads = dispatch_pool(loads)
+        if self.admission is not None:  # early rejection: before any prefill is spent
+            admitted = self.admission.decide(loads, arrival.prompt_len, priority)
+            if not admitted.accepted:
+                return DispatchDecision(None, f"overloaded:{admitted.rejected.value}", Refusal.OVERLOADED)
+            loads = [load for load in loads if load.instance_id in admitted.admitted]
+        return dispatch(self.policy, loads, message, self.policy_config, self._turn, self.prefix)
 
     def _prefill_s(self, num_tokens: int) -> float:
         return self.latency.prefill_ms(num_tokens) / 1e3 if num_tokens > 0 else 0.0

@@ -60,7 +60,8 @@ def test_dispatch_decisions_are_the_shared_functions_on_the_reports(monkeypatch,
 
     monkeypatch.setattr(cluster_module, "dispatch", spy)
     workload = synthetic("synthetic:M-M", 150, rate=8.0, priority_fraction=0.2, seed=4)
-    result = simulate(SMALL, policy, workload, record_dispatches=True)
+    # The scan (tests/simulator/test_dispatch_view.py: the dispatch index decides the same).
+    result = simulate(SMALL, policy, workload, record_dispatches=True, dispatch_index=False)
     scheduling = get_policy(policy)
     assert len(seen) == 150
     for loads, request, config, decision in seen:
