@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 
-from loadgen.simulator.instance import SimInstance
+from loadgen.simulator.instance import InstanceState, SimInstance
 from shared.messages import DispatchRequest
 from shared.policy.config import PolicyConfig
 from shared.policy.dispatch import DispatchDecision
@@ -61,10 +61,10 @@ class IndexedDispatch:
         """The instance built a report (any builder: dispatch, a migration round, the autoscaler)."""
         built = self._built
         built.append((instance.report_at, instance))
-        # Entries superseded by a later report (which has an entry behind them) go from the front
-        # as they come, so the queue stays about one entry per instance even while no dispatch
-        # reads it (after the last arrival every migration round still reports).
-        while built[0][1].report_at != built[0][0]:
+        # Entries superseded by a later report (which has an entry behind them) or of a stopped
+        # instance go from the front as they come, so the queue stays about one entry per instance
+        # even while no dispatch reads it (after the last arrival every migration round reports).
+        while built and (built[0][1].report_at != built[0][0] or built[0][1].state is InstanceState.STOPPED):
             built.popleft()
         self.accounted(instance)
 

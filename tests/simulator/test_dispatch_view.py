@@ -67,17 +67,23 @@ def test_same_decisions_with_early_rejection_by_freeness():
     _assert_same(plain, indexed)
 
 
-def test_same_decisions_while_autoscaling_launches_and_drains():
-    """Instances start serving after a startup delay (no report yet) and drain (ranked apart)."""
+def _autoscaled_load_step():
+    """A config that scales out and back in, and its workload: busy, then quiet."""
     scaling = ScalingConfig(scale_out_below=10, scale_in_above=60, sustain_s=2, cooldown_s=4, min_instances=1,
                             max_instances=8)
     config = small(num_instances=2, autoscale=AutoscaleModel(scaling=scaling, startup_s=5.0))
     rows = synthetic("synthetic:M-M", 900, rate=12.0, config=config, seed=6).arrivals
     late = synthetic("synthetic:M-M", 100, rate=0.5, config=config, seed=7).arrivals
-    shift = rows[-1].time_s  # a load step: busy, then quiet
+    shift = rows[-1].time_s
     arrivals = rows + [SimArrival(len(rows) + a.index, shift + a.time_s, a.prompt_len, a.output_len, a.priority)
                        for a in late]
-    plain, indexed = _both(config, "corral", Workload(arrivals, "load step"))
+    return config, Workload(arrivals, "load step")
+
+
+def test_same_decisions_while_autoscaling_launches_and_drains():
+    """Instances start serving after a startup delay (no report yet) and drain (ranked apart)."""
+    config, workload = _autoscaled_load_step()
+    plain, indexed = _both(config, "corral", workload)
     actions = [e.action for e in plain.scaling_events]
     assert "out" in actions and "in" in actions
     _assert_same(plain, indexed)
@@ -100,6 +106,12 @@ def test_reports_remembered_stay_about_one_per_instance_after_the_last_arrival()
     result = sim.run()
     assert result.makespan_s > workload.duration_s + 10 and result.migrations.rounds > 100
     assert sim.indexed.queued_reports <= SMALL.num_instances
+    # Instances drained and stopped by the autoscaler leave it too.
+    config, workload = _autoscaled_load_step()
+    sim = ClusterSimulator(config, get_policy("corral"), workload)
+    sim.run()
+    stopped = sum(i.stopped_at is not None for i in sim.instances.values())
+    assert stopped > 0 and sim.indexed.queued_reports <= len(sim.instances) - stopped
 
 
 @pytest.mark.parametrize("policy", ["round-robin", "infaas++", "kv-cost"])
