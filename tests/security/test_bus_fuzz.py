@@ -16,8 +16,8 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from shared import subjects
 from shared.messages import (
-    AbortRequest, DispatchRequest, DrainOrder, GenerateRequest, LoadReport, MigrateOrder, MigrationAbort,
-    MigrationCommit, PreAlloc, SamplingParams, TokenChunk, encode,
+    AbortRequest, DispatchRequest, DrainOrder, GenerateRequest, KvCacheEvents, KvCacheSnapshot, LoadReport,
+    MigrateOrder, MigrationAbort, MigrationCommit, PreAlloc, SamplingParams, TokenChunk, encode,
 )
 from tests.security.conftest import GATEWAY_ID, INSTANCES
 
@@ -39,6 +39,8 @@ SUBSCRIBED = {
     subjects.migration(DST, "abort"): (MigrationAbort("fuzz-m"), True, (DST,)),
     subjects.migration(DST, "commit"): (MigrationCommit("fuzz-unknown", _REQUEST, [4], 3), True, (DST,)),
     subjects.gateway_output(GATEWAY_ID): (TokenChunk("fuzz-unknown", DST, 0, [1]), False, ("gateway",)),
+    subjects.kv_events("fuzz-i"): (KvCacheEvents("fuzz-i", 1, 16, [1, 2], [3]), False, ("scheduler",)),
+    subjects.kv_snapshot("fuzz-i"): (KvCacheSnapshot("fuzz-i", 1, 16, [1, 2]), False, ("scheduler",)),
 }
 HOSTILE_VALUES = [-1, -(2**63), 2**64 - 1, 2**63 - 1, math.nan, math.inf, "bad id", "a.b", "", "\r\n", None,
                   [0] * 100_000, {"x": 1}, b"\x00" * 10]
