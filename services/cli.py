@@ -10,6 +10,7 @@ import sys
 from shared import nats_auth
 from shared.config import env
 from shared.logs import setup_logging
+from shared.policy.baselines import POLICIES, get_policy
 
 
 def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
@@ -31,6 +32,9 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
     if args.engine:
         llumlet_args += ["--engine", args.engine]
     gateway_args = ["--model", model_dir, "--port", str(args.port), "--host", args.host]
+    scheduler_args = ["--dispatch-policy", args.dispatch_policy]
+    if get_policy(args.dispatch_policy).dispatch.uses_prefix_index:  # the gateway sends each prompt's block hashes
+        gateway_args += ["--dispatch-prefix-hashes", "true"]
     autoscaler_args = None
     if args.autoscale:  # the autoscaler starts (and stops) the llumlets itself
         # Its llumlets serve no metrics: they would share one port (the gateway's and scheduler's still serve).
@@ -51,7 +55,7 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
         instances=args.instances,
         gateway_args=gateway_args,
         llumlet_args=llumlet_args,
-        scheduler_args=[],
+        scheduler_args=scheduler_args,
         autoscaler_args=autoscaler_args,
         port=args.port,
         ready_timeout_s=args.ready_timeout_s,
@@ -158,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--metrics-port", type=int, default=env("METRICS_PORT", 0),
                     help="P > 0: Prometheus /metrics of the scheduler on P and of llumlet i on P+1+i (the gateway "
                          "serves its own on --port); 0: only the gateway's")
+    up.add_argument("--dispatch-policy", choices=POLICIES, default=env("DISPATCH_POLICY", "corral"),
+                    help="the scheduler's dispatch rule by policy name (corral-prefix, prefix-only, kv-cost: the "
+                         "gateway hashes prompts; give the llumlets a prefix cache, e.g. --sim-prefix-caching)")
     up.add_argument("--autoscale", action="store_true",
                     help="let the autoscaler start and stop llumlets (--instances is the initial count)")
     up.add_argument("--min-instances", type=int, default=1)
