@@ -127,3 +127,40 @@ async def test_an_instance_without_a_cache_is_not_asked_every_tick(nats_url):
     finally:
         await tracker.stop()
         await nc.close()
+
+
+class _FakeBus:
+    """A NATS client stand-in: connected or not, recording what is published."""
+
+    def __init__(self) -> None:
+        self.is_connected = True
+        self.sent: list[tuple[str, bytes]] = []
+
+    async def publish(self, subject: str, data: bytes) -> None:
+        self.sent.append((subject, data))
+
+
+async def test_changes_made_while_nats_is_away_go_out_later_under_the_next_seq():
+    from shared.messages import KvCacheEvents, KvCacheSnapshot, decode
+
+    bus = _FakeBus()
+    journal = KvEventJournal()
+    publisher = KvEventPublisher("kv-b", 16, journal, lambda: bus)
+    journal.stored([1, 2])
+    await publisher.publish_changes()
+    bus.is_connected = False
+    journal.stored([3])
+    journal.removed([1])
+    await publisher.publish_changes()
+    await publisher.publish_snapshot()  # nothing goes out while away, and nothing is lost
+    journal.stored([4])
+    journal.removed([3])
+    bus.is_connected = True
+    await publisher.publish_snapshot()
+    kinds = [subject.rsplit(".", 1)[1] for subject, _ in bus.sent]
+    assert kinds == ["events", "events", "snapshot"]
+    first, held_back = (decode(data, KvCacheEvents) for _, data in bus.sent[:2])
+    assert (first.seq, sorted(first.stored)) == (1, [1, 2])
+    assert (held_back.seq, sorted(held_back.stored), sorted(held_back.removed)) == (2, [4], [1, 3])
+    snapshot = decode(bus.sent[2][1], KvCacheSnapshot)
+    assert (snapshot.seq, sorted(snapshot.block_hashes)) == (2, [2, 4])
