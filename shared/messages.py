@@ -273,6 +273,9 @@ class LoadReport(Struct):
     running_output_tokens: Annotated[list[Count], Meta(max_length=MAX_RUNNING_OUTPUTS)] = []
     num_finished_total: Count = 0
     finished_output_tokens_total: Count = 0
+    # Generate orders it has accepted since it started: the scheduler's admission tells by it
+    # which of its dispatches a report does not show yet (sent after the report was built).
+    num_accepted_total: Count = 0
     # The pace of its recent decoding steps (exponential averages; 0: none yet): wall time,
     # requests decoded per step and their context tokens. Over the latency model's decode-only
     # time for that batch they give the step inflation admission scales its TBT predictions by.

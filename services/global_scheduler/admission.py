@@ -14,6 +14,9 @@ batch.
 As the simulator's it carries the prefill mixed into the steps; live it also carries how far the
 engine is from the profile (a faster engine than `gpu` gives a ratio below 1), for TBT only.
 
+Dispatches sent after an instance's latest report was built are added to what it shows
+(`unreported.py`: a report that overtook a dispatch would otherwise wipe it).
+
 An admitted request's reply carries its predicted TTFT on the chosen instance, which the gateway
 compares with the TTFT it measures (`corral:gateway_ttft_prediction_error_seconds`).
 """
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
+from services.global_scheduler.unreported import UnreportedDispatches
 from shared.engine_model.latency import LatencyModel
 from shared.messages import DispatchReply, DispatchRequest, LoadReport, Refusal
 from shared.policy.admission import (
@@ -61,6 +65,7 @@ class DispatchAdmission:
         self._latency = LatencyFns(prefill_s=lambda n: model.prefill_ms(n) / 1e3 if n > 0 else 0.0,
                                    decode_s=lambda bs, ctx: model.decode_ms(bs, ctx) / 1e3)
         self._output = OutputLengthEstimate(prior_mean=settings.prior_output_len)
+        self._unreported = UnreportedDispatches()
         self.rejections = Counter("corral:scheduler_admission_rejections",
                                   "Requests refused by admission control (429), by reason", ["reason"],
                                   registry=registry)
@@ -72,6 +77,8 @@ class DispatchAdmission:
         """The request with the instances that cannot meet the SLO excluded, or a refusal; and
         the predicted TTFT on each admitted instance."""
         live = [load for load in loads if not load.draining and load.instance_id not in request.exclude]
+        if not live:  # nothing to predict: dispatch answers as without admission (no instance, not overload)
+            return request, None, {}
         decision = admit([self._outlook(load) for load in live], request.num_prompt_tokens, request.priority,
                          self.settings.policy, self.settings.slo, self._latency)
         if decision.accepted:
@@ -87,17 +94,23 @@ class DispatchAdmission:
             reason=Refusal.OVERLOADED,
         ), {}
 
+    def dispatched(self, load: LoadReport, request: DispatchRequest) -> None:
+        """The request goes to `load`'s instance (accounted on that load)."""
+        self._unreported.dispatched(load, request)
+
     def _outlook(self, load: LoadReport) -> InstanceOutlook:
         running_blocks = sum(level.running_blocks for level in load.by_priority)
         context = running_blocks * load.block_size / load.num_running if load.num_running else 0.0
-        free = load.num_blocks_free - load.waiting_demand_blocks - load.committed_blocks - load.reserved_blocks
+        missing = self._unreported.missing_from(load)
+        free = (load.num_blocks_free - load.waiting_demand_blocks - load.committed_blocks - load.reserved_blocks
+                - missing.blocks)
         generated = list(load.running_output_tokens[: load.num_running])
         generated += [0] * (load.num_running - len(generated))
         output = OutputLengthEstimate(prior_mean=self._output.prior_mean, prior_weight=self._output.prior_weight,
                                       served=load.num_finished_total,
                                       served_tokens=load.finished_output_tokens_total)
-        return InstanceOutlook(load.instance_id, queued_prefill_tokens(load), load.num_waiting,
-                               generated, context, output, free, load.block_size,
+        return InstanceOutlook(load.instance_id, queued_prefill_tokens(load) + missing.prompt_tokens,
+                               load.num_waiting + missing.num, generated, context, output, free, load.block_size,
                                self._inflation(load), load.num_blocks_total)
 
     def _inflation(self, load: LoadReport) -> float:

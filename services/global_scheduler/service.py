@@ -148,6 +148,8 @@ class GlobalScheduler:
         if decision.instance_id is None:
             return DispatchReply(rejected=decision.rejected, reason=decision.reason)
         chosen = self.table.get(decision.instance_id)
+        if self.admission is not None:  # (until the instance's reports show it)
+            self.admission.dispatched(chosen, request)
         self.table.replace_load(account_dispatch(chosen, request))
         return DispatchReply(instance_id=decision.instance_id, predicted_ttft_s=predicted.get(decision.instance_id))
 

@@ -1,5 +1,6 @@
 """What a llumlet's load reports tell admission control (issue 19 §1) about the work it serves:
-the requests it finished with their output tokens (the scheduler's output-length mean for this
+the generate orders it accepted (which of the scheduler's dispatches a report shows), the
+requests it finished with their output tokens (the scheduler's output-length mean for this
 instance), and the pace of its recent decoding steps — step time, the number of requests each
 decoded and their context tokens, exponential averages — from which the scheduler derives the
 step inflation (measured step time over its latency model's decode-only time for that batch).
@@ -21,11 +22,16 @@ SERVED = (FinishReason.STOP, FinishReason.LENGTH)  # an abort or error says noth
 
 class ServedTally:
     def __init__(self) -> None:
+        self.num_accepted = 0
         self.num_finished = 0
         self.finished_output_tokens = 0
         self.step_time_s = 0.0  # 0 until a step decoded something
         self.decode_batch = 0.0
         self.decode_context = 0.0  # tokens of context over the requests a step decoded
+
+    def accepted(self) -> None:
+        """A generate order is in the engine (in the same turn: no report shows one without the other)."""
+        self.num_accepted += 1
 
     def step_done(self, started: float, ended: float, outputs: Iterable[StepOutput]) -> None:
         decoded = context = 0

@@ -97,9 +97,15 @@ class Llumlet:
         if coordinator is None:
             log.warning("role %s without live migration: requests decode here (as on a mixed instance)", self.role)
             return None
+        ops = self.migration.ops
+
+        async def resume(request_id: str) -> None:
+            if await ops.resume(request_id):
+                self.wake_engine()
+
         return PrefillHandoff(self.instance_id, nats_ask(lambda: self.nc), coordinator.migrate,
-                              self.migration.ops.migration_snapshot, self.config.handoff_concurrency,
-                              on_outcome=self.metrics.handed_off)
+                              ops.migration_snapshot, self.config.handoff_concurrency,
+                              on_outcome=self.metrics.handed_off, suspend=ops.suspend, resume=resume)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -212,6 +218,7 @@ class Llumlet:
             await msg.respond(encode(Ack(ok=False, error=str(exc), reason=exc.reason)))
             return
         self.routes.open(request.request_id, request.reply_subject, request.resume_from)
+        self.served.accepted()
         if request.batched_output:
             self.output.batch_for(request.reply_subject)
         self.metrics.request_arrived(request.request_id, time.monotonic())
@@ -308,7 +315,7 @@ class Llumlet:
             self.served.step_done(started, time.monotonic(), outputs)
             await self.output.publish_step(outputs)
             if self.handoff is not None:  # (after the first token went out from here)
-                self.handoff.prefilled(outputs)
+                await self.handoff.prefilled(outputs)
             if outputs:
                 self._maybe_report_now()
 
@@ -367,6 +374,7 @@ class Llumlet:
             engine=self.engine.kind,
             num_finished_total=self.served.num_finished,
             finished_output_tokens_total=self.served.finished_output_tokens,
+            num_accepted_total=self.served.num_accepted,
             step_time_s=self.served.step_time_s,
             step_decode_batch=self.served.decode_batch,
             step_decode_context=self.served.decode_context,

@@ -134,13 +134,12 @@ def test_a_burst_gets_429s_with_retry_after_and_the_admitted_meet_the_slo_within
         assert reply.finish_reason == "length"
 
     # Every admitted request's first token was compared with its prediction; none missed the
-    # target by more than the error reported. (That error is tenths of a second when the
-    # prediction holds; a second or more when a report built before a dispatch reached the
-    # scheduler after it and wiped its accounting: an instance then takes one prompt more than
-    # fits, which waits for memory.)
+    # target by more than the error reported, and that error is within the target's size. (It
+    # was 2.5 s before the scheduler counted back the dispatches a report had overtaken: an
+    # instance took a prompt more than fits, which waited for memory.)
     bound, late, early = late_error_bound(metrics)
     assert late + early == len(served)
-    assert math.isfinite(bound), metrics
+    assert bound <= SLO_TTFT_S, metrics
     for reply in served:
         assert reply.ttft_s <= SLO_TTFT_S + bound + HTTP_SLACK_S, (reply.ttft_s, bound)
 

@@ -3,6 +3,7 @@ every invariant."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -128,7 +129,8 @@ def test_load_aggregates_agree_with_views() -> None:
     for _ in range(3):
         step(s)
     load, views = s.load(), s.request_views()
-    assert load == aggregate_views(views)
+    # (the counts leave the running requests' outputs out: the simulator's admission reads its engines)
+    assert load == dataclasses.replace(aggregate_views(views), running_output_tokens=[])
     waiting = [v for v in views if v.phase is RequestPhase.WAITING]
     running = [v for v in views if v.phase is RequestPhase.RUNNING]
     assert load.num_waiting == len(waiting) and load.num_running == len(running)

@@ -224,6 +224,7 @@ async def test_abort_frees_the_requests_blocks(engine):
     (view,) = engine.request_views()
     assert view.phase is RequestPhase.RUNNING
     assert view.physical_blocks == -(-view.num_tokens // BLOCK_SIZE)
+    assert view.num_output_tokens == view.num_tokens - 200 >= 1  # (admission's `predicted` reads it)
     assert engine.num_free_blocks() == baseline - view.physical_blocks
 
     assert engine.abort_request("doomed") is True
