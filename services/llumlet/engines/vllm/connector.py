@@ -11,9 +11,10 @@ engine thread (`driver.py`) fills and drains. Everything here runs on that one t
   committed or the request resumed here.
 - Destination: received blocks sit in blocks the driver took out of vLLM's pool (a lease). A
   migrated request is added with its generated tokens appended to the prompt and a `LoadPlan`;
-  `get_num_new_matched_tokens` reports its computed tokens as an external hit, and
-  `start_load_kv` copies lease blocks into the blocks vLLM allocated (skipping a local prefix
-  hit) before the forward pass reads them.
+  `get_num_new_matched_tokens` reports its computed tokens past the local prefix hit (the lease's
+  full blocks, put in the prefix cache at its add: `leases.py`) as an external hit, and
+  `start_load_kv` copies those lease blocks (the partial last one) into the blocks vLLM allocated
+  before the forward pass reads them.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ the step in progress), so the llumlet's event loop keeps serving meanwhile:
 - release_migrated: the connector reports the request sent, vLLM frees the held blocks;
 - reserve_blocks: blocks taken out of vLLM's pool (the copier scatters straight into the KV
   cache, so source and destination share one region layout); at commit the request is added
-  with its output as prompt and the connector copies the lease into the blocks vLLM allocates
-  (skipping a local prefix hit), then the lease goes back to the pool.
+  with its output as prompt, the lease's full blocks join vLLM's prefix cache under its block
+  hashes (its first step takes them as a local hit), the connector copies the rest (the partial
+  last block) into the blocks vLLM allocates, then the lease goes back to the pool (`leases.py`).
 """
 
 from __future__ import annotations
