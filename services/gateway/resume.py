@@ -9,7 +9,8 @@ What an engine cannot rebuild from tokens cannot be resumed, and ends the reques
 error instead of output that silently differs (`resume_refusal`).
 
 A stream can also fall silent with its holder alive: its last chunk was lost (no gap shows), or
-the holder dropped it without a word. After `SILENCE_PROBE_S` of silence the holder is sent the
+the holder dropped it without a word. After `SILENCE_PROBE_S` of silence (counted only while the
+gateway keeps up with its token output: a chunk in its own backlog is not lost) the holder is sent the
 request's continuation (`Resumer.silent`): "already running here" (a duplicate refusal) means it
 still holds the request (queued, preempted, a long prefill), and it is asked again after twice
 as long; taken means it no longer held it, and it now continues the stream where it stands.
