@@ -142,12 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     ceiling = hit_ceiling(args.requests, args.seed, block_size)
     print(f"\nhit-rate ceiling (every turn finds its session's previous prompt, {block_size}-token blocks): "
           f"{ceiling:.1%}")
-    print(f"{'policy':<15}{'done':>6}{'fail':>6}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'mean ms':>11}{'hit rate':>10}  prompt tokens a/b  prefix decisions")
+    print(f"{'policy':<15}{'done':>6}{'fail':>6}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'mean ms':>11}"
+          f"{'hit rate':>10}  prompt tokens a/b  prefix decisions")
     for row in rows:
         split = "/".join(f"{v:.0f}" for v in row["prompt_tokens_by_instance"].values())
         decisions = " ".join(f"{k}={v:.0f}" for k, v in row["prefix_decisions"].items() if v)
         print(f"{row['policy']:<15}{row['completed']:>6}{row['failed']:>6}{row['ttft_p50_ms']:>13.1f}"
-              f"{row['ttft_p99_ms']:>13.1f}{row['mean_ttft_ms']:>11.1f}{row['prefix_hit_rate']:>10.1%}  {split}  {decisions}")
+              f"{row['ttft_p99_ms']:>13.1f}{row['mean_ttft_ms']:>11.1f}{row['prefix_hit_rate']:>10.1%}"
+              f"  {split}  {decisions}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "hit_rate_ceiling": ceiling,
                                     "runs": rows}, indent=2))

@@ -12,6 +12,7 @@ the global prefix index.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Iterable
 
@@ -63,17 +64,19 @@ class KvEventPublisher:
         async with self._lock:
             await self._send_changes(self.journal.take())
 
-    async def publish_snapshot(self) -> None:
-        """Pending changes first (their seq), then everything held after them."""
+    async def publish_snapshot(self) -> bool:
+        """Pending changes first (their seq), then everything held after them; False if not sent."""
         async with self._lock:
             delta, held = self.journal.take_with_snapshot()
             if not await self._send_changes(delta):
-                return  # NATS away: a snapshot follows the held changes later
+                return False  # NATS away: a snapshot follows the held changes later
             snapshot = KvCacheSnapshot(self.instance_id, self.seq, self.block_size, held)
             try:  # (one message: a cache past ~100k blocks exceeds NATS's default payload and is refused)
                 await self._nc().publish(subjects.kv_snapshot(self.instance_id), encode(snapshot))
             except NatsError as exc:
                 log.warning("KV snapshot of %s (%d blocks) not sent: %s", self.instance_id, len(held), exc)
+                return False
+            return True
 
     async def _send_changes(self, delta: KvDelta) -> bool:
         """Send `delta` (after any held back): False while NATS cannot take it (it is kept)."""
@@ -87,13 +90,13 @@ class KvEventPublisher:
             return False
         messages = list(_split(delta))
         for i, part in enumerate(messages):
-            events = KvCacheEvents(self.instance_id, self.seq + 1, self.block_size, part.stored, part.removed, part.cleared)
+            events = KvCacheEvents(self.instance_id, self.seq + 1, self.block_size, part.stored, part.removed,
+                                   part.cleared)
             try:
                 await self._nc().publish(subjects.kv_events(self.instance_id), encode(events))
             except NatsError as exc:  # not sent: kept whole, under the same seq
                 log.debug("KV events of %s not sent: %s", self.instance_id, exc)
-                rest = messages[i:]
-                self._pending = rest[0] if len(rest) == 1 else _merge_all(rest)
+                self._pending = functools.reduce(_merge, messages[i:])
                 return False
             self.seq += 1
         return True
@@ -103,9 +106,9 @@ class KvEventPublisher:
         return nc is not None and nc.is_connected
 
     async def _on_snapshot_request(self, msg: Msg) -> None:
-        await self.publish_snapshot()  # to every scheduler: each may use it, none is hurt by it
+        sent = await self.publish_snapshot()  # to every scheduler: each may use it, none is hurt by it
         if msg.reply:
-            await msg.respond(encode(Ack(ok=True)))
+            await msg.respond(encode(Ack(ok=sent, error=None if sent else "snapshot not sent")))
 
 
 def _merge(first: KvDelta, then: KvDelta) -> KvDelta:
@@ -113,14 +116,8 @@ def _merge(first: KvDelta, then: KvDelta) -> KvDelta:
         return then
     changes = {h: True for h in first.stored} | {h: False for h in first.removed}
     changes.update({h: True for h in then.stored} | {h: False for h in then.removed})
-    return KvDelta(first.cleared, [h for h, v in changes.items() if v], [h for h, v in changes.items() if not v])
-
-
-def _merge_all(deltas: list[KvDelta]) -> KvDelta:
-    merged = deltas[0]
-    for delta in deltas[1:]:
-        merged = _merge(merged, delta)
-    return merged
+    return KvDelta(first.cleared, [h for h, held in changes.items() if held],
+                   [h for h, held in changes.items() if not held])
 
 
 def _split(delta: KvDelta, limit: int = HASHES_PER_MESSAGE) -> Iterable[KvDelta]:

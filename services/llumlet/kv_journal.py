@@ -68,7 +68,8 @@ class KvEventJournal:
     def _take_locked(self) -> KvDelta:
         changes, self._changes = self._changes, {}
         cleared, self._cleared = self._cleared, False
-        return KvDelta(cleared, [h for h, held in changes.items() if held], [h for h, held in changes.items() if not held])
+        return KvDelta(cleared, [h for h, held in changes.items() if held],
+                       [h for h, held in changes.items() if not held])
 
 
 @runtime_checkable
