@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{m['accepted_per_s_cv']:>8.2f}", flush=True)
                 document["runs"].append({"workload": name, "seed": seed, "admission": policy, **m})
             if seed == seeds[0]:
-                png = out.with_name(f"admission_{name.replace(' ', '_')}.png")
+                png = out.with_name(f"{out.stem}_{name.replace(' ', '_')}.png")  # (beside its JSON, by its name)
                 plot(runs, f"{workload.description}; seed {seed}", png)
                 print(f"plot: {png}")
     out.parent.mkdir(parents=True, exist_ok=True)
