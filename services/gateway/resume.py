@@ -133,10 +133,21 @@ class Resumer:
             stream.fail(f"{why}; the request cannot be resumed: {refusal}", 503)
             return
         stream.resumes += 1
-        self._spawn(self._resume(stream, request, why))
+        self._spawn(self._resume(stream, request, instance_id, why))
 
-    async def _resume(self, stream: OutputStream, request: PreparedRequest, why: str) -> None:
+    async def _resume(self, stream: OutputStream, request: PreparedRequest, lost: str, why: str) -> None:
         started = time.monotonic()
+        async with stream.placing:  # after a placement in flight (submit's, say) is done
+            if stream.finished or not self._is_open(stream.request_id) or stream.holder != lost:
+                # Placed elsewhere meanwhile (its first placement moved on from the instance
+                # lost), or ended: sending the id out once more would run it twice.
+                log.info("request %s: %s; not resumed: placed on %s meanwhile, or ended", stream.request_id, why,
+                         stream.holder)
+                stream.resumes -= 1
+                return
+            await self._resume_placed(stream, request, why, started)
+
+    async def _resume_placed(self, stream: OutputStream, request: PreparedRequest, why: str, started: float) -> None:
         delivered = list(stream.delivered)
         try:
             while True:
@@ -175,8 +186,8 @@ class Resumer:
         """No chunk for a while from `instance_id`, its holder, alive as far as its load reports
         tell: when due (`silence_probe_due`, silence counted from `not_before` at the earliest),
         ask it by sending it the request's continuation."""
-        if (self._send is None or stream.finished or stream.probing or stream.placing or instance_id != stream.holder
-                or instance_id in stream.left):
+        if (self._send is None or stream.finished or stream.probing or stream.placing.locked()
+                or instance_id != stream.holder or instance_id in stream.left):
             return
         if not silence_probe_due(time.monotonic() - max(stream.quiet_since, not_before), stream.silence_probes):
             return
@@ -193,7 +204,8 @@ class Resumer:
         delivered = list(stream.delivered)
         refusal = resume_refusal(request.options, stream.resumes, self.max_resumes, len(delivered), request.max_tokens)
         try:
-            await self._send(instance_id, resumed_request(request, delivered), stream, len(delivered))
+            async with stream.placing:
+                await self._send(instance_id, resumed_request(request, delivered), stream, len(delivered))
         except ApiError as error:
             if error.reason is Refusal.DUPLICATE:  # it still holds the request: wait, ask again later
                 stream.silence_probes += 1

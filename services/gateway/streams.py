@@ -177,7 +177,9 @@ class OutputStream:
         self.quiet_since = time.monotonic()
         self.silence_probes = 0
         self.probing = False  # its holder is being asked now
-        self.placing = False  # a generate order for it is in flight (GatewayService._place)
+        # Held while the request is being placed (its first placement, a resume, a silence probe):
+        # one at a time, so a resume set off mid-placement cannot send the same id elsewhere too.
+        self.placing = asyncio.Lock()
         self._on_lost = on_lost
         # Queued deliveries of a migration's catch-up chunk (no logprobs: the destination never
         # saw them), by their first token index: a late chunk from the source may fill them in.
