@@ -13,7 +13,11 @@ about again a moment later, with a fresh choice, `ATTEMPTS` times in all; the re
 here meanwhile.
 
 Hand-offs queue in first-token order and run `concurrency` at a time; a queued request decodes
-here meanwhile, and the destination is chosen when its turn comes.
+here meanwhile, and the destination is chosen when its turn comes. A request whose hand-off can
+start at once is taken out of the batch right after the step that gave its first token
+(`suspend`), before the next one: it never joins a step of this instance's with other prompts'
+prefill in it (a long step: the stall a client would see between its first two tokens), and moves
+in one stage. Should the hand-off not happen after all, it is put back in the batch here.
 """
 
 from __future__ import annotations
@@ -51,8 +55,10 @@ class HandoffOutcome(enum.Enum):
 
 
 Ask = Callable[[HandoffQuery], Awaitable[HandoffAnswer | None]]  # None: no scheduler answered
-Migrate = Callable[[str, str], Awaitable[OutgoingMigration | None]]
+Migrate = Callable[[str, str, bool], Awaitable[OutgoingMigration | None]]  # (request, destination, suspended)
 Snapshot = Callable[[str], MigrationSnapshot | None]
+Suspend = Callable[[str], Awaitable[bool]]  # out of the batch (False: it was not in it)
+Resume = Callable[[str], Awaitable[None]]  # back in the batch, the engine woken
 
 
 def first_tokens(outputs: Iterable[StepOutput]) -> list[str]:
@@ -63,7 +69,8 @@ def first_tokens(outputs: Iterable[StepOutput]) -> list[str]:
 
 class PrefillHandoff:
     def __init__(self, instance_id: str, ask: Ask, migrate: Migrate, snapshot: Snapshot, concurrency: int,
-                 on_outcome: Callable[[HandoffOutcome], None] = lambda outcome: None) -> None:
+                 on_outcome: Callable[[HandoffOutcome], None] = lambda outcome: None,
+                 suspend: Suspend | None = None, resume: Resume | None = None) -> None:
         assert concurrency >= 1, concurrency
         self.instance_id = instance_id
         self._ask = ask
@@ -71,14 +78,19 @@ class PrefillHandoff:
         self._snapshot = snapshot
         self.concurrency = concurrency
         self.retry_after_s = RETRY_AFTER_S
-        self._queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
+        self._suspend, self._resume = suspend, resume
+        self._busy = 0  # workers handing off now
+        self._queue: asyncio.Queue[tuple[str, int, bool]] = asyncio.Queue()  # (request, attempt, suspended)
         self.outcomes: collections.Counter[HandoffOutcome] = collections.Counter()
         self._on_outcome = on_outcome  # (the llumlet's metrics)
 
-    def prefilled(self, outputs: Iterable[StepOutput]) -> None:
-        """After a step's output is published: queue the hand-off of each request it prefilled."""
+    async def prefilled(self, outputs: Iterable[StepOutput]) -> None:
+        """After a step's output is published, before the next step: queue the hand-off of each
+        request it prefilled, out of the batch already when a worker is free to start it."""
         for request_id in first_tokens(outputs):
-            self._queue.put_nowait((request_id, 1))
+            starts_now = self._busy + self._queue.qsize() < self.concurrency
+            suspended = starts_now and self._suspend is not None and await self._suspend(request_id)
+            self._queue.put_nowait((request_id, 1, suspended))
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as group:
@@ -87,44 +99,60 @@ class PrefillHandoff:
 
     async def _worker(self) -> None:
         while True:
-            request_id, attempt = await self._queue.get()
+            request_id, attempt, suspended = await self._queue.get()
+            self._busy += 1
             try:
-                outcome = await self.hand_off(request_id, attempt)
+                outcome = await self.hand_off(request_id, attempt, suspended)
             except Exception:  # a bug must not stop later hand-offs: this request decodes here
                 log.exception("hand-off of %s failed", request_id)
+                await self._back_in_batch(request_id, suspended)
                 continue
+            finally:
+                self._busy -= 1
             if outcome is not None:
                 self.outcomes[outcome] += 1
                 self._on_outcome(outcome)
 
-    async def hand_off(self, request_id: str, attempt: int = 1) -> HandoffOutcome | None:
-        """One attempt; None when it was queued again for another."""
+    async def hand_off(self, request_id: str, attempt: int = 1, suspended: bool = False) -> HandoffOutcome | None:
+        """One attempt (`suspended`: out of the batch since its first token); None when it was
+        queued again for another. Whatever the outcome, the request is back in the batch here
+        unless it moved."""
         snapshot = self._snapshot(request_id)
         if snapshot is not None and snapshot.phase is LivePhase.QUEUED and self._retry(request_id, attempt):
             return None  # preempted meanwhile: it may be back in the batch by then
-        if snapshot is None or snapshot.phase is not LivePhase.RUNNING:
+        expected = LivePhase.SUSPENDED if suspended else LivePhase.RUNNING
+        if snapshot is None or snapshot.phase is not expected:
             return HandoffOutcome.GONE
         answer = await self._ask(HandoffQuery(self.instance_id, request_id, snapshot.num_blocks))
-        if answer is None:
-            return HandoffOutcome.NO_SCHEDULER
-        if answer.dst_instance_id is None:
+        if answer is None or answer.dst_instance_id is None:
+            await self._back_in_batch(request_id, suspended)
+            if answer is None:
+                return HandoffOutcome.NO_SCHEDULER
             if self._retry(request_id, attempt):
                 return None
             log.info("hand-off of %s: it decodes here (%s)", request_id, answer.reason or "no destination")
             return HandoffOutcome.NO_ROOM
-        m = await self._migrate(request_id, answer.dst_instance_id)
-        if m is None:
-            return HandoffOutcome.GONE  # finished meanwhile, or another migration holds it
+        m = await self._migrate(request_id, answer.dst_instance_id, suspended)
+        if m is None:  # finished meanwhile, or another migration holds it
+            await self._back_in_batch(request_id, suspended)
+            return HandoffOutcome.GONE
         if m.status is MigrationStatus.FINISHED:
             return HandoffOutcome.HANDED_OFF
+        # (a failed migration puts a suspended request back in the batch itself)
         if m.status is not MigrationStatus.ABORTED_DST:
             return HandoffOutcome.GONE  # the source gave up: it finished, was aborted or preempted
         return None if self._retry(request_id, attempt) else HandoffOutcome.REFUSED
 
+    async def _back_in_batch(self, request_id: str, suspended: bool) -> None:
+        snapshot = self._snapshot(request_id) if suspended else None
+        if snapshot is not None and snapshot.phase is LivePhase.SUSPENDED and self._resume is not None:
+            await self._resume(request_id)
+
     def _retry(self, request_id: str, attempt: int) -> bool:
         if attempt >= ATTEMPTS:
             return False
-        asyncio.get_running_loop().call_later(self.retry_after_s, self._queue.put_nowait, (request_id, attempt + 1))
+        asyncio.get_running_loop().call_later(self.retry_after_s, self._queue.put_nowait,
+                                              (request_id, attempt + 1, False))
         return True
 
 

@@ -22,6 +22,8 @@ from shared.messages import (
 )
 from shared.policy.config import PolicyConfig
 from shared.policy.migration import DEFAULT_GUARD
+from tests.unit.migration_helpers import expected_tokens, verify_kv
+from tests.unit.migration_source_harness import make_harness  # noqa: F401 (a fixture)
 from tests.unit.policy_helpers import make_load
 
 
@@ -51,13 +53,18 @@ class FakeSource:
         self.phase = phase
         self.asked: list[HandoffQuery] = []
         self.migrated: list[tuple[str, str]] = []
+        self.migrated_suspended: list[bool] = []
+        self.suspended: list[str] = []
+        self.phases: dict[str, LivePhase] = {}  # (others: `phase`)
+        self.resumed: list[str] = []
 
     async def ask(self, query):
         self.asked.append(query)
         return self.answers.pop(0)
 
-    async def migrate(self, request_id, dst):
+    async def migrate(self, request_id, dst, suspended=False):
         self.migrated.append((request_id, dst))
+        self.migrated_suspended.append(suspended)
         status = self.statuses.pop(0)
         if status is None:
             return None
@@ -69,16 +76,27 @@ class FakeSource:
         return m
 
     def snapshot(self, request_id):
-        return None if self.phase is None else MigrationSnapshot(self.phase, 100, 0, 7)
+        phase = self.phases.get(request_id, self.phase)
+        return None if phase is None else MigrationSnapshot(phase, 100, 0, 7)
 
-    def handoff(self) -> PrefillHandoff:
-        handoff = PrefillHandoff("p0", self.ask, self.migrate, self.snapshot, concurrency=1)
+    async def suspend(self, request_id):
+        self.suspended.append(request_id)
+        self.phases[request_id] = LivePhase.SUSPENDED
+        return True
+
+    async def resume(self, request_id):
+        self.resumed.append(request_id)
+        self.phases[request_id] = LivePhase.RUNNING
+
+    def handoff(self, suspending: bool = False) -> PrefillHandoff:
+        extra = {"suspend": self.suspend, "resume": self.resume} if suspending else {}
+        handoff = PrefillHandoff("p0", self.ask, self.migrate, self.snapshot, concurrency=1, **extra)
         handoff.retry_after_s = 0.0
         return handoff
 
 
 async def run_until_done(handoff: PrefillHandoff, *request_ids: str) -> None:
-    handoff.prefilled([StepOutput(request_id, 0, [5]) for request_id in request_ids])
+    await handoff.prefilled([StepOutput(request_id, 0, [5]) for request_id in request_ids])
     runner = asyncio.create_task(handoff.run())
     try:
         async with asyncio.timeout(5):
@@ -138,6 +156,40 @@ async def test_refusals_are_asked_about_again_then_it_decodes_here():
 async def test_a_migration_the_source_aborted_is_not_retried():
     source = FakeSource([HandoffAnswer(dst_instance_id="d1")], [MigrationStatus.ABORTED_SRC])
     assert await source.handoff().hand_off("r1") is HandoffOutcome.GONE
+
+
+async def test_a_handoff_that_starts_at_once_takes_the_request_out_of_the_batch_first():
+    """Before the next step: it never decodes beside other prompts' prefill here."""
+    source = FakeSource([HandoffAnswer(dst_instance_id="d1")] * 2, [MigrationStatus.FINISHED] * 2)
+    handoff = source.handoff(suspending=True)
+    await handoff.prefilled([StepOutput("r1", 0, [5]), StepOutput("r2", 0, [6])])
+    assert source.suspended == ["r1"]  # one worker: r2 waits its turn decoding here
+    runner = asyncio.create_task(handoff.run())
+    try:
+        async with asyncio.timeout(5):
+            while sum(handoff.outcomes.values()) < 2:
+                await asyncio.sleep(0.01)
+    finally:
+        runner.cancel()
+    assert source.migrated == [("r1", "d1"), ("r2", "d1")] and source.migrated_suspended == [True, False]
+
+
+async def test_a_suspended_request_with_nowhere_to_go_is_back_in_the_batch():
+    answers = [HandoffAnswer(reason="no decode instance has room")] * ATTEMPTS
+    source = FakeSource(answers, [])
+    handoff = source.handoff(suspending=True)
+    await run_until_done(handoff, "r1")
+    assert handoff.outcomes == {HandoffOutcome.NO_ROOM: 1}
+    assert source.suspended == ["r1"] and source.resumed == ["r1"] and source.phases["r1"] is LivePhase.RUNNING
+    # Asked again later, decoding here meanwhile: not out of the batch again.
+    assert len(source.asked) == ATTEMPTS and source.suspended == ["r1"]
+
+
+async def test_a_suspended_request_the_scheduler_cannot_place_is_back_in_the_batch():
+    source = FakeSource([None], [])
+    handoff = source.handoff(suspending=True)
+    await run_until_done(handoff, "r1")
+    assert handoff.outcomes == {HandoffOutcome.NO_SCHEDULER: 1} and source.resumed == ["r1"]
 
 
 def test_a_prefill_instance_refuses_incoming_migrations():
@@ -218,3 +270,36 @@ def test_pairing_never_sends_requests_to_a_prefill_instance():
     assert MigrationPairer(policy, DEFAULT_GUARD).plan([busy, idle_prefill]) == []
     orders = MigrationPairer(policy, DEFAULT_GUARD).plan([busy, idle_decode])
     assert [(o.src, o.message.dst_instance_id) for o in orders] == [("busy", "idle-d")]
+
+
+# -- the coordinator's one-stage migration of a suspended request ---------------------------------
+
+
+async def test_a_suspended_request_moves_in_one_stage_and_continues_its_stream(make_harness):
+    h = await make_harness()
+    await h.decoding("r", prompt=200, max_tokens=300, min_output=1)
+    assert await h.src_ops.suspend("r")
+    m = await h.coordinator.migrate("r", "dst", suspended=True)
+    assert m.status is MigrationStatus.FINISHED, m.reason
+    assert [s.final for s in m.stages] == [True] and h.link.calls.count("prealloc") == 1
+    assert verify_kv(h.dst, "r") and h.src.get_request("r") is None
+    await h.wait_finished("r")
+    assert h.stream("r") == expected_tokens(h.src, "r", 300)
+    h.assert_blocks_back()
+
+
+async def test_a_refused_suspended_request_resumes_on_the_source(make_harness):
+    h = await make_harness()
+    await h.decoding("r", prompt=200, max_tokens=300, min_output=1)
+    assert await h.src_ops.suspend("r")
+    assert await h.coordinator.migrate("r", "dst") is None  # (not running: a suspended one says so)
+
+    async def refuse(msg) -> None:
+        h.incoming._refusal = lambda: "draining"
+
+    h.link.before["prealloc"] = refuse
+    m = await h.coordinator.migrate("r", "dst", suspended=True)
+    assert m.status is MigrationStatus.ABORTED_DST
+    assert h.src_ops.migration_snapshot("r").phase is LivePhase.RUNNING and h.hooks.resumes == 1
+    await h.wait_finished("r")
+    assert h.stream("r") == expected_tokens(h.src, "r", 300)

@@ -186,19 +186,25 @@ class MigrationCoordinator:
 
     # -- one request -----------------------------------------------------------------------------
 
-    async def migrate(self, request_id: str, dst: str) -> OutgoingMigration | None:
+    async def migrate(self, request_id: str, dst: str, suspended: bool = False) -> OutgoingMigration | None:
         """Migrate one running request to `dst` and return how it ended; None if it is not
-        running here. The migration runs in a task of ours, so `stop()` aborts it too."""
-        m = self._begin(request_id, dst)
+        running here. The migration runs in a task of ours, so `stop()` aborts it too.
+
+        `suspended`: the caller took it out of the batch already (a prefill instance's hand-off,
+        right after its first token): one stage, its whole KV; a failure resumes it here."""
+        m = self._begin(request_id, dst, suspended)
         if m is not None:
             await asyncio.wait([self._spawn(m)])
         return m
 
-    def _begin(self, request_id: str, dst: str) -> OutgoingMigration | None:
+    def _begin(self, request_id: str, dst: str, suspended: bool = False) -> OutgoingMigration | None:
         snapshot = self.ops.migration_snapshot(request_id)
-        if snapshot is None or snapshot.phase is not LivePhase.RUNNING or request_id in self._active:
+        phase = LivePhase.SUSPENDED if suspended else LivePhase.RUNNING
+        if snapshot is None or snapshot.phase is not phase or request_id in self._active:
             return None
         m = OutgoingMigration(new_migration_id(), request_id, dst, snapshot.num_preemptions, started_at=self._clock())
+        if suspended:
+            m.suspended_at = m.started_at
         self._active[request_id] = m
         self.hooks.changed()
         return m
@@ -236,7 +242,15 @@ class MigrationCoordinator:
         suspended). When the stage limit forces the last stage (a blocking copy: stage limit 1),
         that PRE-ALLOC reserves what the request outgrew the copies by, also before the suspend:
         a reservation on vLLM waits for the destination's engine step in flight (2-5 ms), which
-        would otherwise sit in the downtime."""
+        would otherwise sit in the downtime.
+
+        A request its llumlet suspended before (a hand-off) has only the last stage."""
+        if m.suspended_at is not None:
+            upto = self._check(m, LivePhase.SUSPENDED).num_blocks
+            prealloc_s = await self._prealloc(m, upto)
+            self._check(m, LivePhase.SUSPENDED)
+            await self._last_stage(m, upto, prealloc_s)
+            return
         block_size, rule = self.ops.block_size, self.limits.stage_rule()
         while True:
             snapshot = self._check(m, LivePhase.RUNNING)
