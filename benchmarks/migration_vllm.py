@@ -203,6 +203,11 @@ class Background:
                                                                       BACKGROUND_SUBJECT))
         if any(count > 0 for count in missing.values()):
             await asyncio.sleep(0.3)  # their prefill is done: only decode steps from here on
+        # The destination's guard takes no migration into a queue: on a loaded machine a new
+        # background request may still wait there after 0.3 s.
+        deadline = time.monotonic() + 30
+        while (await self.reports.fresh()).num_waiting and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
 
 # ---------------------------------------------------------------------------------------------
