@@ -19,7 +19,7 @@ from services.gateway.errors import ApiError, error_response
 from services.gateway.info_routes import InfoRoutes
 from services.gateway.middleware import middleware_for
 from services.gateway.openapi import openapi_document
-from services.gateway.protocol import RequestKind, parse_chat_request, parse_completion_request
+from services.gateway.protocol import RequestKind
 from services.gateway.service import GatewayService
 
 __all__ = ["EventStreamResponse", "create_app", "error_response"]
@@ -80,10 +80,10 @@ def create_app(service: GatewayService) -> Starlette:
     completions = CompletionEndpoint(service, info.check_model, _event_stream_response)
 
     async def chat(request: Request) -> Response:
-        return await completions.handle(request, "/v1/chat/completions", parse_chat_request, RequestKind.CHAT)
+        return await completions.handle(request, "/v1/chat/completions", RequestKind.CHAT)
 
     async def completion(request: Request) -> Response:
-        return await completions.handle(request, "/v1/completions", parse_completion_request, RequestKind.COMPLETION)
+        return await completions.handle(request, "/v1/completions", RequestKind.COMPLETION)
 
     routes = [
         Route("/v1/chat/completions", chat, methods=["POST"]),

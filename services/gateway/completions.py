@@ -19,7 +19,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from services.gateway.errors import ApiError, bad_request, error_response, read_json
+from services.gateway.body_parsing import GenerationBody, Route
+from services.gateway.errors import ApiError, bad_request, error_response
 from services.gateway.generation import Generation, TextEvent, TokenWithLogprob
 from services.gateway.logprobs import LogprobsFormatter
 from services.gateway.metrics import timeline_of
@@ -28,7 +29,7 @@ from services.gateway.protocol import ParsedRequest, RequestKind, parse_priority
 from services.gateway.responses import SSE_DONE, ResponseFormatter, Usage, json_bytes, sse_error, sse_event
 from services.gateway.prepared import PreparedRequest
 from services.gateway.service import GatewayService
-from services.gateway.tokenizer import PromptError, refuse_unfit_prompt
+from services.gateway.tokenizer import PromptError
 from services.gateway.tracing import RequestTrace
 
 PRIORITY_HEADER = "x-corral-priority"
@@ -219,14 +220,16 @@ class CompletionEndpoint:
         self._check_model = check_model
         self._stream_response = stream_response
 
-    async def handle(self, request: Request, endpoint: str, parse: Callable[[Any], ParsedRequest],
-                     kind: RequestKind) -> Response:
+    async def handle(self, request: Request, endpoint: str, kind: RequestKind) -> Response:
         arrival = time.monotonic()
         trace = RequestTrace(kind, self.service.config.model_name, request.headers)
+        route = Route.CHAT if kind is RequestKind.CHAT else Route.COMPLETION
         try:
             with trace.current():  # the scheduler's and the llumlet's spans are its children
-                parsed = parse(await read_json(request))
-                prepared = await self._prepare(parsed, request.headers, arrival,
+                body = await self.service.body_workers.parse(route, await request.body(), self.service.model_limits())
+                assert isinstance(body, GenerationBody)
+                parsed = body.request
+                prepared = await self._prepare(body, request.headers, arrival,
                                                 getattr(request.state, GENERATED_ID_STATE, None))
                 options = parsed.options
                 first = prepared[0]
@@ -246,13 +249,16 @@ class CompletionEndpoint:
             return self._stream_response(completion.events(), lambda: completion.finish(CLIENT_CLOSED))
         return await completion.respond(request)
 
-    async def _prepare(self, parsed: ParsedRequest, headers: Mapping[str, str],
+    async def _prepare(self, body: GenerationBody, headers: Mapping[str, str],
                        arrival: float, generated_id: str | None = None) -> list[PreparedRequest]:
+        parsed = body.request
         self._check_model(parsed.model)
         priority = parsed.options.priority
         if priority is None:
             header = headers.get(PRIORITY_HEADER)
             priority = 0 if header is None else parse_priority(header, "X-Corral-Priority")
+        if body.prompt_refusal is not None:  # where the tokenizer would have refused it: after the model check
+            raise body.prompt_refusal.error()
         prompt_ids = await self._tokenize(parsed)
         given_id = headers.get(REQUEST_ID_HEADER)
         response_id = f"{parsed.kind.id_prefix}-{given_id}" if given_id else None  # vLLM's convention
@@ -267,9 +273,8 @@ class CompletionEndpoint:
                                      request_id=own_id if i == 0 else None) for i, o in enumerate(per_choice)]
 
     async def _tokenize(self, parsed: ParsedRequest) -> list[int]:
+        """(A text that cannot fit by its size was refused by body_parsing before it came here.)"""
         tokenizer = self.service.tokenizer
-        refuse_unfit_prompt(parsed.prompt, parsed.messages, tokenizer, self.service.max_model_len,
-                            parsed.kind.prompt_param)
         if isinstance(parsed.prompt, list):
             return parsed.prompt
         try:

@@ -60,6 +60,10 @@ class GatewayConfig:
     # it is parsed; tokenization runs on this many threads, each with its own tokenizer.
     max_body_bytes: int = 4 * 1024 * 1024
     tokenizer_workers: int = 2
+    # A body this large or larger is parsed and validated in one of `body_parse_workers` processes
+    # (body_workers), not on the event loop; 0 workers: every body inline.
+    body_offload_bytes: int = 64 * 1024
+    body_parse_workers: int = 2
     max_streams_per_key: int | None = None  # generation requests in progress per API key (429 past it)
     # No unbounded queues (issue 14): requests past this many in flight get a 503 with
     # Retry-After; a stream whose client reads so slowly that this many engine steps' output
@@ -94,9 +98,12 @@ class GatewayConfig:
             object.__setattr__(self, "api_key_file", None)  # read once: a replace() must not add them twice
         if any(not key or key != key.strip() for key in self.api_keys):
             raise ConfigError("an API key is empty or has surrounding spaces")
-        for name in ("max_body_bytes", "tokenizer_workers", "max_requests_in_flight", "max_buffered_chunks"):
+        for name in ("max_body_bytes", "tokenizer_workers", "max_requests_in_flight", "max_buffered_chunks",
+                     "body_offload_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.body_parse_workers < 0:
+            raise ConfigError(f"body_parse_workers must not be negative, got {self.body_parse_workers}")
         if self.max_streams_per_key is not None and not self.api_keys:
             raise ConfigError("max_streams_per_key needs API keys (--api-key or --api-key-file)")
         for name in ("default_max_tokens", "max_model_len", "max_streams_per_key"):
@@ -185,6 +192,10 @@ _OPTIONS: list[_Option] = [
      "engine steps' output held for one slow client; past it the stream ends with an error"),
     ("tokenizer_workers", "--tokenizer-workers", "CORRAL_TOKENIZER_WORKERS", int,
      "threads that tokenize prompts (each holds a copy of the tokenizer)"),
+    ("body_offload_bytes", "--body-offload-bytes", "CORRAL_BODY_OFFLOAD_BYTES", int,
+     "request bodies this large or larger are parsed in a worker process, off the event loop"),
+    ("body_parse_workers", "--body-parse-workers", "CORRAL_BODY_PARSE_WORKERS", int,
+     "processes that parse large request bodies (0: parse every body on the event loop)"),
     ("max_streams_per_key", "--max-streams-per-key", "CORRAL_MAX_STREAMS_PER_KEY", int,
      "generation requests one API key may have in progress (more: 429 with Retry-After)"),
     ("allowed_origins", "--allowed-origins", "CORRAL_ALLOWED_ORIGINS", _string_list,

@@ -10,11 +10,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from services.gateway.errors import ApiError, bad_request, read_json
+from services.gateway.body_parsing import DetokenizeBody, Route, TokenizeBody
+from services.gateway.errors import ApiError, bad_request
 from services.gateway.metrics import CONTENT_TYPE
-from services.gateway.protocol import _Body, parse_messages
 from services.gateway.service import GatewayService
-from services.gateway.tokenizer import PromptError, refuse_unfit_prompt
+from services.gateway.tokenizer import PromptError
 
 
 def corral_version() -> str:
@@ -79,37 +79,34 @@ class InfoRoutes:
         """vLLM's /tokenize: a completion prompt or chat messages → {count, max_model_len, tokens, token_strs}.
         A prompt too large to fit the context is refused before it is tokenized (its answer, a
         list of every token, would cost the event loop as much as its tokenization)."""
-        body = _Body(await read_json(request))
-        self.check_model(body.string("model"))
+        body = await self._body(request, Route.TOKENIZE)
+        assert isinstance(body, TokenizeBody)
         tokenizer = self.service.tokenizer
         try:
-            if body.raw("messages") is not None:
-                if body.boolean("add_generation_prompt", True) and body.boolean("continue_final_message"):
-                    raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-                messages = parse_messages(body.raw("messages"))
-                refuse_unfit_prompt(None, messages, tokenizer, self.service.max_model_len, "messages")
-                ids = await tokenizer.apply_chat_template_async(
-                    messages, body.boolean("add_generation_prompt", True), body.boolean("continue_final_message"))
+            if body.messages is not None:
+                ids = await tokenizer.apply_chat_template_async(body.messages, body.add_generation_prompt,
+                                                                body.continue_final_message)
             else:
-                prompt = body.string("prompt")
-                if prompt is None:
-                    raise bad_request("`prompt` (a string) or `messages` is required", "prompt")
-                refuse_unfit_prompt(prompt, None, tokenizer, self.service.max_model_len, "prompt")
-                ids = await tokenizer.encode_async(prompt, body.boolean("add_special_tokens", True))
+                assert body.prompt is not None
+                ids = await tokenizer.encode_async(body.prompt, body.add_special_tokens)
         except PromptError as exc:
             raise bad_request(str(exc), "messages") from None
-        strs = tokenizer.token_strings(ids) if body.boolean("return_token_strs") else None
+        strs = tokenizer.token_strings(ids) if body.return_token_strs else None
         return JSONResponse({"count": len(ids), "max_model_len": self.service.max_model_len, "tokens": ids,
                              "token_strs": strs})
 
     async def detokenize(self, request: Request) -> Response:
         """vLLM's /detokenize: {tokens} → {prompt}."""
-        body = _Body(await read_json(request))
-        self.check_model(body.string("model"))
-        tokens = body.raw("tokens")
-        vocab = self.service.tokenizer.vocab_size
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise bad_request("`tokens` must be a list of integers", "tokens")
-        if any(not 0 <= t < vocab for t in tokens):
-            raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
-        return JSONResponse({"prompt": self.service.tokenizer.decode(tokens)})
+        body = await self._body(request, Route.DETOKENIZE)
+        assert isinstance(body, DetokenizeBody)
+        return JSONResponse({"prompt": await self.service.tokenizer.decode_async(body.tokens)})
+
+    async def _body(self, request: Request, route: Route) -> TokenizeBody | DetokenizeBody:
+        """The route's typed body (parsed off the event loop when large); its model checked
+        first, then what body_parsing refused (as the checks ran in that order inline)."""
+        body = await self.service.body_workers.parse(route, await request.body(), self.service.model_limits())
+        assert isinstance(body, (TokenizeBody, DetokenizeBody))
+        self.check_model(body.model)
+        if body.refusal is not None:
+            raise body.refusal.error()
+        return body

@@ -7,7 +7,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from services.gateway.errors import bad_request
+from services.gateway.errors import ApiError, bad_request
 from services.gateway.protocol import GenerationOptions, RequestKind
 from shared.messages import Refusal
 
@@ -37,16 +37,8 @@ def prepare_request(kind: RequestKind, prompt_token_ids: list[int], options: Gen
     prompt_len = len(prompt_token_ids)
     if prompt_len == 0:
         raise bad_request("the prompt must not be empty", kind.prompt_param)
-    if options.max_tokens is not None and options.max_tokens > limit:
-        param = options.max_tokens_param
-        raise bad_request(f"{param}={options.max_tokens} cannot be greater than max_model_len={limit}. "
-                          "Please request fewer output tokens.", param, Refusal.TOO_LONG)
-    if prompt_len >= limit:
-        room = ("which exceeds this limit even without any output tokens" if prompt_len > limit
-                else "which leaves no room for output tokens")
-        raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt "
-                          f"contains {prompt_len} input tokens, {room}. "
-                          "Please reduce the length of the input prompt.", kind.prompt_param, Refusal.TOO_LONG)
+    if (refusal := context_refusal(kind, prompt_len, options, limit)) is not None:
+        raise refusal
     # After the length check, and min/max (C speed): a client's list of ids may be a million long.
     if not (0 <= min(prompt_token_ids) and max(prompt_token_ids) < vocab_size):
         raise bad_request(f"token ids must be in [0, {vocab_size})", kind.prompt_param)
@@ -61,3 +53,20 @@ def prepare_request(kind: RequestKind, prompt_token_ids: list[int], options: Gen
         prompt_token_ids=prompt_token_ids, options=options, priority=priority, max_tokens=min(budget),
         arrival=time.monotonic() if arrival is None else arrival, created=int(time.time()),
     )
+
+
+def context_refusal(kind: RequestKind, prompt_len: int, options: GenerationOptions, limit: int) -> ApiError | None:
+    """The 400 (vLLM's words) for a prompt of `prompt_len` tokens, or an output budget, that
+    cannot fit a context of `limit` tokens; None when they fit. Also run where a large body is
+    parsed (body_parsing), so that a prompt too long never comes back to the event loop."""
+    if options.max_tokens is not None and options.max_tokens > limit:
+        param = options.max_tokens_param
+        return bad_request(f"{param}={options.max_tokens} cannot be greater than max_model_len={limit}. "
+                           "Please request fewer output tokens.", param, Refusal.TOO_LONG)
+    if prompt_len >= limit:
+        room = ("which exceeds this limit even without any output tokens" if prompt_len > limit
+                else "which leaves no room for output tokens")
+        return bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt "
+                           f"contains {prompt_len} input tokens, {room}. "
+                           "Please reduce the length of the input prompt.", kind.prompt_param, Refusal.TOO_LONG)
+    return None

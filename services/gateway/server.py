@@ -28,6 +28,7 @@ async def serve(config: GatewayConfig) -> None:
     except ConfigError as exc:
         raise SystemExit(f"gateway: {exc}") from None  # a message, not a traceback
     await service.start()
+    await service.body_workers.start()  # (in-process tests start them on the first large body)
     server = uvicorn.Server(uvicorn.Config(
         create_app(service), host=config.host, port=config.port, log_config=None, access_log=False,
         lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,

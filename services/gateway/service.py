@@ -17,6 +17,8 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
+from services.gateway.body_parsing import ModelLimits
+from services.gateway.body_workers import BodyWorkers
 from services.gateway.config import GatewayConfig
 from services.gateway import heartbeat
 from services.gateway.dispatcher import Dispatcher
@@ -57,6 +59,7 @@ class GatewayService:
         self.tokenizer = tokenizer or ModelTokenizer.load(config.model_dir, config.max_model_len,
                                                           config.tokenizer_workers)
         self.metrics = GatewayMetrics(config.model_name, self.tokenizer.max_model_len)
+        self.body_workers = BodyWorkers(config.body_parse_workers, config.body_offload_bytes)
         bus_guard.register(self.metrics.registry)
         self.instances = GatewayInstances(config.instance_timeout_s)
         self.metrics.watch_instances(lambda: [load.instance_id for load in self.instances.live_loads()])
@@ -87,6 +90,10 @@ class GatewayService:
         that passes here fits wherever it lands; the model's own (or --max-model-len) while none
         reports one."""
         return self.instances.smallest_max_model_len() or self.tokenizer.max_model_len
+
+    def model_limits(self) -> ModelLimits:
+        """What a request body is checked against (body_parsing), as of now."""
+        return ModelLimits(self.max_model_len, self.tokenizer.chars_per_token, self.tokenizer.vocab_size)
 
     async def start(self) -> None:
         assert self._nc is None, "started twice"
@@ -124,6 +131,7 @@ class GatewayService:
                 await self._nc.drain()
             except NatsError as exc:
                 log.warning("NATS drain failed: %s", exc)
+        await self.body_workers.close()
         if self._owns_tokenizer:
             self.tokenizer.close()
 

@@ -4,6 +4,7 @@ with a few scripted tokens), so that a client's bytes reach it over a real keep-
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -51,7 +52,15 @@ def served(gateway: ScriptedGateway) -> Iterator[tuple[str, int]]:
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(gateway), host="127.0.0.1", port=port, log_config=None,
                                            access_log=False, lifespan="off"))
-    thread = threading.Thread(target=server.run, name="gateway-under-test", daemon=True)
+
+    async def serve_then_stop_workers() -> None:  # the body parser workers live on the server's loop
+        try:
+            await server.serve()
+        finally:
+            await gateway.body_workers.close()
+
+    thread = threading.Thread(target=asyncio.run, args=(serve_then_stop_workers(),), name="gateway-under-test",
+                              daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started:

@@ -167,6 +167,7 @@ def test_raw_bodies_get_a_clear_answer(base_url, path, raw, chunked):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 4,000 requests: past the default 300 s on a loaded 2-core machine (340 s seen)
 @settings(max_examples=4 * SLOW_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @RAW
 def test_raw_bodies_get_a_clear_answer_long(base_url, path, raw, chunked):
