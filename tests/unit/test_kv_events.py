@@ -67,7 +67,7 @@ def test_an_engine_without_a_prefix_cache_has_no_journal():
     assert journal_of(engine) is None
 
 
-async def _until(predicate, timeout_s: float = 5.0) -> None:
+async def _until(predicate, timeout_s: float = 15.0) -> None:  # (a loaded machine is slow, not wrong)
     for _ in range(int(timeout_s / 0.02)):
         if predicate():
             return
