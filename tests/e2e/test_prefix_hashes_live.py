@@ -1,6 +1,6 @@
 """Gateway → scheduler with prompt block hashes: the gateway hashes the prompt at the block size
-the llumlets report and the scheduler takes the dispatch request (it does not use the hashes
-yet: no live prefix index); the llumlets cache prefixes."""
+the llumlets report and the scheduler takes the dispatch request; the llumlets cache prefixes.
+(Dispatch by those hashes: tests/e2e/test_prefix_dispatch_live.py.)"""
 
 from __future__ import annotations
 
