@@ -2,7 +2,8 @@
 at random points; for each cut stream, how long its abort took, leg by leg:
 
 - client -> bus: from the client deciding to leave (before its connection closes) to the abort
-  on the bus, as a NATS client on a thread of its own sees it (`AbortClock`);
+  on the bus, as a NATS client on a thread of its own sees it (`AbortClock`); client -> closed:
+  the part of it this client's own loop took to close the connection;
 - bus -> engine and client -> engine: to the llumlet's `request … aborted` line, logged right
   after its engine dropped the request (the llumlets run with CORRAL_LOG_LEVEL=DEBUG).
 
@@ -47,6 +48,7 @@ async def cut_half(base_url: str, nats_url: str, streams: int, tokens: int, seed
     """As tests/chaos/test_cancellation.py, on wall-clock times (the llumlets' logs use them)."""
     rng = random.Random(seed)
     cut_at: dict[str, float] = {}
+    closed_at: dict[str, float] = {}  # when the client's connection was closed (its own lag after the cut)
     outcomes = {"completed": 0, "cut": 0, "failed": 0}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as http:
@@ -56,7 +58,7 @@ async def cut_half(base_url: str, nats_url: str, streams: int, tokens: int, seed
             cut_after = rng.randint(1, tokens // 4) if i % 2 else None
             body = {"model": name, "prompt": [1 + rng.randrange(200) for _ in range(8 + i % 9)], "max_tokens": tokens,
                     "stream": True, "ignore_eos": True}
-            events = 0
+            events, cut_id = 0, None
             try:
                 async with http.stream("POST", "/v1/completions", json=body) as reply:
                     if reply.status_code != 200:
@@ -68,9 +70,13 @@ async def cut_half(base_url: str, nats_url: str, streams: int, tokens: int, seed
                             return
                         events += 1
                         if events == cut_after:
-                            cut_at[event["id"]] = time.time()
+                            cut_id = event["id"]
+                            cut_at[cut_id] = time.time()
                             outcomes["cut"] += 1
-                            return
+                            break
+                if cut_id is not None:
+                    closed_at[cut_id] = time.time()
+                    return
             except httpx.HTTPError as exc:  # (a read timeout: a stream silent for 120 s)
                 outcomes[type(exc).__name__] = outcomes.get(type(exc).__name__, 0) + 1
                 return
@@ -82,7 +88,7 @@ async def cut_half(base_url: str, nats_url: str, streams: int, tokens: int, seed
             took = time.monotonic() - started
             await asyncio.sleep(2.0)  # the last aborts land
     gaps = [b - a for a, b in zip(clock.beats, clock.beats[1:])]
-    return {"outcomes": outcomes, "took_s": took, "cut_at": cut_at, "on_bus": clock.seen,
+    return {"outcomes": outcomes, "took_s": took, "cut_at": cut_at, "closed_at": closed_at, "on_bus": clock.seen,
             "heartbeat_gap_max_s": max(gaps, default=None)}
 
 
@@ -99,8 +105,11 @@ def engine_aborts(log_dir: Path) -> dict[str, float]:
 
 def legs(run: dict, engine: dict[str, float]) -> dict[str, list[float]]:
     cut_at, on_bus = run["cut_at"], run["on_bus"]
+    closed_at = run["closed_at"]
     return {
         "client->bus": [on_bus[r] - t for r, t in cut_at.items() if r in on_bus],
+        # (of which the client's own lag: from deciding to leave to its connection closed)
+        "client->closed": [closed_at[r] - t for r, t in cut_at.items() if r in closed_at],
         # (the log's millisecond stamps against the bus clock's: a few negative values are rounding)
         "bus->engine": [engine[r] - on_bus[r] for r in cut_at if r in engine and r in on_bus],
         "client->engine": [engine[r] - t for r, t in cut_at.items() if r in engine],
@@ -174,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{args.streams} streams of {args.tokens} tokens, half cut; cores: {args.cpus or 'all'}")
     print(f"{'services':12} {'outcomes':42} {'leg':15} {'n':>4} {'P50':>6} {'P90':>6} {'P99':>6} {'max':>6} ms")
     for result in results:
-        for i, leg in enumerate(("client->bus", "bus->engine", "client->engine")):
+        for i, leg in enumerate(("client->bus", "client->closed", "bus->engine", "client->engine")):
             head = (f"{result['label']:12} {json.dumps(result['outcomes']):42}" if i == 0 else " " * 55)
             t = result[leg]
             print(f"{head} {leg:15} {t['n']:4} " + " ".join(f"{'-' if v is None else v:>6}" for v in
