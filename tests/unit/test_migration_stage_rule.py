@@ -18,7 +18,7 @@ from shared.policy.baselines import get_policy
 from shared.policy.migration import DEFAULT_STAGES, StageRule
 from tests.simulator.helpers import workload_of
 from tests.unit.migration_helpers import gen
-from tests.unit.test_migration_source import Harness
+from tests.unit.migration_source_harness import Harness
 
 BLOCK_SIZE = 16
 PROMPT, MAX_TOKENS = 300, 3000

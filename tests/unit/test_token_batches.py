@@ -8,7 +8,7 @@ import json
 import pytest
 
 from shared.messages import FinishReason, TokenChunk, TokenChunkBatch, WireError, decode_chunks, encode
-from tests.unit.test_gateway_nats import CHAT, HELLO, OUTPUT, cluster, eventually, nats_url, text_of, tokenizer  # noqa: F401
+from tests.unit.gateway_nats_harness import CHAT, HELLO, OUTPUT, cluster, eventually, nats_url, text_of, tokenizer  # noqa: F401
 
 
 def test_a_payload_is_one_chunk_or_a_batch_told_apart_by_its_first_byte():
