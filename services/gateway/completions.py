@@ -159,6 +159,7 @@ class Completion:
         try:
             await asyncio.wait({collecting, disconnect}, return_when=asyncio.FIRST_COMPLETED)
             if not collecting.done():
+                self.finish(CLIENT_CLOSED)  # the abort now, not after the cancellations below
                 return Response(status_code=CLIENT_CLOSED)
             collecting.result()
             error = self.error()

@@ -14,13 +14,14 @@ from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
 from services.gateway.body_parsing import ModelLimits
 from services.gateway.body_workers import BodyWorkers
 from services.gateway.config import GatewayConfig
-from services.gateway import heartbeat
+from services.gateway.control_channel import ControlChannel
 from services.gateway.dispatcher import Dispatcher
 from services.gateway.instances import GatewayInstances
 from services.gateway.prefix_hashes import prompt_block_hashes
@@ -46,6 +47,7 @@ RECONNECT_GRACE_S = 3.0
 # A 503 because NATS is away: clients may retry soon (a broker restart takes seconds).
 NATS_AWAY_HEADERS = {"retry-after": "1"}
 BUSY_HEADERS = {"retry-after": "1"}  # at the in-flight bound: requests end every few seconds
+LOOP_LAG_S = 0.5  # the watchdog woke this late: this gateway is behind on its own work
 
 
 class _InstanceGone(Exception):
@@ -64,7 +66,8 @@ class GatewayService:
         self.instances = GatewayInstances(config.instance_timeout_s)
         self.metrics.watch_instances(lambda: [load.instance_id for load in self.instances.live_loads()])
         self.resumer = Resumer(self._place, config.max_resumes, self._spawn,
-                               is_open=lambda request_id: self.streams.is_open(request_id))
+                               is_open=lambda request_id: self.streams.is_open(request_id),
+                               send=self._send_generate, abort=self._publish_abort)
         self.streams = StreamRegistry(on_handover_stall=self.metrics.migration_stalled,
                                       vocab_size=self.tokenizer.vocab_size, on_lost=self.resumer.lost,
                                       max_buffered=config.max_buffered_chunks)
@@ -73,9 +76,14 @@ class GatewayService:
         self._nc: Client | None = None
         self._dispatcher: Dispatcher | None = None
         self._watchdog: asyncio.Task[None] | None = None
-        self._heartbeat: heartbeat.Heartbeat | None = None  # llumlets abort a silent gateway's requests
+        # Heartbeats (llumlets abort a silent gateway's requests) and fast aborts, off the main loop.
+        self._control: ControlChannel | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._silence_floor = 0.0  # monotonic: no instance's silence counts from before this
+        # Nor a stream's from before the gateway last caught up with its token output: a chunk
+        # waiting in our own backlog is not a lost one (Resumer.silent).
+        self._caught_up_since = 0.0
+        self._token_sub: Subscription | None = None
         self._away_since: float | None = None  # when this gateway lost NATS (None: connected)
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -99,14 +107,14 @@ class GatewayService:
         assert self._nc is None, "started twice"
         tracing.setup_tracing("corral-gateway", self.config.gateway_id)
         nc = await connect(self.config.nats_url, name=f"corral-gateway-{self.config.gateway_id}")
-        await nc.subscribe(self.output_subject, cb=self._on_token_chunk)
+        self._token_sub = await nc.subscribe(self.output_subject, cb=self._on_token_chunk)
         await nc.subscribe(subjects.LOAD_REPORTS_ALL, cb=self._on_load_report)
         await nc.flush()
         self._nc = nc
         self._dispatcher = Dispatcher(nc, self.instances, self.metrics, self.config.dispatch_timeout_s)
         self._watchdog = asyncio.create_task(self._watch_holders(), name="gateway-watchdog")
-        self._heartbeat = heartbeat.Heartbeat(self.config.nats_url, self.config.gateway_id)
-        self._heartbeat.start()
+        self._control = ControlChannel(self.config.nats_url, self.config.gateway_id)
+        self._control.start()
         log.info("gateway %s connected to %s, serving %s", self.config.gateway_id, self.config.nats_url,
                  self.config.model_name)
 
@@ -119,8 +127,8 @@ class GatewayService:
         self.fail_all("the gateway is shutting down")
         for stream in self.streams:
             self.release(stream, abort=True)
-        if self._heartbeat is not None:
-            await asyncio.to_thread(self._heartbeat.stop)
+        if self._control is not None:
+            await asyncio.to_thread(self._control.stop)
         if self._watchdog is not None:
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
@@ -161,7 +169,10 @@ class GatewayService:
         a dead holder would otherwise hang them."""
         interval = min(0.1, self.config.death_timeout_s / 4)
         while True:
+            woke = time.monotonic() + interval
             await asyncio.sleep(interval)
+            if time.monotonic() - woke > LOOP_LAG_S or (self._token_sub is not None and self._token_sub.pending_msgs):
+                self._caught_up_since = time.monotonic()  # behind: streams' silence proves nothing yet
             try:
                 self._check_holders()
             except Exception:  # a bug here must not stop the watchdog for good
@@ -193,6 +204,8 @@ class GatewayService:
                 self.resumer.lost(stream, holder, f"instance {holder} stopped reporting")
             elif stream.gap_since is not None and now - stream.gap_since > self.config.death_timeout_s:
                 self.resumer.lost(stream, holder, f"a token chunk from instance {holder} was lost")
+            else:  # a lost last chunk shows no gap: only silence
+                self.resumer.silent(stream, holder, not_before=max(self._silence_floor, self._caught_up_since))
         self.instances.forget_marks(older_than_s=60 * self.config.instance_timeout_s)
 
     # ---- requests ---------------------------------------------------------------------------
@@ -218,9 +231,10 @@ class GatewayService:
         self.metrics.in_flight_changed(+1)
         self.resumer.track(request)
         try:
-            await self._place(request, stream)
+            async with stream.placing:  # (a resume set off meanwhile waits: Resumer._resume)
+                await self._place(request, stream)
         except asyncio.CancelledError:
-            self.release(stream, abort=True)  # the client left while the generate was in flight
+            self.release(stream, abort=True, acknowledged=False)  # the client left while the generate was in flight
             raise
         except BaseException:
             self.release(stream, abort=False)
@@ -336,15 +350,21 @@ class GatewayService:
         room = None if limit is None else limit - len(request.prompt_token_ids)
         return min(request.max_tokens, room) if room is not None and room >= 1 else request.max_tokens
 
-    def release(self, stream: OutputStream, *, abort: bool) -> bool:
+    def release(self, stream: OutputStream, *, abort: bool, acknowledged: bool = True) -> bool:
         """Forget a request; tell every llumlet to drop it unless its engine already finished it.
-        False when it was released already."""
+        False when it was released already.
+
+        The abort of a request its instance `acknowledged` goes out on the control channel, at
+        once; one whose generate order may still be in flight follows that order on the main
+        connection, which keeps them in order (see control_channel)."""
         if not self.streams.close(stream.request_id):
             return False
         self.resumer.forget(stream.request_id)
         self.metrics.in_flight_changed(-1)
         if abort:
-            self._publish_abort(stream.request_id, "client disconnected or request ended early")
+            reason = "client disconnected or request ended early"
+            if not (acknowledged and self._control is not None and self._control.abort(stream.request_id, reason)):
+                self._publish_abort(stream.request_id, reason)
         return True
 
     def _publish_abort(self, request_id: str, reason: str) -> None:
