@@ -1,6 +1,6 @@
 """Which gateways went silent: their requests' tokens have no reader any more.
 
-Every gateway publishes a heartbeat (services/gateway/heartbeat.py). A gateway heard once and
+Every gateway publishes a heartbeat (services/gateway/control_channel.py). A gateway heard once and
 then silent for `MISSED_BEATS` of its intervals (at least `MIN_SILENCE_S`) is gone: a killed
 gateway never sends the aborts its clients' disconnects would have, so the llumlet aborts its
 requests itself instead of decoding orphans. A gateway never heard (an older one, a test's
