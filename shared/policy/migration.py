@@ -6,7 +6,7 @@ the migration the llumlets run.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from shared.messages import LoadReport
@@ -120,8 +120,33 @@ class MigrationPair:
     dst: str
 
 
+@dataclass(frozen=True)
+class CacheAffinity:
+    """Pairing's bounded preference for a destination whose prefix cache already holds the
+    moving request's leading blocks: those need no copy, and the request binds to them there.
+
+    Only destinations the bands and the guard admit compete, and only those within
+    `max_freeness_loss` (a fraction of the freest remaining destination's freeness) of the freest:
+    among them the longest cached prefix wins, ties by freeness. Affinity never takes a
+    destination the guard refuses, nor one much fuller than the freest."""
+
+    max_freeness_loss: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_freeness_loss < 1:
+            raise ValueError("max_freeness_loss must be in [0, 1)")
+
+
+DEFAULT_AFFINITY = CacheAffinity()
+
+# For a source: destination instance -> leading blocks of the request that source would move
+# which that destination's cache holds (instances holding none may be left out).
+CachedPrefixOf = Callable[[str], Mapping[str, int]]
+
+
 def pair_migrations(
-    loads: Sequence[LoadReport], config: PolicyConfig, guard: MigrationGuard | None
+    loads: Sequence[LoadReport], config: PolicyConfig, guard: MigrationGuard | None,
+    cached_prefix: CachedPrefixOf | None = None, affinity: CacheAffinity = DEFAULT_AFFINITY,
 ) -> list[MigrationPair]:
     """Sources: head-of-line freeness below the low threshold (draining instances always are);
     destinations: above the high threshold and not draining. Pair the lowest source with the
@@ -129,8 +154,12 @@ def pair_migrations(
     request only moves from an instance that is short of memory to one that has plenty.
 
     With a `guard` (None: the bands alone), destinations also have no more than
-    `dest_max_waiting` queued requests, and pairing stops at the first pair whose freeness gap
-    is below `min_freeness_gap`."""
+    `dest_max_waiting` queued requests, and pairing stops at the first source whose freeness gap
+    to the freest remaining destination is below `min_freeness_gap`.
+
+    With `cached_prefix`, each source takes, among the remaining destinations that keep the gap
+    and are within `affinity` of the freest, the one holding most of its request's prefix
+    (`CacheAffinity`); without it (or with no hit anywhere) the freest, as above."""
     scored = [(freeness(l, config.headroom_blocks, QueueDemand.HEAD), l) for l in loads]
     sources = sorted((f, l.instance_id) for f, l in scored if l.num_running > 0 and f < config.migrate_out_freeness)
     max_waiting = guard.dest_max_waiting if guard is not None else None
@@ -144,11 +173,27 @@ def pair_migrations(
     )
     min_gap = guard.min_freeness_gap if guard is not None else 0.0
     pairs = []
-    for (src_f, src), (dst_f, dst) in zip(sources, dests):
-        if len(pairs) >= config.max_pairs_per_round or dst_f - src_f < min_gap:
+    for src_f, src in sources:
+        if len(pairs) >= config.max_pairs_per_round or not dests or dests[0][0] - src_f < min_gap:
             break
-        pairs.append(MigrationPair(src, dst))
+        chosen = 0 if cached_prefix is None else _affine_destination(dests, src_f, min_gap, cached_prefix(src), affinity)
+        pairs.append(MigrationPair(src, dests.pop(chosen)[1]))
     return pairs
+
+
+def _affine_destination(
+    dests: Sequence[tuple[float, str]], src_f: float, min_gap: float, cached: Mapping[str, int], affinity: CacheAffinity
+) -> int:
+    """Index in `dests` (freest first) of the destination holding the longest prefix among those
+    close enough to the freest; 0 (the freest) when none holds any."""
+    floor = max(dests[0][0] - affinity.max_freeness_loss * abs(dests[0][0]), src_f + min_gap)
+    best, best_blocks = 0, cached.get(dests[0][1], 0)
+    for i, (f, dst) in enumerate(dests):
+        if f < floor:
+            break
+        if cached.get(dst, 0) > best_blocks:  # strictly more: ties stay with the freer
+            best, best_blocks = i, cached[dst]
+    return best
 
 
 @dataclass(frozen=True)
