@@ -129,11 +129,12 @@ async def test_a_client_that_leaves_mid_parse_does_not_mix_up_the_next_answer():
 
 async def test_the_event_loop_stays_free_while_a_worker_checks_a_million_ids():
     """The loop's longest stall while a 1.2M-id body (3.6 MB) is parsed, against what parsing it
-    on the loop costs, measured here: the worker's share must be a small part of it."""
+    on the loop costs, measured here: the worker's share must be a small part of it. Both in the
+    loop thread's CPU time, which other load on the machine does not inflate."""
     raw = json.dumps({"prompt": [7] * 1_200_000}).encode()
-    started = time.perf_counter()
+    started = time.thread_time()
     parse_body(Route.COMPLETION, raw, LIMITS)
-    inline_s = time.perf_counter() - started
+    inline_s = time.thread_time() - started
     workers = BodyWorkers(workers=1, offload_bytes=1)
     try:
         await workers.start()
@@ -141,9 +142,9 @@ async def test_the_event_loop_stays_free_while_a_worker_checks_a_million_ids():
 
         async def ticker() -> None:
             while True:
-                before = time.perf_counter()
+                before = time.thread_time()
                 await asyncio.sleep(0.001)
-                stalls.append(time.perf_counter() - before - 0.001)
+                stalls.append(time.thread_time() - before)
 
         ticking = asyncio.create_task(ticker())
         await asyncio.sleep(0.05)
@@ -153,7 +154,7 @@ async def test_the_event_loop_stays_free_while_a_worker_checks_a_million_ids():
             assert isinstance(body, GenerationBody) and body.prompt_refusal is not None
         ticking.cancel()
         worst = max(stalls)
-        print(f"inline parse {1e3 * inline_s:.1f} ms; longest loop stall with a worker {1e3 * worst:.1f} ms")
+        print(f"inline parse {1e3 * inline_s:.1f} ms CPU; a worker's: the loop's longest stall {1e3 * worst:.1f} ms CPU")
         assert worst < inline_s / 2, (worst, inline_s)
     finally:
         await workers.close()
@@ -186,13 +187,13 @@ def test_over_http_a_large_body_keeps_the_order_of_errors(tmp_path):
 
 
 async def test_a_long_detokenize_leaves_the_event_loop_free(tmp_path):
-    """/detokenize of 200k ids decodes on a tokenizer thread with the Rust call that releases the
-    GIL: the event loop's longest stall meanwhile is a small part of what the decode takes, and
-    the text is the event loop's decoder's own."""
+    """/detokenize of 400k ids decodes on a tokenizer thread with the Rust call that releases the
+    GIL: the event loop's longest stall meanwhile (wall time: a thread holding the GIL costs the
+    loop no CPU) is a small part of what the decode takes, and the text is the loop's decoder's own."""
     from services.gateway.tokenizer import ModelTokenizer
 
     tokenizer = ModelTokenizer.load(str(tiny_model_dir(tmp_path)))
-    ids = [300, 301, 40, 41] * 50_000
+    ids = [300, 301, 40, 41] * 100_000
     try:
         started = time.perf_counter()
         expected = tokenizer.decode(ids)
