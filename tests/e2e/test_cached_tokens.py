@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from tests.support.cluster import Cluster
+from tests.support.cluster import running_cluster
 
 SIM_ARGS = ("--sim-time-scale", "0.1", "--sim-num-blocks", "400", "--max-model-len", "2048",
             "--sim-prefix-caching", "--sim-block-size", "16")
@@ -17,19 +17,10 @@ SIM_ARGS = ("--sim-time-scale", "0.1", "--sim-num-blocks", "400", "--max-model-l
 
 @pytest.fixture(scope="module")
 def cached_cluster(tiny_model_dir, tmp_path_factory):
-    from shared.embedded_nats import start_nats
-
-    server = start_nats()
-    cluster = Cluster(server.url, tiny_model_dir, tmp_path_factory.mktemp("cached-logs"))
-    cluster.start_scheduler()
-    cluster.start_llumlet("ct-0", *SIM_ARGS)  # one instance: the second request must find the first's blocks
-    cluster.start_gateway("--enable-prompt-tokens-details")
-    try:
-        cluster.wait_ready(instances=1)
+    # One instance: the second request must find the first's blocks.
+    with running_cluster(tiny_model_dir, tmp_path_factory.mktemp("cached-logs"), ["ct-0"], *SIM_ARGS,
+                         gateway_args=["--enable-prompt-tokens-details"]) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
-        server.stop()
 
 
 def _final_usage(body: str) -> dict:

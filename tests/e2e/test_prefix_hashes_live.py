@@ -11,27 +11,16 @@ import pytest
 from shared import subjects
 from shared.messages import DispatchRequest, decode
 from shared.prefix_hash import block_hashes
-from tests.support.cluster import Cluster
+from tests.support.cluster import running_cluster
 
 SIM_ARGS = ("--sim-time-scale", "0.1", "--sim-num-blocks", "400", "--max-model-len", "2048", "--sim-prefix-caching")
 
 
 @pytest.fixture(scope="module")
 def prefix_cluster(tiny_model_dir, tmp_path_factory):
-    from shared.embedded_nats import start_nats
-
-    server = start_nats()
-    cluster = Cluster(server.url, tiny_model_dir, tmp_path_factory.mktemp("prefix-logs"))
-    cluster.start_scheduler()
-    for i in range(2):
-        cluster.start_llumlet(f"pc-{i}", *SIM_ARGS, "--sim-block-size", "16")
-    cluster.start_gateway("--dispatch-prefix-hashes", "true")
-    try:
-        cluster.wait_ready(instances=2)
+    with running_cluster(tiny_model_dir, tmp_path_factory.mktemp("prefix-logs"), ["pc-0", "pc-1"], *SIM_ARGS,
+                         "--sim-block-size", "16", gateway_args=["--dispatch-prefix-hashes", "true"]) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
-        server.stop()
 
 
 async def test_dispatch_requests_carry_the_prompts_chain(prefix_cluster):

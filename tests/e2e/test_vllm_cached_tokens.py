@@ -9,7 +9,7 @@ import importlib.util
 import openai
 import pytest
 
-from tests.support.cluster import Cluster
+from tests.support.cluster import running_cluster
 
 pytestmark = [
     pytest.mark.vllm,
@@ -21,19 +21,9 @@ VLLM_ARGS = ("--max-model-len", "512", "--vllm-kv-cache-gib", "0.01", "--vllm-ma
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
-    from shared.embedded_nats import start_nats
-
-    nats = start_nats()
-    cluster = Cluster(nats.url, tiny_model_dir, tmp_path_factory.mktemp("vllm-cached"))
-    cluster.start_scheduler()
-    cluster.start_llumlet("vllm-ct", *VLLM_ARGS, engine="vllm")
-    cluster.start_gateway("--enable-prompt-tokens-details")
-    try:
-        cluster.wait_ready(instances=1, timeout_s=300)
+    with running_cluster(tiny_model_dir, tmp_path_factory.mktemp("vllm-cached"), ["vllm-ct"], *VLLM_ARGS,
+                         engine="vllm", gateway_args=["--enable-prompt-tokens-details"], timeout_s=300) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
-        nats.stop()
 
 
 async def _chat_usage(client: openai.AsyncOpenAI, prompt: str):

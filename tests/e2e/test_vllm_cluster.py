@@ -10,7 +10,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.support.cluster import Cluster
+from tests.support.cluster import running_cluster
 from tests.support.observer import NatsObserver
 
 pytestmark = [
@@ -26,20 +26,9 @@ VLLM_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--vllm-kv-cache-gib", f"{KV
 
 @pytest.fixture(scope="module")
 def vllm_cluster(tiny_model_dir, tmp_path_factory):
-    from shared.embedded_nats import start_nats
-
-    nats = start_nats()
-    cluster = Cluster(nats.url, tiny_model_dir, tmp_path_factory.mktemp("vllm-cluster"))
-    cluster.start_scheduler()
-    for i in range(2):
-        cluster.start_llumlet(f"vllm-{i}", *VLLM_ARGS, engine="vllm")
-    cluster.start_gateway()
-    try:
-        cluster.wait_ready(instances=2, timeout_s=240)
+    with running_cluster(tiny_model_dir, tmp_path_factory.mktemp("vllm-cluster"), ["vllm-0", "vllm-1"], *VLLM_ARGS,
+                         engine="vllm", timeout_s=240) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
-        nats.stop()
 
 
 def model_name(cluster) -> str:

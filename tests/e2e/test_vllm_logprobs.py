@@ -8,7 +8,7 @@ import importlib.util
 import openai
 import pytest
 
-from tests.support.cluster import Cluster
+from tests.support.cluster import running_cluster
 
 pytestmark = [
     pytest.mark.vllm,
@@ -20,19 +20,9 @@ VLLM_ARGS = ("--max-model-len", "512", "--vllm-kv-cache-gib", "0.01", "--vllm-ma
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
-    from shared.embedded_nats import start_nats
-
-    nats = start_nats()
-    cluster = Cluster(nats.url, tiny_model_dir, tmp_path_factory.mktemp("vllm-logprobs"))
-    cluster.start_scheduler()
-    cluster.start_llumlet("vllm-lp", *VLLM_ARGS, engine="vllm")
-    cluster.start_gateway()
-    try:
-        cluster.wait_ready(instances=1, timeout_s=300)
+    with running_cluster(tiny_model_dir, tmp_path_factory.mktemp("vllm-logprobs"), ["vllm-lp"], *VLLM_ARGS,
+                         engine="vllm", timeout_s=300) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
-        nats.stop()
 
 
 async def test_chat_logprobs_are_the_engine_s_in_openai_s_shape(cluster):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,3 +126,25 @@ class Cluster:
     def stop(self) -> None:
         for proc in self.procs.values():
             proc.terminate()
+
+
+@contextlib.contextmanager
+def running_cluster(model_dir: Path, log_dir: Path, instances: Sequence[str], *llumlet_args: str, engine: str = "sim",
+                    scheduler_args: Sequence[str] = (), gateway_args: Sequence[str] = (),
+                    timeout_s: float = 120.0) -> Iterator[Cluster]:
+    """A nats-server, a scheduler, these llumlets and a gateway, ready; all stopped on exit
+    (also when they never became ready)."""
+    from shared.embedded_nats import start_nats
+
+    server = start_nats()
+    cluster = Cluster(server.url, model_dir, log_dir)
+    try:
+        cluster.start_scheduler(*scheduler_args)
+        for instance_id in instances:
+            cluster.start_llumlet(instance_id, *llumlet_args, engine=engine)
+        cluster.start_gateway(*gateway_args)
+        cluster.wait_ready(instances=len(instances), timeout_s=timeout_s)
+        yield cluster
+    finally:
+        cluster.stop()
+        server.stop()

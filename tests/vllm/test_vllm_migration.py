@@ -23,7 +23,7 @@ import pytest
 
 from shared import subjects
 from shared.messages import MigrateOrder, encode
-from tests.support.cluster import Cluster
+from tests.support.cluster import Cluster, running_cluster
 from tests.support.stream_watch import StreamWatch
 
 pytestmark = pytest.mark.vllm
@@ -40,20 +40,9 @@ INSTANCES = ("vm-a", "vm-b")
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
-    from shared.embedded_nats import start_nats
-
-    server = start_nats()
-    cluster = Cluster(server.url, tiny_model_dir, tmp_path_factory.mktemp("vllm-migration-logs"))
-    cluster.start_scheduler("--no-enable-migration")
-    for instance_id in INSTANCES:
-        cluster.start_llumlet(instance_id, *LLUMLET, engine="vllm")
-    cluster.start_gateway()
-    try:
-        cluster.wait_ready(instances=len(INSTANCES), timeout_s=240)
+    with running_cluster(tiny_model_dir, tmp_path_factory.mktemp("vllm-migration-logs"), INSTANCES, *LLUMLET,
+                         engine="vllm", scheduler_args=["--no-enable-migration"], timeout_s=240) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
-        server.stop()
 
 
 class Watch(StreamWatch):

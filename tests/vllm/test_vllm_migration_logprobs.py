@@ -114,22 +114,12 @@ async def test_without_the_commit_s_tail_the_race_leaves_the_late_tokens_null(vl
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
-    from shared.embedded_nats import start_nats
-    from tests.support.cluster import Cluster
+    from tests.support.cluster import running_cluster
     from tests.vllm.test_vllm_migration import INSTANCES, LLUMLET
 
-    server = start_nats()
-    cluster = Cluster(server.url, tiny_model_dir, tmp_path_factory.mktemp("vllm-migration-logprobs"))
-    cluster.start_scheduler("--no-enable-migration")
-    for instance_id in INSTANCES:
-        cluster.start_llumlet(instance_id, *LLUMLET, engine="vllm")
-    cluster.start_gateway()
-    try:
-        cluster.wait_ready(instances=len(INSTANCES), timeout_s=240)
+    with running_cluster(tiny_model_dir, tmp_path_factory.mktemp("vllm-migration-logprobs"), INSTANCES, *LLUMLET,
+                         engine="vllm", scheduler_args=["--no-enable-migration"], timeout_s=240) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
-        server.stop()
 
 
 async def test_a_stream_moved_between_two_vllm_llumlets_keeps_every_logprob(cluster):
