@@ -2,7 +2,8 @@
 
 Only counts and ids; the bytes (when there are any) live in `kv_pool.KVPool`. Reservations hold
 blocks for an incoming migration under a lease id until it commits (`adopt`) or is dropped
-(`release`). With a `PrefixCache`, full computed blocks may be cached under their prefix hash
+(`release`); a lease may also pin the cached blocks of the request's prefix (`pin_cached`), which
+need no copy and join its table at the commit. With a `PrefixCache`, full computed blocks may be cached under their prefix hash
 and shared by several tables; cached blocks nobody holds count as free and are evicted (least
 recently freed first) only when no plain free block is left. Each owner belongs to a group (the scheduler uses its priority) whose block total is
 kept up to date, so a load report never walks the block tables.
@@ -28,6 +29,7 @@ class BlockManager:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[str, list[int]] = {}
         self._reserved: dict[str, list[int]] = {}
+        self._pinned: dict[str, list[int]] = {}  # lease -> cached blocks of the request's prefix it holds
         self._num_reserved = 0
         self._group_of: dict[str, int] = {}
         self._group_blocks: dict[int, int] = {}  # group -> blocks its owners hold (0s dropped)
@@ -48,8 +50,8 @@ class BlockManager:
 
     @property
     def num_used(self) -> int:
-        """Physical blocks owned by requests (reservations not included; a shared cached block
-        counts once, while `group_blocks` counts it for each owner)."""
+        """Physical blocks owned by requests or pinned by incoming migrations (reservations not
+        included; a shared cached block counts once, while `group_blocks` counts it for each owner)."""
         return self.num_blocks - self.num_free - self._num_reserved
 
     def has_owner(self, owner: str) -> bool:
@@ -147,27 +149,55 @@ class BlockManager:
         self._num_reserved += num_blocks
         return blocks
 
+    def pin_cached(self, lease_id: str, blocks: Sequence[int]) -> None:
+        """An incoming migration binds to cached blocks holding the request's leading prefix
+        (`PrefixCache.longest_hit`): the lease holds them (no longer evictable) and they lead its
+        table at the commit. Only before the lease reserves anything."""
+        assert lease_id not in self._reserved and lease_id not in self._pinned, lease_id
+        cache = self.cache
+        assert cache is not None or not blocks
+        for block in blocks:
+            cache.acquire(block)
+        if blocks:
+            self._pinned[lease_id] = list(blocks)
+
+    def pinned_blocks(self) -> set[int]:
+        """Cached blocks pinned by every lease."""
+        return {b for blocks in self._pinned.values() for b in blocks}
+
     def reserved_blocks(self, lease_id: str) -> list[int]:
-        return list(self._reserved.get(lease_id, ()))
+        """The lease's blocks in the request's order: the pinned cached prefix, then the reserved."""
+        return self._pinned.get(lease_id, []) + self._reserved.get(lease_id, [])
 
     def release(self, lease_id: str) -> int:
-        """Return a lease's blocks to the free pool; idempotent (0 for an unknown lease)."""
+        """Return a lease's blocks to the free pool (pinned ones to the cache); idempotent (0 for
+        an unknown lease)."""
+        pinned = self._pinned.pop(lease_id, [])
+        for block in pinned:
+            self.cache.release(block)
         blocks = self._reserved.pop(lease_id, None)
         if blocks is None:
-            return 0
+            return len(pinned)
         self._num_reserved -= len(blocks)
         self._free.extend(reversed(blocks))
-        return len(blocks)
+        return len(pinned) + len(blocks)
 
     def adopt(self, lease_id: str, owner: str, group: int = 0) -> list[int]:
-        """Migration commit: the lease's blocks, in reservation order, become `owner`'s table."""
+        """Migration commit: the lease's blocks (pinned, then reserved in reservation order)
+        become `owner`'s table."""
         assert owner not in self._tables, f"adopt onto existing owner {owner}"
-        blocks = self._reserved.pop(lease_id)  # KeyError: unknown lease is a bug
+        pinned = self._pinned.pop(lease_id, [])
+        blocks = self._reserved.pop(lease_id, [] if pinned else None)
+        if blocks is None:
+            raise KeyError(lease_id)  # an unknown lease is a bug
         self._num_reserved -= len(blocks)
-        self._tables[owner] = blocks
+        table = pinned + blocks
+        if pinned:  # already cached: not offered again
+            self._num_hashed[owner] = len(pinned)
+        self._tables[owner] = table
         self._group_of[owner] = group
-        self._count(group, len(blocks))
-        return list(blocks)
+        self._count(group, len(table))
+        return list(table)
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -194,11 +224,11 @@ class BlockManager:
         return taken
 
     def check_invariants(self) -> None:
-        owned = [b for table in self._tables.values() for b in table]
+        owned = [b for table in (*self._tables.values(), *self._pinned.values()) for b in table]
         reserved = [b for blocks in self._reserved.values() for b in blocks]
         cache = self.cache
         if cache is not None:
-            cache.check_invariants(list(self._tables.values()))
+            cache.check_invariants([*self._tables.values(), *self._pinned.values()])
             evictable = cache.evictable_blocks()
             assert not set(evictable) & set(owned), "an evictable block is held by a table"
             assert not any(cache.is_cached(b) for b in self._free + reserved), "a cached block is plain free"

@@ -45,4 +45,4 @@ def check_scheduler_invariants(scheduler: SchedulerState) -> None:
         live[r.priority] = live.get(r.priority, 0) + 1
     assert live == counts.live, (live, counts.live)
     owners = {r.request_id for r in scheduler.running} | set(scheduler.suspended)
-    assert bm.num_used == len({b for o in owners for b in bm.blocks_of(o)})
+    assert bm.num_used == len({b for o in owners for b in bm.blocks_of(o)} | bm.pinned_blocks())

@@ -19,6 +19,8 @@ priority only when a running request needs a block).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from shared.engine_model.block_manager import BlockManager, blocks_for_tokens
 from shared.engine_model.config import SchedulerConfig
 from shared.engine_model.invariants import check_scheduler_invariants
@@ -187,6 +189,22 @@ class SimScheduler:
         if num_blocks > self.block_manager.num_free - self.committed_blocks():
             return None
         return self.block_manager.reserve(lease_id, num_blocks)
+
+    def pin_cached_prefix(self, lease_id: str, block_hashes: Sequence[int], max_blocks: int) -> int:
+        """An incoming migration binds to the blocks of the request's leading prefix this engine's
+        cache holds (at most `max_blocks`, the source's full computed blocks): they need no copy.
+        Call before the lease reserves anything. Returns how many leading blocks are pinned;
+        0 without a prefix cache. A cached block nobody holds leaves the free pool when pinned,
+        so the hit is cut short where that would take blocks admitted prompts are owed."""
+        cache = self.prefix_cache
+        if cache is None or not block_hashes or max_blocks < 1:
+            return 0
+        hit = cache.longest_hit(block_hashes, max_blocks)
+        spare = self.block_manager.num_free - self.committed_blocks()
+        while hit and cache.count_evictable(hit) > spare:
+            hit.pop()
+        self.block_manager.pin_cached(lease_id, hit)
+        return len(hit)
 
     def committed_blocks(self) -> int:
         """Free blocks already spoken for: what prompts admitted here still have to allocate
