@@ -10,7 +10,14 @@ from shared.engine_model.latency import SIMPLE_MODELS
 from shared.engine_model.config import SchedulerConfig
 from shared.messages import InstanceRole
 from shared.policy.config import PolicyConfig, ScalingConfig
-from shared.policy.migration import DEFAULT_GUARD, DEFAULT_STAGES, MigrationGuard, StageRule
+from shared.policy.migration import (
+    DEFAULT_AFFINITY,
+    DEFAULT_GUARD,
+    DEFAULT_STAGES,
+    CacheAffinity,
+    MigrationGuard,
+    StageRule,
+)
 
 KV_BYTES_PER_TOKEN_LLAMA_7B = 2 * 32 * 4096 * 2  # K and V × layers × hidden × fp16 = 0.5 MiB
 
@@ -29,6 +36,11 @@ class MigrationModel:
     # P/D hand-offs a prefill instance runs at once (the llumlet's --handoff-concurrency); the
     # destination's limit stays `max_per_instance`.
     handoff_concurrency: int = 2
+    # Cache-aware migration (issue 18 §4), with the engines' prefix caching: pairing prefers a
+    # destination holding the moving request's prefix (`affinity`), and the destination binds the
+    # request to the cached blocks it holds, so only the blocks it lacks are copied.
+    cache_aware: bool = False
+    affinity: CacheAffinity = DEFAULT_AFFINITY
 
     def __post_init__(self) -> None:
         if not (self.bandwidth_gbps > 0 and math.isfinite(self.bandwidth_gbps)):

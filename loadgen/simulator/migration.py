@@ -7,6 +7,11 @@ copies the full blocks added since the previous stage; once few are new (or at t
 limit), the source suspends the request, the rest is copied during the downtime, and the move
 commits: `suspend` → `add_migrated` → `release_migrated`. A request that finishes or is
 preempted on the source meanwhile aborts the migration and frees the lease.
+
+Cache-aware (`MigrationModel.cache_aware`, issue 18 §4): pairing prefers a destination whose
+prefix cache holds the request each source would move (`CacheAffinity`), and at the start the
+destination pins the cached blocks of the request's leading prefix (`pin_cached_prefix`): the
+stages copy only the blocks after them, and the request's table there starts with them.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class Migration:
     blocks_sent: int = 0  # request blocks [0, blocks_sent) are on the destination
     lease_blocks: int = 0  # blocks reserved on the destination
     stage_blocks: int = 0  # blocks the stage in flight copies
+    cached_blocks: int = 0  # leading blocks the destination's cache held: pinned there, never copied
     stages: list[tuple[int, bool]] = field(default_factory=list)  # (blocks, last) per stage
     suspended_at: float | None = None
     handoff: bool = False  # a P/D hand-off at the first token, not a load-balancing move
@@ -73,6 +79,7 @@ class MigrationStats:
     downtime_s: list[float] = field(default_factory=list)
     duration_s: list[float] = field(default_factory=list)
     copied_blocks: int = 0
+    cached_blocks: int = 0  # blocks not copied: the destination's prefix cache held them
     rounds: int = 0
     pairs: int = 0
 
@@ -85,6 +92,8 @@ class MigrationStats:
             "mean_downtime_ms": round(mean(self.downtime_s) * 1000, 2),
             "max_downtime_ms": round(max(self.downtime_s, default=0.0) * 1000, 2),
             "mean_duration_ms": round(mean(self.duration_s) * 1000, 2),
+            "copied_blocks": self.copied_blocks,
+            "cached_blocks": self.cached_blocks,
             "rounds": self.rounds,
             "pairs": self.pairs,
         }
@@ -173,12 +182,38 @@ class Migrator:
         sim.events.push(sim.now + sim.config.migration_interval_s, self.on_round)
         loads = sim.loads()
         config = sim.policy_config
-        pairs = (rebalancing_pairs if sim.config.disaggregated else pair_migrations)(loads, config, self.guard)
+        if sim.config.disaggregated:
+            pairs = rebalancing_pairs(loads, config, self.guard)
+        elif self.model.cache_aware:
+            pairs = pair_migrations(loads, config, self.guard, self._cached_prefix, self.model.affinity)
+        else:
+            pairs = pair_migrations(loads, config, self.guard)
         self.pairs = {pair.src: pair.dst for pair in pairs}
         self.stats.rounds += 1
         self.stats.pairs += len(pairs)
         for pair in pairs:
             self._try_start(sim.instances[pair.src], sim.instances[pair.dst])
+
+    def _cached_prefix(self, src_id: str) -> dict[str, int]:
+        """Destination -> leading blocks of the request `src_id` would move (by the selection
+        rule) that its prefix cache holds: what a live scheduler's prefix index answers."""
+        sim = self.sim
+        src = sim.instances[src_id]
+        busy = {m.request_id for m in self.active.values()}
+        candidates = migration_candidates(src.scheduler, sim.placed_at, sim.now, self.guard, left_at=self.left_at)
+        chosen = select_request_to_migrate([c for c in candidates if c.request_id not in busy])
+        if chosen is None:
+            return {}
+        request = src.scheduler.get(chosen.request_id)
+        hashes = request.block_hashes[:request.num_computed_tokens // src.scheduler.block_size]
+        if not hashes:
+            return {}
+        held = {}
+        for instance in sim.serving:
+            cache = instance.scheduler.prefix_cache
+            if instance is not src and cache is not None and cache.holds(hashes[0]):
+                held[instance.instance_id] = cache.matched_blocks(hashes)
+        return held
 
     def _pair_stands(self, src: SimInstance, dst: SimInstance) -> bool:
         """The source keeps migrating while it is still short of memory and the destination
@@ -225,8 +260,19 @@ class Migrator:
         src.migrations_out += 1
         dst.migrations_in += 1
         self.stats.started += 1
+        if self.model.cache_aware:
+            self._pin_cached_prefix(migration)
         self._next_stage(migration)
         return migration
+
+    def _pin_cached_prefix(self, migration: Migration) -> None:
+        """The destination binds to the cached blocks of the request's prefix before any stage:
+        they count as on the destination already (sent and leased), so no stage copies them."""
+        request = migration.src.scheduler.get(migration.request_id)
+        full = request.num_computed_tokens // migration.src.scheduler.block_size
+        pinned = migration.dst.scheduler.pin_cached_prefix(migration.lease_id, request.block_hashes, full)
+        migration.cached_blocks = migration.blocks_sent = migration.lease_blocks = pinned
+        self.stats.cached_blocks += pinned
 
     # -- stages ----------------------------------------------------------------------------------
 
