@@ -40,37 +40,43 @@ import dataclasses
 import json
 import multiprocessing
 import platform
-import socket
 import statistics
-import struct
 import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Awaitable
 from pathlib import Path
 
 import nats
 import uvloop
 
-from services.gateway.streams import HandoverClock, TokenOrderer
 from services.llumlet.config import LlumletConfig
 from services.llumlet.engines.sim.engine import SimEngine, SimEngineConfig
 from shared.engine_model.config import SchedulerConfig
-from services.llumlet.migration.handover import parse_handovers
 from services.llumlet.migration.protocol import MigrationLimits, MigrationStatus
 from services.llumlet.service import Llumlet
 from shared import subjects
 from shared.embedded_nats import start_nats
-from shared.messages import (
-    AbortRequest,
-    GenerateRequest,
-    LoadReport,
-    SamplingParams,
-    TokenChunk,
-    decode,
-    encode,
+from shared.messages import AbortRequest, GenerateRequest, LoadReport, SamplingParams, decode, encode
+from benchmarks.raw_loopback import (
+    raw_links,
+    beside_raw_copies,
+    transfer_vs_raw,
+    print_transfer_vs_raw,
+    launch_destination,
+    raw_port,
 )
+from benchmarks.client_stall import (
+    Chunks,
+    record_client,
+    source_stamps,
+    attach_phases,
+    phases_by_length,
+    print_phases,
+    stall_by_length,
+    print_stalls,
+)
+
 
 REPO = Path(__file__).resolve().parents[1]
 SRC, DST = "bench-src", "bench-dst"
@@ -122,82 +128,6 @@ class TimedSimEngine(SimEngine):
         return outputs
 
 
-class Chunks:
-    """Arrival time and publisher of every token chunk, per request; and each request's stream as
-    the gateway orders it: when new tokens reached the client, and each migration's stall."""
-
-    def __init__(self) -> None:
-        self.by_request: dict[str, list[tuple[float, TokenChunk]]] = defaultdict(list)
-        self._orderers: dict[str, TokenOrderer] = defaultdict(TokenOrderer)
-        self._clocks: dict[str, HandoverClock] = defaultdict(HandoverClock)
-        self.deliveries: dict[str, list[float]] = defaultdict(list)  # when new tokens reached the client
-        self.gaps: dict[str, list[float]] = defaultdict(list)  # between them, but at a migration
-        self.stalls: dict[str, list[float]] = defaultdict(list)  # at each migration (seconds)
-        # At each migration: when the last new token from the source and the first from the
-        # destination reached the client (monotonic seconds).
-        self.handovers: dict[str, list[tuple[float, float]]] = defaultdict(list)
-
-    async def on_chunk(self, msg) -> None:
-        """A chunk relayed by the client recorder (`record_client`), with its arrival time there."""
-        (now,) = _STAMP.unpack_from(msg.data)
-        chunk = decode(msg.data[_STAMP.size:], TokenChunk)
-        rid = chunk.request_id
-        self.by_request[rid].append((now, chunk))
-        if any(d.token_ids for d in self._orderers[rid].accept(chunk)):  # (as `OutputStream.feed`)
-            stall = self._clocks[rid].delivered(chunk.instance_id, now)
-            if stall is not None:
-                self.stalls[rid].append(stall)
-                self.handovers[rid].append((now - stall, now))
-            elif self.deliveries[rid]:
-                self.gaps[rid].append(now - self.deliveries[rid][-1])
-            self.deliveries[rid].append(now)
-
-    def client_view(self, request_id: str) -> dict:
-        """The first migration's stall, and the request's median gap between new tokens apart
-        from its stalls (ms); when its tokens reached the client on either side (monotonic s)."""
-        src_token_at, dst_token_at = self.handovers[request_id][0]
-        return {"client_stall_ms": 1e3 * self.stalls[request_id][0],
-                "own_itl_ms": 1e3 * statistics.median(self.gaps[request_id]),
-                "src_token_at_client": src_token_at, "dst_token_at_client": dst_token_at}
-
-    def count_from(self, request_id: str, instance_id: str) -> int:
-        return sum(len(c.token_ids) for _, c in self.by_request[request_id] if c.instance_id == instance_id)
-
-    def token_times(self, request_id: str, instance_id: str) -> list[float]:
-        return [t for t, c in self.by_request[request_id] if c.instance_id == instance_id and c.token_ids]
-
-
-_STAMP = struct.Struct("!d")  # the client recorder's arrival time (monotonic s) before each relayed chunk
-_RELAY = ".recorded"  # suffix of the subject the recorder relays a subject's chunks on
-
-_RECORDER = """
-import asyncio, sys, time, struct, nats, uvloop
-async def main(url, subject):
-    nc = await nats.connect(url)
-    stamp = struct.Struct("!d")
-    async def on(msg):
-        await nc.publish(subject + "{relay}", stamp.pack(time.monotonic()) + msg.data)
-    await nc.subscribe(subject, cb=on)
-    await nc.flush()
-    print("ready", flush=True)
-    await asyncio.Event().wait()
-uvloop.run(main(sys.argv[1], sys.argv[2]))
-""".format(relay=_RELAY)
-
-
-async def record_client(nc, nats_url: str, subject: str, chunks: Chunks) -> subprocess.Popen:
-    """The client, in a process of its own (as the gateway is): it stamps when each chunk on
-    `subject` arrived and relays it to `chunks`. Stamped here, arrivals would wait for this
-    process's event loop and GIL, which the source llumlet (and its engine thread) share."""
-    await nc.subscribe(subject + _RELAY, cb=chunks.on_chunk)
-    proc = subprocess.Popen([sys.executable, "-c", _RECORDER, nats_url, subject], stdout=subprocess.PIPE)
-    line = await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline)
-    if line.strip() != b"ready":
-        proc.kill()
-        raise RuntimeError("the client recorder did not start")
-    return proc
-
-
 async def wait_until(predicate, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -209,217 +139,6 @@ async def wait_until(predicate, timeout_s: float, what: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # Raw loopback baseline: the same bytes to a plain receiver process, no framing, no fusion
 # ---------------------------------------------------------------------------------------------
-
-
-_SIZE = struct.Struct("!Q")  # each raw copy is announced by its length (the same receivers serve any size)
-
-
-def _raw_receiver(conn) -> None:
-    """Reads copies (length, then the bytes) into a touched buffer and answers each with one
-    byte, for as long as the sender goes on."""
-    server = socket.create_server(("127.0.0.1", 0))
-    conn.send(server.getsockname()[1])
-    peer, _ = server.accept()
-    buf = memoryview(bytearray())
-    while True:
-        size = bytearray(_SIZE.size)
-        if not _recv_into_exactly(peer, memoryview(size)):
-            return
-        (nbytes,) = _SIZE.unpack(size)
-        if len(buf) < nbytes:
-            buf = memoryview(bytearray(b"\x01" * nbytes))  # touched: the destination's KV pool is warm too
-        if not _recv_into_exactly(peer, buf[:nbytes]):
-            return
-        peer.sendall(b"k")
-
-
-def _recv_into_exactly(sock: socket.socket, view: memoryview) -> bool:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            return False
-        got += n
-    return True
-
-
-class RawLoopback:
-    """A raw loopback TCP copy of `nbytes`, measured the way a stage is: one copy at a time, sent
-    from this process's event loop (the source llumlet's, its engine stepping beside it) to a
-    receiver that lives for the whole run (as the destination llumlet's KV receiver does), both
-    buffers warm. No framing, no checksum, no acks but the one at the end (and an 8-byte length
-    before the bytes)."""
-
-    def __init__(self, nbytes: int, port: int | None = None) -> None:
-        self.nbytes, self.port = nbytes, port  # a port: a receiver that runs already (else one is started)
-        self._proc: multiprocessing.Process | None = None
-        self._sock: socket.socket | None = None
-        self._payload = memoryview(bytearray(b"\x5a" * nbytes))
-
-    async def start(self) -> None:
-        port = self.port
-        if port is None:
-            ctx = multiprocessing.get_context("spawn")
-            parent, child = ctx.Pipe()
-            self._proc = ctx.Process(target=_raw_receiver, args=(child,), daemon=True)
-            self._proc.start()
-            port = await asyncio.to_thread(parent.recv)
-        self._sock = socket.create_connection(("127.0.0.1", port))
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock.setblocking(False)
-        await self.copy()  # the receiver's first copy is not measured (its buffer and socket ramp up)
-
-    async def copy(self) -> float:
-        """GB/s of one copy (until the receiver's answer)."""
-        loop = asyncio.get_running_loop()
-        started = time.monotonic()
-        await loop.sock_sendall(self._sock, _SIZE.pack(self.nbytes))
-        await loop.sock_sendall(self._sock, self._payload)
-        if await loop.sock_recv(self._sock, 1) != b"k":
-            raise RuntimeError("raw loopback receiver went away")
-        return self.nbytes / (time.monotonic() - started) / 1e9
-
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-        if self._proc is not None:
-            self._proc.join(5)
-
-
-async def raw_links(nbytes: int, destination_port: int) -> dict[str, RawLoopback]:
-    """Raw copies into the destination llumlet (its event loop, beside its engine: the KV
-    receiver's conditions; the like-for-like baseline) and into a receiver process of its own
-    (an idle one), started and warmed up."""
-    links = {"in_destination": RawLoopback(nbytes, destination_port), "own_process": RawLoopback(nbytes)}
-    for link in links.values():
-        await link.start()
-    return links
-
-
-async def beside_raw_copies(links: dict[str, RawLoopback], migrate: Awaitable[dict]) -> dict:
-    """Run one migration with a raw copy over each link right before and right after it (the
-    same machine load, the same sender loop); its row gets `raw_loopback_gbps`: {link: [before,
-    after]}."""
-    before = {name: await link.copy() for name, link in links.items()}
-    row = await migrate
-    after = {name: await links[name].copy() for name in reversed(links)}
-    row["raw_loopback_gbps"] = {name: [before[name], after[name]] for name in links}
-    return row
-
-
-def transfer_vs_raw(rows: list[dict]) -> dict:
-    """Per link, each transfer (`first_stage_gbps`) against the raw copies right before and
-    after it (their mean; the better of the two is the stricter reading): median, min, max."""
-    def against(name: str) -> dict:
-        ratios = [(r["first_stage_gbps"] or 0) / statistics.fmean(r["raw_loopback_gbps"][name]) for r in rows]
-        strict = [(r["first_stage_gbps"] or 0) / max(r["raw_loopback_gbps"][name]) for r in rows]
-        copies = [gbps for r in rows for gbps in r["raw_loopback_gbps"][name]]
-        return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "runs": ratios,
-                "strict_median": statistics.median(strict),
-                "raw_gbps": {"median": statistics.median(copies), "min": min(copies), "max": max(copies)}}
-
-    return {name: against(name) for name in rows[0]["raw_loopback_gbps"]}
-
-
-def print_transfer_vs_raw(ratios: dict) -> None:
-    for name, ratio in ratios.items():
-        raw = ratio["raw_gbps"]
-        print(f"raw loopback into {name.replace('_', ' ')}: single copies median {raw['median']:.2f} "
-              f"[{raw['min']:.2f}-{raw['max']:.2f}] GB/s; transfer over it, per migration: median "
-              f"{ratio['median']:.2f} [{ratio['min']:.2f}-{ratio['max']:.2f}] (against the better of its two raw "
-              f"copies: {ratio['strict_median']:.2f})")
-
-
-class _RawSink(asyncio.BufferedProtocol):
-    """The raw receiver inside the destination llumlet: reads copies (length, then the bytes)
-    into a warm buffer on the llumlet's own event loop (beside its engine, as the KV receiver
-    is) and answers each with one byte. No framing, no checksum."""
-
-    def __init__(self) -> None:
-        self.size = bytearray(_SIZE.size)
-        self.buffer = memoryview(bytearray())
-        self.target = memoryview(self.size)
-        self.got = 0
-        self.transport = None
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.target[self.got :]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.got += nbytes
-        if self.got < len(self.target):
-            return
-        self.got = 0
-        if self.target.obj is self.size:
-            (nbytes,) = _SIZE.unpack(self.size)
-            if len(self.buffer) < nbytes:
-                self.buffer = memoryview(bytearray(b"\x01" * nbytes))  # touched, as the KV pool is
-            self.target = self.buffer[:nbytes]
-        else:
-            self.target = memoryview(self.size)
-            self.transport.write(b"k")
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * 4096
-
-
-class _DestinationWithRawSink:
-    """The destination llumlet, plus a raw loopback receiver on its event loop (its port is
-    written to `port_file`)."""
-
-    def __init__(self, llumlet, port_file: Path) -> None:
-        self.llumlet, self.port_file = llumlet, port_file
-        self.server = None
-
-    async def start(self) -> None:
-        await self.llumlet.start()
-        pool = getattr(self.llumlet.engine, "kv_pool", None)
-        if pool is not None:  # the simulated engine's lazily mapped pool: touch it, as the source's (`warm_up`)
-            resident = _rss_bytes()
-            pool.data.fill(0)
-            print(f"destination KV pool touched: RSS {resident / 2**20:.0f} -> {_rss_bytes() / 2**20:.0f} MiB", flush=True)
-        loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(_RawSink, "127.0.0.1", 0)
-        self.port_file.write_text(str(self.server.sockets[0].getsockname()[1]))
-
-    async def stop(self) -> None:
-        self.server.close()
-        await self.llumlet.stop()
-
-
-def serve_destination(argv: list[str]) -> None:
-    """`corral llumlet ARGV[1:]` (the same config, engine and runner) with a raw receiver beside
-    it: argv[0] is the file that gets the raw receiver's port."""
-    from services.cli import build_parser
-    from services.llumlet.config import config_from_args
-    from services.llumlet.engines import create_engine
-    from services.runner import run, serve_until_signalled
-    from shared.logs import setup_logging
-
-    setup_logging("llumlet")  # as `corral llumlet` (migration_vllm reads the destination's timing lines)
-    port_file = Path(argv[0])
-    config = config_from_args(build_parser().parse_args(["llumlet", *argv[1:]]))
-    llumlet = Llumlet(config, create_engine(config))
-    run(serve_until_signalled(_DestinationWithRawSink(llumlet, port_file), wait=llumlet.wait_failed))
-
-
-def launch_destination(llumlet_args: list[str], port_file: Path, log_path: Path,
-                       env: dict[str, str] | None = None) -> subprocess.Popen:
-    """A `corral llumlet LLUMLET_ARGS` process with a raw loopback receiver on its event loop
-    (`serve_destination`); `raw_port` reads that receiver's port once it is up."""
-    port_file.unlink(missing_ok=True)
-    launcher = "import sys; from benchmarks.migration_sim import serve_destination; serve_destination(sys.argv[1:])"
-    return subprocess.Popen([sys.executable, "-c", launcher, str(port_file), *llumlet_args], cwd=REPO,
-                            stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env=env)
-
-
-def raw_port(port_file: Path) -> int:
-    return int(port_file.read_text())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -573,73 +292,6 @@ async def recompute_once(s: Settings, length: int) -> dict:
 # Where the client's stall goes (source record, destination log, token arrivals: one clock)
 # ---------------------------------------------------------------------------------------------
 
-# The stall, phase by phase: each from the previous point to its own (ms). Their sum less
-# `src_token_to_client` is the stall itself.
-HANDOVER_PHASES = (
-    ("src_step_end_to_suspended", "src_last_step_end_at", "suspended_at"),
-    ("suspended_to_last_stage_sent", "suspended_at", "commit_sent_at"),
-    ("last_stage_to_dst_commit", "commit_sent_at", "committed_at"),
-    ("dst_commit_to_in_engine", "committed_at", "in_engine_at"),
-    ("in_engine_to_its_step", "in_engine_at", "first_step_started_at"),
-    ("dst_first_step", "first_step_started_at", "first_step_ended_at"),
-    ("dst_step_end_to_client", "first_step_ended_at", "dst_token_at_client"),
-)
-
-
-def source_stamps(m, steps: list[tuple], client: dict) -> dict:
-    """The source's side of one handover (monotonic s): the end of its last step before the
-    suspend (the step of its last token), the suspend, the last stage out, the commit's ack."""
-    ends = [step[0] + step[1] for step in steps if step[0] + step[1] <= m.suspended_at]
-    return {"src_last_step_end_at": max(ends) if ends else None, "suspended_at": m.suspended_at,
-            "commit_sent_at": m.commit_sent_at, "acked_at": m.committed_at,
-            "src_token_at_client": client["src_token_at_client"], "dst_token_at_client": client["dst_token_at_client"]}
-
-
-def handover_phases(stamps: dict, destination: dict) -> dict | None:
-    """One migration's stall by phase (ms), from its source stamps and its destination's log
-    line (`parse_handovers`); None when either side is missing."""
-    points = {**stamps, **destination}
-    if any(points.get(key) is None for _, a, b in HANDOVER_PHASES for key in (a, b)):
-        return None
-    phases = {name: 1e3 * (points[b] - points[a]) for name, a, b in HANDOVER_PHASES}
-    phases["src_token_to_client"] = 1e3 * (points["src_token_at_client"] - points["src_last_step_end_at"])
-    phases["ack_after_dst_commit"] = 1e3 * (points["acked_at"] - points["committed_at"])
-    return phases
-
-
-def attach_phases(rows: list[dict], log_text: str) -> None:
-    """Each row's `phases` from the destination's handover lines (matched by request id; vLLM's
-    internal id carries a suffix)."""
-    lines = parse_handovers(log_text)
-    for row in rows:
-        rid = row["request_id"]
-        destination = lines.get(rid) or next((v for k, v in lines.items() if k.startswith(rid + "-")), None)
-        row["phases"] = handover_phases(row["handover"], destination) if destination else None
-
-
-def phases_by_length(rows: list[dict]) -> dict[int, dict[str, dict]]:
-    """Per length and phase: median and P90 (ms) over the rows that have a breakdown."""
-    out: dict[int, dict[str, dict]] = {}
-    for length in sorted({r["length"] for r in rows}):
-        have = [r["phases"] for r in rows if r["length"] == length and r.get("phases")]
-        if have:
-            out[length] = {name: {"median": statistics.median(p[name] for p in have),
-                                  "p90": percentile([p[name] for p in have], 90)} for name in have[0]}
-    return out
-
-
-def print_phases(by_length: dict[int, dict[str, dict]]) -> None:
-    if not by_length:
-        print("\nno handover breakdown (no destination handover lines)")
-        return
-    names = list(next(iter(by_length.values())))
-    print("\nwhere the stall goes, median (P90) ms per length; stall = sum of the phases less src_token_to_client")
-    print(f"{'phase':>30}" + "".join(f"{length:>16}" for length in by_length))
-    for name in names:
-        cells = "".join(f"{by_length[length][name]['median']:8.2f} ({by_length[length][name]['p90']:5.1f})"
-                        for length in by_length)
-        print(f"{name:>30}{cells}")
-
 
 # ---------------------------------------------------------------------------------------------
 # Run
@@ -766,37 +418,6 @@ def summarize(s: Settings, live: list, blocking: list, recompute: list, dst_repo
         "goals": goals,
         "runs": {"live": live, "blocking": blocking, "recompute": recompute},
     }
-
-
-def stall_by_length(rows: list[dict]) -> dict[int, dict]:
-    """Per length: the client stall's median and P90, the requests' own median ITL, and the
-    stall less that ITL (what the migration added: 0 is a perfect handover), in ms."""
-    lengths = sorted({r["length"] for r in rows})
-    out = {}
-    for length in lengths:
-        stalls = [r["client_stall_ms"] for r in rows if r["length"] == length]
-        itls = [r["own_itl_ms"] for r in rows if r["length"] == length]
-        extra = [r["client_stall_ms"] - r["own_itl_ms"] for r in rows if r["length"] == length]
-        out[length] = {"median": statistics.median(stalls), "p90": percentile(stalls, 90),
-                       "own_itl_median": statistics.median(itls), "extra_median": statistics.median(extra),
-                       "extra_p90": percentile(extra, 90), "runs": len(stalls)}
-    return out
-
-
-def percentile(values: list[float], pct: float) -> float:
-    """Linear interpolation between order statistics (numpy's default); the value itself for one."""
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * pct / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def print_stalls(stalls: dict[int, dict]) -> None:
-    print("\nclient stall at the handover (ms): length  median  p90  its own ITL  stall-ITL median/p90  runs")
-    for length, v in stalls.items():
-        print(f"{length:>40}  {v['median']:6.1f}  {v['p90']:5.1f}  {v['own_itl_median']:11.1f}  "
-              f"{v['extra_median']:9.1f} / {v['extra_p90']:.1f}  {v['runs']:4d}")
 
 
 def print_summary(result: dict) -> None:

@@ -9,16 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.migration_sim import (
-    BACKGROUND_PROMPT,
-    BACKGROUND_REQUESTS,
-    RawLoopback,
-    Settings,
-    _RawSink,
-    beside_raw_copies,
-    transfer_vs_raw,
-    warm_up_plan,
-)
+from benchmarks.migration_sim import BACKGROUND_PROMPT, BACKGROUND_REQUESTS, Settings, warm_up_plan
+from benchmarks.raw_loopback import RawLoopback, _RawSink, beside_raw_copies, transfer_vs_raw
 from services.llumlet.migration.protocol import MigrationLimits
 
 
