@@ -227,6 +227,7 @@ class PriorityLoad(Struct):
 
 
 MAX_RUNNING_OUTPUTS = 1024  # a load report lists at most this many running requests' outputs
+MAX_OUTPUT_LENGTH_BINS = 64  # bins of a load report's served-output histogram (admission uses 34)
 
 
 class InstanceRole(enum.StrEnum):
@@ -269,10 +270,12 @@ class LoadReport(Struct):
     engine: str = ""
     role: InstanceRole = InstanceRole.MIXED
     # For admission's `predicted` policy (issue 19 §1): each running request's output so far, and
-    # the requests this instance has finished with their output tokens (its output-length mean).
+    # the requests this instance has finished with their output tokens, in total and as counts per
+    # output-length bin (`shared.policy.admission.OUTPUT_BIN_EDGES`: its output-length estimate).
     running_output_tokens: Annotated[list[Count], Meta(max_length=MAX_RUNNING_OUTPUTS)] = []
     num_finished_total: Count = 0
     finished_output_tokens_total: Count = 0
+    finished_output_histogram: Annotated[list[Count], Meta(max_length=MAX_OUTPUT_LENGTH_BINS)] = []
     # Generate orders it has accepted since it started: the scheduler's admission tells by it
     # which of its dispatches a report does not show yet (sent after the report was built).
     num_accepted_total: Count = 0

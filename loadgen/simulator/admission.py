@@ -3,10 +3,11 @@ pure policy (`shared.policy.admission`) which instances may take an arriving req
 
 The queued prefill comes from the load report dispatch sees (`prefix_dispatch.queued_prefill_tokens`,
 so the same term as predicted-TTFT dispatch, equally stale); the output produced so far by each
-running request is read from the instance's scheduler — a live scheduler would need it summarized
-in the load report, which does not carry it yet. Each instance's output-length estimate learns
-from the requests it finishes, its step inflation (step time over decode-only time, an
-exponential average over its decoding steps) from the steps it runs.
+running request is read from the instance's scheduler (live, from the load report's
+`running_output_tokens`). Each instance's output-length estimate (a histogram of served output
+lengths; live, the one the load reports carry) learns from the requests it finishes, its step
+inflation (step time over decode-only time, an exponential average over its decoding steps) from
+the steps it runs.
 """
 
 from __future__ import annotations

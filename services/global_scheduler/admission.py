@@ -5,12 +5,12 @@ when none can; dispatch then chooses among the admitted ones only.
 
 The outlooks come from the load reports alone: each running request's output so far
 (`running_output_tokens`; past the report's cap, or from a llumlet that does not send them, a
-request counts as just started) and the instance's finished requests with their output tokens,
-which make its output-length estimate (the prior, weighed as a few requests, until it has served
-some) — the same inputs the simulator reads from its engines. Step times come from the latency
-model of `gpu`, times the instance's step inflation: the pace its report gives (recent decoding
-steps' wall time, requests decoded and their context) over the model's decode-only time for that
-batch.
+request counts as just started) and the histogram of its finished requests' output lengths,
+which makes its output-length estimate (the prior, weighed as a few requests, until it has
+served some; rebuilt only when the instance's count of finished moves) — the same inputs the
+simulator reads from its engines. Step times come from the latency model of `gpu`, times the
+instance's step inflation: the pace its report gives (recent decoding steps' wall time, requests
+decoded and their context) over the model's decode-only time for that batch.
 As the simulator's it carries the prefill mixed into the steps; live it also carries how far the
 engine is from the profile (a faster engine than `gpu` gives a ratio below 1), for TBT only.
 
@@ -47,6 +47,7 @@ from shared.policy.prefix_dispatch import queued_prefill_tokens
 
 MIN_RETRY_S, MAX_RETRY_S = 0.1, 30.0
 MIN_INFLATION, MAX_INFLATION = 0.01, 100.0  # a measured ratio outside these is a broken clock, not a pace
+MAX_REMEMBERED = 4096  # instances' estimates kept (a cache: cleared past this)
 NO_ROOM_RETRY_S = 1.0  # no instance has room for the prompt now: a second is a few requests' ends
 
 
@@ -64,7 +65,7 @@ class DispatchAdmission:
         model = LatencyModel(settings.gpu)
         self._latency = LatencyFns(prefill_s=lambda n: model.prefill_ms(n) / 1e3 if n > 0 else 0.0,
                                    decode_s=lambda bs, ctx: model.decode_ms(bs, ctx) / 1e3)
-        self._output = OutputLengthEstimate(prior_mean=settings.prior_output_len)
+        self._estimates = _Estimates(settings.prior_output_len)
         self._unreported = UnreportedDispatches()
         self.rejections = Counter("corral:scheduler_admission_rejections",
                                   "Requests refused by admission control (429), by reason", ["reason"],
@@ -106,9 +107,7 @@ class DispatchAdmission:
                 - missing.blocks)
         generated = list(load.running_output_tokens[: load.num_running])
         generated += [0] * (load.num_running - len(generated))
-        output = OutputLengthEstimate(prior_mean=self._output.prior_mean, prior_weight=self._output.prior_weight,
-                                      served=load.num_finished_total,
-                                      served_tokens=load.finished_output_tokens_total)
+        output = self._estimates.of(load)
         return InstanceOutlook(load.instance_id, queued_prefill_tokens(load) + missing.prompt_tokens,
                                load.num_waiting + missing.num, generated, context, output, free, load.block_size,
                                self._inflation(load), load.num_blocks_total)
@@ -128,6 +127,25 @@ class DispatchAdmission:
         if not math.isfinite(excess) or excess <= 0:  # no room now, or a TBT refusal
             return NO_ROOM_RETRY_S
         return min(max(excess, MIN_RETRY_S), MAX_RETRY_S)
+
+
+class _Estimates:
+    """Each instance's output-length estimate, from its latest report's histogram (kept while
+    its count of finished requests stays the same: the survival table is built once per change)."""
+
+    def __init__(self, prior_output_len: float) -> None:
+        self._prior = prior_output_len
+        self._by_instance: dict[str, tuple[int, OutputLengthEstimate]] = {}
+
+    def of(self, load: LoadReport) -> OutputLengthEstimate:
+        known = self._by_instance.get(load.instance_id)
+        if known is not None and known[0] == load.num_finished_total:
+            return known[1]
+        estimate = OutputLengthEstimate(prior_mean=self._prior, counts=list(load.finished_output_histogram))
+        if len(self._by_instance) > MAX_REMEMBERED:  # instances come and go: forget the old ones
+            self._by_instance.clear()
+        self._by_instance[load.instance_id] = (load.num_finished_total, estimate)
+        return estimate
 
 
 def _with_exclude(request: DispatchRequest, instance_ids: list[str]) -> DispatchRequest:

@@ -1,9 +1,10 @@
 """What a llumlet's load reports tell admission control (issue 19 §1) about the work it serves:
 the generate orders it accepted (which of the scheduler's dispatches a report shows), the
-requests it finished with their output tokens (the scheduler's output-length mean for this
-instance), and the pace of its recent decoding steps — step time, the number of requests each
-decoded and their context tokens, exponential averages — from which the scheduler derives the
-step inflation (measured step time over its latency model's decode-only time for that batch).
+requests it finished with their output tokens, in total and per output-length bin (the
+scheduler's output-length estimate for this instance), and the pace of its recent decoding
+steps — step time, the number of requests each decoded and their context tokens, exponential
+averages — from which the scheduler derives the step inflation (measured step time over its
+latency model's decode-only time for that batch).
 
 Fed from the engine loop after each step, from the step's outputs alone (no request views: too
 costly every step).
@@ -15,6 +16,7 @@ from collections.abc import Iterable
 
 from shared.engine_model.views import StepOutput
 from shared.messages import FinishReason
+from shared.policy.admission import NUM_OUTPUT_BINS, output_length_bin
 
 STEP_WEIGHT = 0.02  # per decoding step: the averages span the last ~50 steps (as the simulator's)
 SERVED = (FinishReason.STOP, FinishReason.LENGTH)  # an abort or error says nothing of output lengths
@@ -25,6 +27,7 @@ class ServedTally:
         self.num_accepted = 0
         self.num_finished = 0
         self.finished_output_tokens = 0
+        self.output_histogram = [0] * NUM_OUTPUT_BINS  # finished requests per output-length bin
         self.step_time_s = 0.0  # 0 until a step decoded something
         self.decode_batch = 0.0
         self.decode_context = 0.0  # tokens of context over the requests a step decoded
@@ -42,7 +45,9 @@ class ServedTally:
             if output.finish_reason in SERVED:
                 self.num_finished += 1
                 # (start_index counts from its start, migrations included; a resumed one from its resume)
-                self.finished_output_tokens += output.start_index + len(output.token_ids)
+                served = output.start_index + len(output.token_ids)
+                self.finished_output_tokens += served
+                self.output_histogram[output_length_bin(served)] += 1
         if decoded:
             self._average(max(0.0, ended - started), decoded, context)
 

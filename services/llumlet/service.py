@@ -374,6 +374,7 @@ class Llumlet:
             engine=self.engine.kind,
             num_finished_total=self.served.num_finished,
             finished_output_tokens_total=self.served.finished_output_tokens,
+            finished_output_histogram=self.served.output_histogram,
             num_accepted_total=self.served.num_accepted,
             step_time_s=self.served.step_time_s,
             step_decode_batch=self.served.decode_batch,

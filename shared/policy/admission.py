@@ -12,20 +12,24 @@ Per candidate instance a request gets two predictions:
 - TBT = one decode step of the batch it will join, with that batch taken either
   - now (`current-load`, Mooncake's baseline: the running requests, plus the queued ones and
     itself), or
-  - when its prefill completes (`predicted`): a running request is still there then only if its
-    predicted remaining output outlasts the decode steps that fit in the predicted TTFT; the
-    queued requests ahead (prefilled before it) and itself join.
+  - when its prefill completes (`predicted`): the running requests expected to outlast the
+    decode steps that fit in the predicted TTFT (at the instance's measured pace); the queued
+    requests ahead (prefilled before it) and itself join.
 
 A decode step's time comes from the latency model times the instance's measured step inflation
 (its recent steps' time over their decode-only time: the prefill chunks other requests mix into
 the steps, which lengthen every decoding request's TBT); both policies use it.
 
-Remaining output of a running request: from the instance's output-length estimate, the mean
-output length of the requests it has served (`OutputLengthEstimate`, a prior until it has seen
-some). A request that has produced g tokens has `max(mean - g, tail_fraction * mean)` left: the
-plain difference for the typical request, and a floor for those already past the mean, since
-output lengths are heavy-tailed (a request that ran long tends to run longer) — without it a
-long-running batch would look as if it were about to empty.
+Remaining output of a running request: from the instance's output-length estimate, a bounded
+histogram of the output lengths it has served (`OutputLengthEstimate`, log-spaced bins, mixed with
+an exponential prior that weighs as a few requests until it has served some). A request that has
+produced g tokens is still running after s more steps with probability S(g + s) / S(g), S the
+estimate's survival function; `predicted` counts the running requests expected to be there then
+(the sum of those probabilities, rounded up). Output lengths are heavy-tailed: a request that ran
+long tends to run longer, which a residual taken from the mean (`mean - g`, with a floor) missed —
+it expected the long-running batch to empty and admitted too much on prefill-heavy workloads. The
+survival is exact for the served distribution: short for a fresh request of a typical instance,
+long for one deep in the tail.
 
 The request is admitted to the instances whose predictions meet the SLO (dispatch then picks
 among them) and rejected with a reason when none does. Normal priority must meet the SLO with
@@ -36,11 +40,13 @@ refused first and high priority last.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from shared.messages import MAX_OUTPUT_LENGTH_BINS
 from shared.policy.config import HIGH_PRIORITY
 
 
@@ -89,27 +95,110 @@ class SloConfig:
         return Slo(slo.ttft_s * keep, slo.tbt_s * keep)
 
 
+def _output_bin_edges() -> tuple[int, ...]:
+    """Lower edges of the output-length bins: 0, 1, then 2^k and 1.5 * 2^k up to 98,304 tokens
+    (two bins an octave: a few percent of error on a survival, 34 counts on the wire)."""
+    edges = [0, 1]
+    for k in range(1, 17):
+        edges += [2**k, 3 * 2 ** (k - 1)]
+    return tuple(edges)
+
+
+OUTPUT_BIN_EDGES = _output_bin_edges()
+# Bin i holds lengths in [edge i, edge i+1); the last, open one is taken to end at twice its edge.
+OUTPUT_BIN_UPPER = (*OUTPUT_BIN_EDGES[1:], 2 * OUTPUT_BIN_EDGES[-1])
+NUM_OUTPUT_BINS = len(OUTPUT_BIN_EDGES)
+assert NUM_OUTPUT_BINS <= MAX_OUTPUT_LENGTH_BINS
+
+
+def output_length_bin(tokens: int) -> int:
+    return bisect.bisect_right(OUTPUT_BIN_EDGES, max(tokens, 0)) - 1
+
+
+@dataclass(frozen=True)
+class _Survival:
+    """The histogram's survival at each bin's lower edge and its integral from there to the end."""
+
+    above: tuple[float, ...]  # requests with length >= edge i (one more entry: 0 past the last bin)
+    tail: tuple[float, ...]  # integral of the survival count from edge i to the end
+
+
 @dataclass
 class OutputLengthEstimate:
-    """Mean output length of the requests an instance has served, starting from a prior that
-    weighs as `prior_weight` requests (so one early short request does not swing it)."""
+    """The output lengths an instance has served, as counts in log-spaced bins (lengths uniform
+    within a bin), mixed with an exponential prior of mean `prior_mean` that weighs as
+    `prior_weight` requests (so one early short request does not swing it, and a request past
+    everything served still has the prior's mean left)."""
 
     prior_mean: float = 256.0
     prior_weight: float = 8.0
-    served: int = 0
-    served_tokens: int = 0
+    counts: list[int] = field(default_factory=lambda: [0] * NUM_OUTPUT_BINS)
+    _table: _Survival | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.counts) != NUM_OUTPUT_BINS:  # another version's bins: the extra ones fold into the last
+            folded = list(self.counts[:NUM_OUTPUT_BINS]) + [0] * (NUM_OUTPUT_BINS - len(self.counts))
+            folded[-1] += sum(self.counts[NUM_OUTPUT_BINS:])
+            self.counts = folded
 
     def observe(self, output_tokens: int) -> None:
-        self.served += 1
-        self.served_tokens += output_tokens
+        self.counts[output_length_bin(output_tokens)] += 1
+        self._table = None
+
+    @property
+    def served(self) -> int:
+        return sum(self.counts)
 
     @property
     def mean(self) -> float:
-        return (self.prior_mean * self.prior_weight + self.served_tokens) / (self.prior_weight + self.served)
+        return self.remaining(0)
 
-    def remaining(self, generated: int, tail_fraction: float = 0.25) -> float:
-        mean = self.mean
-        return max(mean - generated, tail_fraction * mean)
+    def still_running(self, generated: int, steps: float) -> float:
+        """P(its output outlasts `steps` more tokens | it has produced `generated` and runs on)."""
+        now = self._survival(generated)
+        if now <= 0.0:  # past everything served and the prior's reach: the prior is memoryless
+            return math.exp(-steps / self.prior_mean)
+        return self._survival(generated + steps) / now
+
+    def remaining(self, generated: int) -> float:
+        """Expected output still to come of a request that has produced `generated` tokens."""
+        now = self._survival(generated)
+        if now <= 0.0:
+            return self.prior_mean
+        return self._integral_from(generated) / now
+
+    def _survival(self, x: float) -> float:
+        """Requests (the prior's weight included) whose length is past x."""
+        prior = self.prior_weight * math.exp(-x / self.prior_mean)
+        table = self._survival_table()
+        i = output_length_bin(int(x)) if x >= 0 else 0
+        low, high = OUTPUT_BIN_EDGES[i], OUTPUT_BIN_UPPER[i]
+        if x >= high:
+            return prior
+        inside = self.counts[i] * (high - max(x, low)) / (high - low)
+        return prior + table.above[i + 1] + inside
+
+    def _integral_from(self, x: float) -> float:
+        """Integral of `_survival` from x on: the requests' expected tokens still to come past x."""
+        prior = self.prior_weight * self.prior_mean * math.exp(-x / self.prior_mean)
+        table = self._survival_table()
+        i = output_length_bin(int(x)) if x >= 0 else 0
+        low, high = OUTPUT_BIN_EDGES[i], OUTPUT_BIN_UPPER[i]
+        if x >= high:
+            return prior
+        left = high - max(x, low)
+        inside = left * table.above[i + 1] + self.counts[i] * left * left / (2 * (high - low))
+        return prior + inside + table.tail[i + 1]
+
+    def _survival_table(self) -> _Survival:
+        if self._table is None:
+            above, tail = [0.0] * (NUM_OUTPUT_BINS + 1), [0.0] * (NUM_OUTPUT_BINS + 1)
+            for i in reversed(range(NUM_OUTPUT_BINS)):
+                width = OUTPUT_BIN_UPPER[i] - OUTPUT_BIN_EDGES[i]
+                above[i] = above[i + 1] + self.counts[i]
+                tail[i] = tail[i + 1] + width * (above[i + 1] + self.counts[i] / 2)
+            self._table = _Survival(tuple(above), tuple(tail))
+        return self._table
 
 
 @dataclass(frozen=True)
@@ -161,11 +250,14 @@ def predict(outlook: InstanceOutlook, prompt_tokens: int, policy: AdmissionPolic
     if -(-(prompt_tokens + 1) // outlook.block_size) + reserve_blocks > outlook.free_blocks_after_queue:
         queue_s = math.inf  # no room now: it would wait for memory (see the module note)
     ttft = queue_s + latency.prefill_s(prompt_tokens)
-    if policy is AdmissionPolicy.PREDICTED and running:
-        # Decode steps that fit in the TTFT, at the current batch's step time (a lower bound on
-        # the steps: mixed steps with prefill are slower, so this keeps requests, never drops more).
-        steps = ttft / step_s if step_s > 0 else 0.0
-        running = sum(outlook.output.remaining(g) > steps for g in outlook.running_generated)
+    if policy is AdmissionPolicy.PREDICTED and running and math.isfinite(ttft):
+        # Decode steps that fit in the TTFT at the instance's measured pace (its steps carry the
+        # prefill mixed in: at the decode-only time as many as twice the steps would be counted,
+        # and requests dropped that are still there).
+        paced_s = step_s * outlook.step_inflation
+        steps = ttft / paced_s if paced_s > 0 else 0.0
+        expected = sum(outlook.output.still_running(g, steps) for g in outlook.running_generated)
+        running = min(running, math.ceil(expected - 1e-9))
     batch = running + outlook.num_queued + 1
     context = int(batch * max(outlook.context_tokens_per_request, float(prompt_tokens)))
     return Prediction(outlook.instance_id, ttft, batch, latency.decode_s(batch, context) * outlook.step_inflation)

@@ -27,6 +27,7 @@ import pytest
 from shared import subjects
 from shared.embedded_nats import start_nats
 from shared.messages import DispatchReply, DispatchRequest, Refusal, decode, encode
+from shared.policy.admission import NUM_OUTPUT_BINS, output_length_bin
 from tests.support.cluster import Cluster
 from tests.support.observer import NatsObserver
 from tests.unit.policy_helpers import make_load
@@ -147,6 +148,7 @@ def test_a_burst_gets_429s_with_retry_after_and_the_admitted_meet_the_slo_within
     last = {report.instance_id: report for report in reports}
     assert sum(r.num_finished_total for r in last.values()) == len(served)
     assert sum(r.finished_output_tokens_total for r in last.values()) == len(served) * MAX_TOKENS
+    assert sum(r.finished_output_histogram[output_length_bin(MAX_TOKENS)] for r in last.values()) == len(served)
     assert any(report.running_output_tokens and max(report.running_output_tokens) > 0 for report in reports)
     paced = [r for r in last.values() if r.num_finished_total]
     assert paced and all(r.step_time_s > 0 and r.step_decode_batch >= 1 and r.step_decode_context > 0 for r in paced)
@@ -159,13 +161,20 @@ SEQ = itertools.count(1)
 
 def nearly_done_batch() -> bytes:
     """A report as a llumlet sends it: 100 requests decoding, each 10 tokens into an output this
-    instance serves at 4 tokens on average (1,000 finished): they will have ended by the time a
+    instance serves at 12 tokens (1,000 finished, by its histogram): they will have ended by the time a
     new prompt's prefill (behind 100 queued blocks) does, which `predicted` sees and
     `current-load`, counting them all in the decode batch, does not."""
     report = make_load("pd-a", total=6000, running={0: (100, 3750)}, waiting=[100])
     report = msgspec.structs.replace(report, seq=next(SEQ), sent_at=time.time(), running_output_tokens=[10] * 100,
-                                     num_finished_total=1000, finished_output_tokens_total=4000)
+                                     num_finished_total=1000, finished_output_tokens_total=12000,
+                                     finished_output_histogram=served_at(12, 1000))
     return encode(report)
+
+
+def served_at(tokens: int, count: int) -> list[int]:
+    histogram = [0] * NUM_OUTPUT_BINS
+    histogram[output_length_bin(tokens)] = count
+    return histogram
 
 
 async def ask_scheduler(nc, request_id: str, timeout_s: float = 30.0) -> DispatchReply:

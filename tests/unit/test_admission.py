@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from shared.policy.admission import (
+    NUM_OUTPUT_BINS,
+    OUTPUT_BIN_EDGES,
     AdmissionPolicy,
     InstanceOutlook,
     LatencyFns,
@@ -13,6 +16,7 @@ from shared.policy.admission import (
     Slo,
     SloConfig,
     admit,
+    output_length_bin,
     predict,
 )
 from shared.policy.config import HIGH_PRIORITY
@@ -22,9 +26,17 @@ LATENCY = LatencyFns(prefill_s=lambda n: n * 1e-3 if n > 0 else 0.0, decode_s=la
 SLO = SloConfig(Slo(ttft_s=1.0, tbt_s=0.050), reserve=0.0)
 
 
-def outlook(iid="a", queued=0, num_queued=0, generated=(), mean=100.0):
+def served(lengths, prior_mean=100.0, prior_weight=1.0) -> OutputLengthEstimate:
+    est = OutputLengthEstimate(prior_mean=prior_mean, prior_weight=prior_weight)
+    for n in lengths:
+        est.observe(int(n))
+    return est
+
+
+def outlook(iid="a", queued=0, num_queued=0, generated=(), mean=100.0, output=None, inflation=1.0):
     return InstanceOutlook(iid, queued, num_queued, tuple(generated), 200.0,
-                           OutputLengthEstimate(prior_mean=mean, prior_weight=1.0))
+                           output or OutputLengthEstimate(prior_mean=mean, prior_weight=1.0),
+                           step_inflation=inflation)
 
 
 def test_ttft_is_queued_prefill_plus_own_prompt():
@@ -47,24 +59,45 @@ def test_rejects_on_ttft_when_every_queue_is_too_long():
 
 def test_predicted_counts_requests_that_finish_during_the_prefill_out_of_the_batch():
     # 40 running requests: the current batch of 41 steps in 51 ms, past the 50 ms target. The
-    # 0.9 s prefill spans 18 such steps; the 30 requests past the 40-token mean have 10 left (the
-    # tail floor) and finish by then, the 10 fresh ones (40 left) stay.
-    generated = [99] * 30 + [0] * 10
-    load = outlook(queued=700, generated=generated, mean=40.0)  # floor 10 tokens; 0.9 s / 0.05 s = 18 steps
+    # 0.9 s prefill spans 18 steps (50 ms at 40). The instance serves 10 or 3,000 tokens, half
+    # and half (mean ~1,500: a mean-based residual keeps all 40). The 30 at 100 tokens are past
+    # every short one: all stay. The 10 at 4 tokens are short (ended in 18 steps) or long by even
+    # odds: 5 stay. 35 (36 with the prior's sliver) and itself step in 46-47 ms.
+    output = served([10] * 1000 + [3000] * 1000)
+    load = outlook(queued=700, generated=[100] * 30 + [4] * 10, output=output)
     current = admit([load], 200, 0, AdmissionPolicy.CURRENT_LOAD, SLO, LATENCY)
     predicted = admit([load], 200, 0, AdmissionPolicy.PREDICTED, SLO, LATENCY)
-    assert current.rejected is RejectReason.TBT
-    assert current.predictions[0].decode_batch == 41
+    assert current.rejected is RejectReason.TBT and current.predictions[0].decode_batch == 41
+    assert predicted.predictions[0].decode_batch in (36, 37)
     assert predicted.accepted
-    assert predicted.predictions[0].decode_batch == 11  # the 10 fresh ones (40 tokens left) and itself
+    assert output.still_running(100, 18) == pytest.approx(1.0, abs=1e-3)
+    assert output.still_running(4, 18) == pytest.approx(0.5, abs=1e-3)
 
 
-def test_predicted_keeps_long_running_requests_by_the_tail_floor():
-    # Past the mean, a request still has tail_fraction of it left: with a short TTFT they stay.
-    load = outlook(queued=0, generated=[500] * 45, mean=100.0)  # 25 tokens left each
-    p = predict(load, 10, AdmissionPolicy.PREDICTED, LATENCY)  # 10 ms of prefill: < 1 step
-    assert p.decode_batch == 46
-    assert admit([load], 10, 0, AdmissionPolicy.PREDICTED, SLO, LATENCY).rejected is RejectReason.TBT
+def test_predicted_keeps_long_running_requests_of_a_heavy_tail():
+    # A heavy-tailed instance (Pareto from 20 tokens, alpha 1.25: mean ~100): a request 500 tokens
+    # in has far more than the mean left, so a long-running batch does not empty during a prefill.
+    # 45 running step in 55 ms; a 2.5 s TTFT spans 45 steps. The mean-based residual
+    # (`max(mean - g, mean / 4)`, ~25 tokens) dropped them all and admitted; by the survival
+    # (500 / 545)^1.25 ~ 90 % of them are still there, past the TBT target.
+    rng = np.random.default_rng(0)
+    output = served(np.minimum(np.rint(20 * (1 + rng.pareto(1.25, 20_000))), 60_000))
+    slo = SloConfig(Slo(ttft_s=3.0, tbt_s=0.050), reserve=0.0)
+    load = outlook(queued=2300, generated=[500] * 45, output=output)
+    assert max(output.mean - 500, 0.25 * output.mean) < 45  # the old residual: all end during the prefill
+    assert output.still_running(500, 45) == pytest.approx((500 / 545) ** 1.25, abs=0.03)
+    assert 41 <= predict(load, 200, AdmissionPolicy.PREDICTED, LATENCY).decode_batch <= 44
+    assert admit([load], 200, 0, AdmissionPolicy.PREDICTED, slo, LATENCY).rejected is RejectReason.TBT
+
+
+def test_predicted_counts_the_steps_at_the_measured_pace():
+    # Served lengths uniform on 1..60; 40 requests 30 tokens in. At the decode-only pace 18 steps
+    # fit in the 0.9 s prefill, at 3x inflation 6: more of them are still there.
+    output = served(range(1, 61))
+    fast = predict(outlook(queued=700, generated=[30] * 40, output=output), 200, AdmissionPolicy.PREDICTED, LATENCY)
+    slow = predict(outlook(queued=700, generated=[30] * 40, output=output, inflation=3.0), 200,
+                   AdmissionPolicy.PREDICTED, LATENCY)
+    assert fast.decode_batch < slow.decode_batch <= 41
 
 
 def test_queued_requests_join_the_batch_in_both_policies():
@@ -93,12 +126,53 @@ def test_no_candidate_is_a_rejection():
 
 def test_output_estimate_moves_from_the_prior_to_what_was_served():
     est = OutputLengthEstimate(prior_mean=256.0, prior_weight=8.0)
-    assert est.mean == 256.0
+    assert est.mean == pytest.approx(256.0) and est.remaining(1000) == pytest.approx(256.0)  # memoryless prior
     for _ in range(992):
         est.observe(10)
-    assert est.mean == pytest.approx((256 * 8 + 9920) / 1000)
-    assert est.remaining(0) == pytest.approx(est.mean)
-    assert est.remaining(10_000) == pytest.approx(0.25 * est.mean)
+    assert est.served == 992
+    assert est.mean == pytest.approx((256 * 8 + 992 * 10) / 1000)  # 10 is in bin [8, 12), taken as uniform: 10
+    assert est.still_running(0, 20) == pytest.approx(8 / 1000, rel=0.1)  # only the prior's tail outlasts 20
+    assert est.remaining(10_000) == pytest.approx(256.0)  # past everything served: the prior's mean
+
+
+def test_bins_are_log_spaced_and_cover_every_length():
+    assert OUTPUT_BIN_EDGES[:8] == (0, 1, 2, 3, 4, 6, 8, 12) and len(OUTPUT_BIN_EDGES) == NUM_OUTPUT_BINS
+    assert [output_length_bin(n) for n in (0, 1, 5, 12, 10**9)] == [0, 1, 4, 7, NUM_OUTPUT_BINS - 1]
+    other = OutputLengthEstimate(counts=[1] * (NUM_OUTPUT_BINS + 3))  # another version's longer histogram
+    assert len(other.counts) == NUM_OUTPUT_BINS and other.counts[-1] == 4 and other.served == NUM_OUTPUT_BINS + 3
+
+
+@pytest.mark.parametrize("g", [0, 50, 300, 600, 1000, 2000])
+def test_residual_of_an_exponential_is_its_mean_at_any_age(g):
+    lengths = np.rint(np.random.default_rng(1).exponential(400.0, 50_000))
+    est = served(lengths, prior_weight=1.0)
+    # Deep in the tail (2.5 and 5 means) a bin spans a third to half of a mean and lengths are
+    # taken as uniform in it: the residual comes out long by up to a third (on the safe side).
+    assert est.remaining(g) == pytest.approx(400.0, rel=0.06 if g <= 600 else 0.35)
+    assert est.remaining(g) >= 0.97 * 400.0
+    assert est.still_running(g, 100) == pytest.approx(np.exp(-100 / 400), abs=0.05)
+
+
+def test_residual_of_a_uniform_shrinks_and_of_a_pareto_grows():
+    uniform = served(np.random.default_rng(2).integers(1, 1001, 50_000), prior_weight=1.0)
+    for g in (0, 200, 500):
+        assert uniform.remaining(g) == pytest.approx((1000 - g) / 2, rel=0.08)
+    assert 40 < uniform.remaining(900) < 70  # 50: the last bin, [768, 1024), is taken as filled to its end
+    assert uniform.still_running(600, 200) == pytest.approx(0.5, abs=0.05)
+    # Pareto, x_min 50, alpha 2: past x_min the expected excess is g / (alpha - 1) = g.
+    pareto = served(np.rint(50 * (1 + np.random.default_rng(3).pareto(2.0, 200_000))), prior_weight=1.0)
+    for g in (100, 400, 1000):
+        assert pareto.remaining(g) == pytest.approx(g, rel=0.2)
+    assert pareto.still_running(400, 400) == pytest.approx(0.25, abs=0.04)  # (g / (g + s))^alpha
+
+
+def test_survival_matches_the_served_sample():
+    lengths = np.rint(np.random.default_rng(4).lognormal(4.0, 1.2, 50_000))
+    est = served(lengths, prior_weight=1.0)
+    for g, s in ((0, 30), (40, 60), (200, 300)):
+        alive = lengths[lengths > g]
+        assert est.still_running(g, s) == pytest.approx(np.mean(alive > g + s), abs=0.03)
+        assert est.remaining(g) == pytest.approx(np.mean(alive - g), rel=0.06)
 
 
 def test_slo_rejects_bad_targets():

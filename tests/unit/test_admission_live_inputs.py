@@ -27,7 +27,7 @@ from shared.engine_model.load_report import aggregate_views, build_load_report
 from shared.engine_model.views import StepOutput
 from shared.messages import DispatchReply, DispatchRequest, FinishReason, LoadReport, Refusal, TokenChunk, decode, encode
 from shared.metrics_server import render
-from shared.policy.admission import AdmissionPolicy, Slo, SloConfig
+from shared.policy.admission import AdmissionPolicy, Slo, SloConfig, output_length_bin
 from tests.unit.policy_helpers import make_load
 
 
@@ -42,6 +42,8 @@ def test_the_tally_counts_served_requests_with_their_whole_output():
         StepOutput("d", 7, [1], FinishReason.ABORT),
     ])
     assert (tally.num_finished, tally.finished_output_tokens) == (2, 16)
+    assert tally.output_histogram[output_length_bin(10)] == tally.output_histogram[output_length_bin(6)] == 1
+    assert sum(tally.output_histogram) == 2
 
 
 def test_the_step_pace_averages_decoding_steps_only():
@@ -64,10 +66,12 @@ def test_the_report_carries_the_tally():
     report = build_load_report(
         instance_id="i", seq=1, sent_at=1.0, requests=aggregate_views([]), num_blocks_total=10, num_blocks_free=10,
         block_size=16, num_preemptions_total=0, headroom_blocks=None, num_finished_total=tally.num_finished,
-        finished_output_tokens_total=tally.finished_output_tokens, step_time_s=tally.step_time_s,
+        finished_output_tokens_total=tally.finished_output_tokens,
+        finished_output_histogram=tally.output_histogram, step_time_s=tally.step_time_s,
         step_decode_batch=tally.decode_batch, step_decode_context=tally.decode_context)
     again = decode(encode(report), LoadReport)
     assert (again.num_finished_total, again.finished_output_tokens_total) == (1, 8)
+    assert again.finished_output_histogram[output_length_bin(8)] == 1 and sum(again.finished_output_histogram) == 1
     assert (again.step_time_s, again.step_decode_batch, again.step_decode_context) == (0.03, 2.0, 50.0)
 
 

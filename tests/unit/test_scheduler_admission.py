@@ -13,7 +13,7 @@ from services.global_scheduler.admission import AdmissionSettings
 from services.global_scheduler.config import SchedulerConfig
 from services.global_scheduler.service import GlobalScheduler
 from shared.messages import DispatchRequest, Refusal
-from shared.policy.admission import AdmissionPolicy, Slo, SloConfig
+from shared.policy.admission import NUM_OUTPUT_BINS, AdmissionPolicy, Slo, SloConfig, output_length_bin
 from shared.policy.config import HIGH_PRIORITY
 from tests.unit.policy_helpers import make_load
 
@@ -82,17 +82,20 @@ def test_flags_build_the_settings_and_bad_ones_exit():
 
 
 def test_predicted_reads_output_progress_from_the_reports():
-    """A batch about to finish (each running request past its instance's mean output, which the
-    report's finished counts make short) leaves a small decode batch when the new prefill ends:
-    `predicted` admits where `current-load` refuses on TBT. Without the progress fields (a request
-    counts as just started, the mean at its prior) `predicted` refuses the same load too."""
+    """A batch about to finish (each running request 10 tokens into an output this instance
+    serves at 12, by the report's histogram of finished lengths) leaves a small decode batch
+    when the new prefill ends: `predicted` admits where `current-load` refuses on TBT. Without
+    the progress fields (a request counts as just started, the estimate at its prior)
+    `predicted` refuses the same load too."""
     slo = SloConfig(Slo(ttft_s=1.0, tbt_s=0.1), reserve=0.1)
 
     def load(progress: bool):
         report = make_load("a", total=6000, running={0: (100, 3750)}, waiting=[100])
         if progress:
             report.running_output_tokens = [10] * 100
-            report.num_finished_total, report.finished_output_tokens_total = 1000, 4000
+            report.num_finished_total, report.finished_output_tokens_total = 1000, 12000
+            report.finished_output_histogram = [0] * NUM_OUTPUT_BINS
+            report.finished_output_histogram[output_length_bin(12)] = 1000
         report.sent_at = time.time()
         return report
 
