@@ -38,13 +38,10 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import multiprocessing
-import platform
 import statistics
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import nats
@@ -58,24 +55,9 @@ from services.llumlet.service import Llumlet
 from shared import subjects
 from shared.embedded_nats import start_nats
 from shared.messages import AbortRequest, GenerateRequest, LoadReport, SamplingParams, decode, encode
-from benchmarks.raw_loopback import (
-    raw_links,
-    beside_raw_copies,
-    transfer_vs_raw,
-    print_transfer_vs_raw,
-    launch_destination,
-    raw_port,
-)
-from benchmarks.client_stall import (
-    Chunks,
-    record_client,
-    source_stamps,
-    attach_phases,
-    phases_by_length,
-    print_phases,
-    stall_by_length,
-    print_stalls,
-)
+from benchmarks.raw_loopback import raw_links, beside_raw_copies, launch_destination, raw_port
+from benchmarks.client_stall import Chunks, record_client, source_stamps
+from benchmarks.migration_sim_report import report_line, summarize, print_summary
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -335,7 +317,8 @@ async def run(s: Settings) -> dict:
                   f"(modelled prefill {recompute[-1]['modelled_prefill_ms']:.1f} ms)", flush=True)
         for link in raw.values():
             link.close()
-        return summarize(s, live, blocking, recompute, dst_report)
+        workload = {"background_requests": BACKGROUND_REQUESTS, "background_prompt": BACKGROUND_PROMPT}
+        return summarize(s, live, blocking, recompute, dst_report, workload)
     finally:
         await src.stop()
         await nc.close()
@@ -344,100 +327,6 @@ async def run(s: Settings) -> dict:
         dst_proc.terminate()
         dst_proc.wait(20)
         server.stop()
-
-
-def report_line(kind: str, r: dict) -> None:
-    during, before = r["src_steps_during"], r["src_steps_before"]
-    step_note = ""
-    if during.get("steps") and before.get("steps"):
-        step_note = f" src step {before['mean_wall_ms']:.1f}→{during['mean_wall_ms']:.1f} ms"
-    gbps = f"{r['first_stage_gbps']:.2f} GB/s" if r["first_stage_gbps"] else "-"
-    for name, (before, after) in r.get("raw_loopback_gbps", {}).items():
-        gbps += f" (raw {name} before/after {before:.2f}/{after:.2f})"
-    print(f"{kind:>8} {r['length']:>5}: downtime {r['downtime_ms']:6.2f} ms, client stall {r['client_stall_ms']:6.1f} ms "
-          f"(its ITL {r['own_itl_ms']:.1f}), {r['num_stages']} stages, stage 0 {gbps},{step_note}", flush=True)
-
-
-def summarize(s: Settings, live: list, blocking: list, recompute: list, dst_report: LoadReport) -> dict:
-    def by_length(rows: list, key: str) -> dict[int, float]:
-        values: dict[int, list[float]] = defaultdict(list)
-        for row in rows:
-            values[row["length"]].append(row[key])
-        return {length: statistics.median(v) for length, v in values.items()}
-
-    attach_phases(live, s.out.with_suffix(".dst.log").read_text(errors="replace"))
-    live_down = by_length(live, "downtime_ms")
-    shortest, longest = min(s.lengths), max(s.lengths)
-    longest_live = [r for r in live if r["length"] == longest]
-    transfer = statistics.median(r["first_stage_gbps"] or 0 for r in longest_live)
-    transfer_vs_raw_by_link = transfer_vs_raw(longest_live)
-    transfer_ratio = transfer_vs_raw_by_link["in_destination"]["median"]
-
-    def pooled(key: str) -> dict:
-        windows = [r[key] for r in live if r[key].get("steps")]
-        total = sum(w["steps"] for w in windows)
-        if not total:
-            return {"steps": 0}
-        return {"steps": total,
-                **{f: sum(w[f] * w["steps"] for w in windows) / total
-                   for f in ("mean_wall_ms", "mean_modelled_ms", "mean_overhead_ms")}}
-
-    step_before, step_during = pooled("src_steps_before"), pooled("src_steps_during")
-    modelled_step = statistics.median(r["modelled_decode_step_ms"] for r in live)
-    recompute_ms = by_length(recompute, "ttft_ms")
-    # Per run, wall time over modelled time of the decode steps (this normalizes the batch,
-    # whose context grows), during the migration against before it.
-    slowdowns = [(r["src_steps_during"]["mean_wall_ms"] / r["src_steps_during"]["mean_modelled_ms"])
-                 / (r["src_steps_before"]["mean_wall_ms"] / r["src_steps_before"]["mean_modelled_ms"])
-                 for r in live if r["src_steps_during"].get("steps") and r["src_steps_before"].get("steps")]
-    step_ratio = statistics.median(slowdowns) if slowdowns else None
-    goals = {
-        "downtime_flat_longest_over_shortest": live_down[longest] / live_down[shortest],
-        "downtime_max_over_one_decode_step": max(live_down.values()) / modelled_step,
-        "recompute_over_live_at_longest": recompute_ms[longest] / live_down[longest],
-        "transfer_over_raw_loopback": transfer_ratio,
-        "src_decode_step_slowdown_during_migration": step_ratio,
-    }
-    return {
-        "machine": {"cpus": multiprocessing.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version()},
-        "settings": {**dataclasses.asdict(s), "out": str(s.out), "background_requests": BACKGROUND_REQUESTS,
-                     "background_prompt": BACKGROUND_PROMPT,
-                     "destination_kv_address": dst_report.kv_address},
-        # in_destination: the like-for-like baseline (goals); own_process: an idle receiver.
-        "transfer_over_raw_loopback": transfer_vs_raw_by_link,
-        "live_downtime_ms_by_length": live_down,
-        "blocking_downtime_ms_by_length": by_length(blocking, "downtime_ms"),
-        "recompute_ttft_ms_by_length": recompute_ms,
-        "live_stages_by_length": by_length(live, "num_stages"),
-        "live_client_stall_ms_by_length": stall_by_length(live),
-        "live_stall_phases_ms_by_length": phases_by_length(live),
-        "modelled_decode_step_ms": modelled_step,
-        "src_step_ms": {"before_migration": step_before, "during_migration": step_during},
-        "transfer_gbps_longest_first_stage": transfer,
-        "goals": goals,
-        "runs": {"live": live, "blocking": blocking, "recompute": recompute},
-    }
-
-
-def print_summary(result: dict) -> None:
-    print("\nlength  live(ms)  stages  blocking(ms)  recompute(ms)")
-    for length in result["settings"]["lengths"]:
-        print(f"{length:>6}  {result['live_downtime_ms_by_length'][length]:8.2f}  "
-              f"{result['live_stages_by_length'][length]:6.1f}  {result['blocking_downtime_ms_by_length'][length]:12.1f}  "
-              f"{result['recompute_ttft_ms_by_length'][length]:13.1f}")
-    print_stalls(result["live_client_stall_ms_by_length"])
-    print_phases(result["live_stall_phases_ms_by_length"])
-    before, during = result["src_step_ms"]["before_migration"], result["src_step_ms"]["during_migration"]
-    print(f"modelled A10 decode step of the source batch: {result['modelled_decode_step_ms']:.1f} ms")
-    if before.get("steps") and during.get("steps"):
-        print(f"source decode steps, wall (modelled) ms: before migration {before['mean_wall_ms']:.2f} "
-              f"({before['mean_modelled_ms']:.2f}, {before['steps']} steps), during {during['mean_wall_ms']:.2f} "
-              f"({during['mean_modelled_ms']:.2f}, {during['steps']} steps)")
-    print(f"transfer (longest, stage 0, median): {result['transfer_gbps_longest_first_stage']:.2f} GB/s")
-    print_transfer_vs_raw(result["transfer_over_raw_loopback"])
-    for name, value in result["goals"].items():
-        print(f"  {name}: {value:.2f}" if value is not None else f"  {name}: -")
 
 
 def parse_args(argv: list[str] | None) -> Settings:
