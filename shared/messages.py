@@ -297,6 +297,7 @@ class LoadReport(Struct):
 
 MAX_BLOCK_HASHES = 1 << 16  # a million-token prompt at 16 tokens a block; ~0.6 MB on the wire
 BlockHash = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # shared.prefix_hash: 63 bits, non-negative
+MAX_PREALLOC_HASHES = 4096  # a migration's cached prefix, at most (64k tokens at 16 a block)
 
 
 class DispatchRequest(Struct):
@@ -402,6 +403,9 @@ class PreAlloc(Struct):
     num_blocks: Annotated[int, Meta(ge=0, le=1 << 24)]
     lease_s: Seconds
     stage: Annotated[int, Meta(ge=0, le=1024)]
+    # Stage 0: the request's leading full-block hashes (shared.prefix_hash), so the destination
+    # can bind it to the cached blocks of its prefix it holds; the source then skips those.
+    block_hashes: Annotated[list[BlockHash], Meta(max_length=MAX_PREALLOC_HASHES)] = []
 
 
 class PreAllocReply(Struct):
@@ -409,6 +413,8 @@ class PreAllocReply(Struct):
     reason: str | None = None
     block_ids: Annotated[list[Count], Meta(max_length=1 << 24)] = []
     kv_address: Annotated[str, Meta(max_length=256)] = ""  # the destination's KV receiver (host:port) for the data plane
+    # Leading blocks of the lease the destination's prefix cache held (pinned there): not sent.
+    num_cached_blocks: Count = 0
 
 
 class MigrationAbort(Struct):

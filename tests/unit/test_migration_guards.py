@@ -44,6 +44,9 @@ class ResidenceOps:
     def migration_snapshot(self, request_id: str) -> MigrationSnapshot:
         return MigrationSnapshot(LivePhase.RUNNING, 40, 0, 11)
 
+    def prefix_block_hashes(self, request_id: str) -> list[int]:
+        return []
+
 
 class RefusingLink:
     """Refuses every PRE-ALLOC (the migration ends at once), remembering whose it was."""

@@ -75,6 +75,7 @@ class IncomingMigration(MigrationLifecycle):
     block_ids: list[int] = field(default_factory=list)  # the lease, in reservation order
     granted: dict[int, list[int]] = field(default_factory=dict)  # stage → blocks reserved for it
     filled: int = 0  # lease blocks written so far (frames arrive in order)
+    cached_blocks: int = 0  # leading lease blocks this engine's prefix cache held: pinned, never sent
     writers: int = 0  # scatters in flight: the lease must not be released under them
     release_pending: bool = False
     ended_at: float | None = None
@@ -154,19 +155,29 @@ class IncomingMigrations:
                 self._end(m, MigrationStatus.ABORTED_DST, refusal)
                 return PreAllocGrant(ok=False, reason=refusal)
             self._renew(m, msg)  # (first: the watchdog must not expire it while the engine reserves)
-            added = await self.ops.reserve_blocks(m.migration_id, max(0, more))
+            pinned = await self._pin_cached_prefix(m, msg) if msg.block_hashes and not m.granted else []
+            added = await self.ops.reserve_blocks(m.migration_id, max(0, more - len(pinned)))
             if m.status.is_over:  # ended meanwhile (ABORT, client abort, stop): its release ran already
                 self.ops.release_reservation(m.migration_id)
                 return PreAllocGrant(ok=False, reason=f"migration {m.status.value}")
             if added is None:
                 self._end(m, MigrationStatus.ABORTED_DST, "no room")
                 return PreAllocGrant(ok=False, reason=f"no room for {more} more blocks")
+            added = pinned + added
             m.block_ids += added
             granted = m.granted[msg.stage] = granted + added
             if added:
                 self._on_change()
         self._renew(m, msg)
-        return PreAllocGrant(ok=True, block_ids=list(granted), kv_address=self.kv_address)
+        return PreAllocGrant(ok=True, block_ids=list(granted), kv_address=self.kv_address,
+                             num_cached_blocks=m.cached_blocks if msg.stage == 0 else 0)
+
+    async def _pin_cached_prefix(self, m: IncomingMigration, msg: PreAlloc) -> list[int]:
+        """The first grant binds the request to the cached blocks of its prefix held here (issue
+        18 §4): they lead the lease, count as written, and the source never sends them."""
+        pinned = await self.ops.pin_cached_prefix(m.migration_id, msg.block_hashes, msg.num_blocks)
+        m.filled = m.cached_blocks = len(pinned)
+        return pinned
 
     def _guard_more(self, m: IncomingMigration, more: int) -> str | None:
         if more <= 0 or not m.granted or self._intake_load is None:

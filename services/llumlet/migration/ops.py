@@ -84,6 +84,10 @@ class MigratableEngine(Protocol):
 
     def block_ids_of(self, request_id: str) -> list[int]: ...
 
+    def prefix_block_hashes(self, request_id: str) -> Sequence[int]:
+        """The request's prompt full-block hashes (shared.prefix_hash) for a destination to bind
+        to its cached prefix; empty when the engine does not hash prompts."""
+
     async def suspend(self, request_id: str) -> bool:
         """Out of the batch, blocks kept; False if it was not running (the request left)."""
 
@@ -107,6 +111,12 @@ class MigratableEngine(Protocol):
     async def reserve_blocks(self, lease_id: str, num_blocks: int) -> list[int] | None:
         """Hold `num_blocks` more free blocks under the lease; None (nothing taken) if short.
         (A stage's PRE-ALLOC asks for its total; a repeat with more tops the lease up.)"""
+
+    async def pin_cached_prefix(self, lease_id: str, block_hashes: Sequence[int], max_blocks: int) -> list[int]:
+        """Before the lease reserves anything: hold the cached blocks of the longest leading run
+        of `block_hashes` (at most `max_blocks`) under the lease; they lead its table at the
+        commit and need no copy. Their ids; empty when nothing is cached (or not supported).
+        `release_reservation` gives them back."""
 
     def release_reservation(self, lease_id: str) -> int:
         """Return the lease's blocks to the free pool (the engine may do it a moment later: no

@@ -28,6 +28,7 @@ class OutgoingMigration(MigrationLifecycle):
     reason: str = ""
     stage: int = 0
     blocks_sent: int = 0  # request blocks [0, blocks_sent) are on the destination
+    cached_blocks: int = 0  # leading blocks the destination's prefix cache held: never sent
     lease_blocks: int = 0  # blocks the destination has reserved for us
     stage_lease_start: int = 0  # lease blocks reserved before the current stage
     kv_address: str = ""

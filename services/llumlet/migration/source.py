@@ -40,7 +40,7 @@ from services.llumlet.migration.protocol import (
     SourceAborted,
     new_migration_id,
 )
-from shared.messages import MigrateOrder, PreAlloc, encode
+from shared.messages import MAX_PREALLOC_HASHES, MigrateOrder, PreAlloc, encode
 from services.llumlet.migration.departures import Departures
 from shared.policy.migration import may_move, next_stage, select_request_to_migrate
 
@@ -246,8 +246,9 @@ class MigrationCoordinator:
 
         A request its llumlet suspended before (a hand-off) has only the last stage."""
         if m.suspended_at is not None:
-            upto = self._check(m, LivePhase.SUSPENDED).num_blocks
-            prealloc_s = await self._prealloc(m, upto)
+            snapshot = self._check(m, LivePhase.SUSPENDED)
+            upto = snapshot.num_blocks
+            prealloc_s = await self._prealloc(m, upto, snapshot.num_computed_tokens // self.ops.block_size)
             self._check(m, LivePhase.SUSPENDED)
             await self._last_stage(m, upto, prealloc_s)
             return
@@ -258,10 +259,10 @@ class MigrationCoordinator:
             num_blocks = next_stage(rule, m.stage, full, m.blocks_sent)  # (the simulator's rule too)
             if num_blocks is None:
                 break
-            prealloc_s = await self._prealloc(m, snapshot.num_blocks)
+            prealloc_s = await self._prealloc(m, snapshot.num_blocks, full)
             self._check(m, LivePhase.RUNNING)
-            await self._copy(m, m.blocks_sent + num_blocks, LivePhase.RUNNING, prealloc_s, final=False)
-        await self._prealloc(m, snapshot.num_blocks)  # (off the downtime)
+            await self._copy(m, full, LivePhase.RUNNING, prealloc_s, final=False)
+        await self._prealloc(m, snapshot.num_blocks, full)  # (off the downtime)
         self._check(m, LivePhase.RUNNING)
         await self._suspend(m)
         upto = self._check(m, LivePhase.SUSPENDED).num_blocks  # everything, the partial block too
@@ -300,17 +301,24 @@ class MigrationCoordinator:
         m.stage += 1
         m.stage_lease_start = m.lease_blocks
 
-    async def _prealloc(self, m: OutgoingMigration, upto: int) -> float:
+    async def _prealloc(self, m: OutgoingMigration, upto: int, full: int = 0) -> float:
         """Reserve lease blocks up to `upto` for this stage (again within a stage: a top-up);
-        returns the seconds the round trip took."""
+        returns the seconds the round trip took. The first one offers the hashes of the
+        request's `full` (computed) prompt blocks: the destination may hold some already."""
         num_blocks = upto - m.stage_lease_start  # the stage's blocks in all
-        msg = PreAlloc(m.migration_id, m.request_id, num_blocks, self.limits.lease_s, m.stage)
+        first = m.lease_blocks == 0 and m.stage == 0
+        hashes = list(self.ops.prefix_block_hashes(m.request_id)[:min(full, MAX_PREALLOC_HASHES)]) if first else []
+        msg = PreAlloc(m.migration_id, m.request_id, num_blocks, self.limits.lease_s, m.stage, hashes)
         asked = self._clock()
         grant = await self.link.prealloc(m.dst, msg)
         if not grant.ok:
             raise DestinationRefused(f"pre-alloc refused: {grant.reason}")
         if len(grant.block_ids) != num_blocks or not grant.kv_address:
             raise DestinationRefused(f"bad pre-alloc grant ({len(grant.block_ids)} of {num_blocks} blocks)")
+        if first and grant.num_cached_blocks:
+            if grant.num_cached_blocks > len(hashes):
+                raise DestinationRefused(f"bad pre-alloc grant ({grant.num_cached_blocks} cached of {len(hashes)})")
+            m.blocks_sent = m.cached_blocks = grant.num_cached_blocks  # there already: never sent
         m.lease_blocks = upto
         m.kv_address = grant.kv_address
         return self._clock() - asked

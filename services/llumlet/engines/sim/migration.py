@@ -103,6 +103,10 @@ class SimMigration:
     def block_ids_of(self, request_id: str) -> list[int]:
         return self._scheduler.block_ids_of(request_id)
 
+    def prefix_block_hashes(self, request_id: str) -> Sequence[int]:
+        request = self._live(request_id)
+        return () if request is None else request.block_hashes
+
     def residence_s(self, request_id: str) -> float | None:
         """Since it arrived (its arrival time: the engine's clock, wall time in a llumlet, or the
         gateway's) or migrated in here; None if it is not here."""
@@ -148,6 +152,10 @@ class SimMigration:
     def intake_load(self) -> IntakeLoad:
         return IntakeLoad(self.engine.num_free_blocks(), self.engine.num_blocks_total, len(self._scheduler.waiting),
                           self._scheduler.committed_blocks())
+
+    async def pin_cached_prefix(self, lease_id: str, block_hashes: Sequence[int], max_blocks: int) -> list[int]:
+        pinned = self._scheduler.pin_cached_prefix(lease_id, block_hashes, max_blocks)
+        return self._scheduler.block_manager.reserved_blocks(lease_id)[:pinned]
 
     async def reserve_blocks(self, lease_id: str, num_blocks: int) -> list[int] | None:
         return self._scheduler.reserve(lease_id, num_blocks)

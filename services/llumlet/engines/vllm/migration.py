@@ -136,6 +136,9 @@ class VllmMigration:
             return MigrationSnapshot(LivePhase.QUEUED, 0, view.num_preemptions if view else 0, 0)
         return MigrationSnapshot(LivePhase.RUNNING, view.num_computed_tokens, view.num_preemptions, len(view.block_ids))
 
+    def prefix_block_hashes(self, request_id: str) -> Sequence[int]:
+        return ()  # its destination does not bind to a cached prefix (pin_cached_prefix)
+
     def block_ids_of(self, request_id: str) -> list[int]:
         shared = self._shared
         with shared.lock:
@@ -171,6 +174,11 @@ class VllmMigration:
         return await self.engine.on_engine_thread(VllmDriver.release_migrated, request_id)
 
     # -- destination ---------------------------------------------------------------------------
+
+    async def pin_cached_prefix(self, lease_id: str, block_hashes: Sequence[int], max_blocks: int) -> list[int]:
+        """Not built for vLLM: every block is copied (the lease's full blocks then join vLLM's
+        prefix cache at the add, `leases.py`); binding to blocks it caches already is left."""
+        return []
 
     async def reserve_blocks(self, lease_id: str, num_blocks: int) -> list[int] | None:
         if num_blocks == 0:  # (a last stage's pre-alloc, usually: no wait for the engine thread)

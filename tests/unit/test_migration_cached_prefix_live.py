@@ -1,0 +1,82 @@
+"""Live migration that knows the cache (issue 18 §4), on the sim engine with prefix caching: the
+first PRE-ALLOC offers the request's block hashes, the destination pins the cached blocks of its
+prefix and says how many it holds, the source sends only the blocks after them, and the request
+continues on the destination bound to those blocks, its stream unchanged.
+
+Source and destination coordinators with a real loopback KV data plane (migration_source_harness)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.llumlet.migration.protocol import MigrationStatus
+from services.llumlet.migration.protocol import DestinationSlow
+from tests.unit.migration_helpers import BLOCK_SIZE, expected_tokens, gen
+from tests.unit.migration_source_harness import make_harness  # noqa: F401 (fixture)
+
+PROMPT = 200  # gen() prompts are 1..n: two requests of one length share every prompt token
+
+
+def bytes_sent(m) -> int:
+    return sum(s.num_bytes for s in m.stages)
+
+
+async def test_the_destination_binds_to_its_cached_prefix_and_only_the_rest_is_sent(make_harness) -> None:
+    h = await make_harness(enable_prefix_caching=True)
+    await h.decoding("cold", prompt=PROMPT, max_tokens=60)
+    cold = await h.coordinator.migrate("cold", "dst")
+    assert cold.status is MigrationStatus.FINISHED, cold.reason
+    assert cold.cached_blocks == 0  # nothing of it was on the destination
+    await h.wait_finished("cold")  # its prompt blocks stay cached there, free to evict
+
+    await h.decoding("warm", prompt=PROMPT, max_tokens=300)
+    cache = h.dst.scheduler.prefix_cache
+    hashes = h.src.scheduler.get("warm").block_hashes
+    cached_ids = cache.longest_hit(hashes, len(hashes))
+    assert len(cached_ids) == PROMPT // BLOCK_SIZE
+    warm = await h.coordinator.migrate("warm", "dst")
+    assert warm.status is MigrationStatus.FINISHED, warm.reason
+    assert warm.cached_blocks == PROMPT // BLOCK_SIZE
+    assert h.dst.block_ids_of("warm")[:warm.cached_blocks] == cached_ids  # bound to the cached blocks
+    assert sum(s.num_blocks for s in warm.stages) == warm.lease_blocks - warm.cached_blocks
+    assert bytes_sent(warm) < bytes_sent(cold) / 3
+    await h.wait_finished("warm")
+    assert h.stream("warm") == expected_tokens(h.src, "warm", 300)
+    assert h.stream("cold") == expected_tokens(h.src, "cold", 60)
+    h.assert_blocks_back()
+
+
+async def test_without_prefix_caching_every_block_is_sent(make_harness) -> None:
+    h = await make_harness()
+    for rid in ("a", "b"):
+        await h.decoding(rid, prompt=PROMPT, max_tokens=60)
+        m = await h.coordinator.migrate(rid, "dst")
+        assert m.status is MigrationStatus.FINISHED and m.cached_blocks == 0
+        assert sum(s.num_blocks for s in m.stages) == m.lease_blocks
+        await h.wait_finished(rid)
+    h.assert_blocks_back()
+
+
+async def test_an_aborted_migration_gives_the_pinned_blocks_back(make_harness) -> None:
+    h = await make_harness(enable_prefix_caching=True)
+    h.dst.add_request(gen("seed", PROMPT, 2))
+    async with asyncio.timeout(5):
+        while h.dst.get_request("seed") is not None:
+            await asyncio.sleep(0.001)
+    await h.decoding("r", prompt=PROMPT, max_tokens=300)
+
+    async def slow_after_the_first_grant(msg) -> None:
+        if msg.stage > 0:
+            raise DestinationSlow("slow")
+
+    h.link.before["prealloc"] = slow_after_the_first_grant
+    m = await h.coordinator.migrate("r", "dst")
+    assert m.status is MigrationStatus.ABORTED_DST and m.cached_blocks == PROMPT // BLOCK_SIZE
+    assert "abort" in h.link.calls
+    async with asyncio.timeout(5):
+        while h.dst.num_reserved_blocks() or h.dst.scheduler.block_manager.pinned_blocks():
+            await asyncio.sleep(0.005)
+    assert h.dst.scheduler.prefix_cache.num_evictable == h.dst.scheduler.prefix_cache.num_cached
+    await h.wait_finished("r")  # it went on at the source
+    assert h.stream("r") == expected_tokens(h.src, "r", 300)
+    h.assert_blocks_back()
