@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                         runs.append(row)
                         print(f"{name:14s} {rate:4g}/s s{seed} {policy:13s} {variant:9s} "
                               f"migr {row['migrations']:4d}  copied {row['copied_blocks']:6d} blk "
-                              f"({row['moved_gib']:6.2f} GiB, {row['copied_per_migration']:5.1f}/migr)  cached {row['cached_blocks']:5d} blk  "
+                              f"({row['moved_gib']:6.2f} GiB, {row['copied_per_migration']:5.1f}/migr)  "
+                              f"cached {row['cached_blocks']:5d} blk  "
                               f"copy {row['mean_copy_ms']:6.1f} ms  down {row['mean_downtime_ms']:5.1f} ms  "
                               f"TTFT p99 {row['ttft_p99_s']:6.2f}s  hit {row['hit_rate']:5.1%}", flush=True)
     out = Path(args.out)

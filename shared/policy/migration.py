@@ -176,7 +176,9 @@ def pair_migrations(
     for src_f, src in sources:
         if len(pairs) >= config.max_pairs_per_round or not dests or dests[0][0] - src_f < min_gap:
             break
-        chosen = 0 if cached_prefix is None else _affine_destination(dests, src_f, min_gap, cached_prefix(src), affinity)
+        chosen = 0
+        if cached_prefix is not None:
+            chosen = _affine_destination(dests, src_f, min_gap, cached_prefix(src), affinity)
         pairs.append(MigrationPair(src, dests.pop(chosen)[1]))
     return pairs
 

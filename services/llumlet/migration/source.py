@@ -381,8 +381,10 @@ class MigrationCoordinator:
         await self.ops.release_migrated(m.request_id)  # (False if the client aborted it meanwhile)
         m.release_s = self._clock() - now
         m.finish(self._clock())
-        log.info("migrated %s to %s in %d stages (downtime %.1f ms), commit via %s", m.request_id, m.dst, m.stage,
-                 1e3 * (m.downtime_s or 0.0), m.commit_via)
+        log.info("migrated %s to %s in %d stages (downtime %.1f ms), commit via %s; KV: %d of %d blocks sent "
+                 "(%d bytes), %d cached there", m.request_id, m.dst, m.stage, 1e3 * (m.downtime_s or 0.0),
+                 m.commit_via, m.lease_blocks - m.cached_blocks, m.lease_blocks,
+                 sum(s.num_bytes for s in m.stages), m.cached_blocks)
 
     async def _abort(self, m: OutgoingMigration, exc: MigrationFailed, in_doubt: bool = False) -> None:
         """End the migration here: the request resumes on the source, the destination gets an
