@@ -7,12 +7,12 @@ import json
 
 import pytest
 
+from benchmarks.bench_clients import read_aiperf
 from benchmarks.client_agreement import (
     _histogram_total,
     compared_keys,
     median_over_rounds,
     ratios,
-    read_aiperf,
     rotated,
     server_means,
 )
