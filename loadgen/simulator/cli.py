@@ -107,6 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "artifact; its simulator used 1)")
     policy.add_argument("--migrate-out-freeness", type=float, default=defaults_policy.migrate_out_freeness)
     policy.add_argument("--migrate-in-freeness", type=float, default=defaults_policy.migrate_in_freeness)
+    policy.add_argument("--cache-aware-migration", action="store_true",
+                        help="with --prefix-caching: pairing prefers a destination holding the moving request's "
+                             "prefix, and only the blocks the destination's cache lacks are copied")
     policy.add_argument("--no-migration-guard", action="store_true",
                         help="pair on the threshold bands only (no anti-thrash rules)")
     policy.add_argument("--headroom-blocks", type=int,
@@ -230,7 +233,8 @@ def build_config(args: argparse.Namespace) -> SimConfig:
             policy=policy,
             guard=None if args.no_migration_guard else DEFAULT_GUARD,
             migration=MigrationModel(bandwidth_gbps=args.migration_bandwidth_gbps,
-                                     handoff_concurrency=args.handoff_concurrency),
+                                     handoff_concurrency=args.handoff_concurrency,
+                                     cache_aware=args.cache_aware_migration),
             autoscale=autoscale,
             admission=_admission(args),
             num_prefill=args.prefill,

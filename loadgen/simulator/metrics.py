@@ -106,6 +106,7 @@ def summarize(result: SimResult, block_bytes: int) -> RunMetrics:
         classes.setdefault(CLASS_NAMES.get(result.labels[r.request_id], "normal"), []).append(r)
     migrations = result.migrations.to_json()
     migrations["copied_gib"] = round(result.migrations.copied_blocks * block_bytes / 2**30, 2)
+    migrations["cached_gib"] = round(result.migrations.cached_blocks * block_bytes / 2**30, 2)  # not copied
     makespan = result.makespan_s
     return RunMetrics(
         policy=result.policy,

@@ -4,11 +4,13 @@ for the request."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import replace
 
 import pytest
 
 from benchmarks.migration_prefix import with_system_prompts
+from loadgen.simulator import cli
 from loadgen.simulator.config import SimConfig
 from loadgen.simulator.migration import Migrator
 from shared.engine_model.config import SchedulerConfig
@@ -70,3 +72,11 @@ def test_without_prefix_caching_cache_aware_changes_nothing(policy):
     assert cached.migrations.to_json() == plain.migrations.to_json()
     assert [(r.request_id, r.finished_time) for r in cached.finished] == [
         (r.request_id, r.finished_time) for r in plain.finished]
+
+
+def test_loadgen_simulate_has_the_flag():
+    parser = argparse.ArgumentParser(prog="loadgen")
+    cli.register(parser.add_subparsers(dest="command", required=True))
+    argv = ["simulate", "--dataset", "conversation:long", "--rate", "2", "--prefix-caching"]
+    assert cli.build_config(parser.parse_args([*argv, "--cache-aware-migration"])).migration.cache_aware
+    assert not cli.build_config(parser.parse_args(argv)).migration.cache_aware
