@@ -279,6 +279,9 @@ class LoadReport(Struct):
     # Generate orders it has accepted since it started: the scheduler's admission tells by it
     # which of its dispatches a report does not show yet (sent after the report was built).
     num_accepted_total: Count = 0
+    # The leading block hashes (shared.prefix_hash) of the request this instance would migrate
+    # out next: pairing prefers a destination whose cache holds them (issue 18 §4).
+    migration_candidate_hashes: Annotated[list[BlockHash], Meta(max_length=MAX_CANDIDATE_HASHES)] = []
     # The pace of its recent decoding steps (exponential averages; 0: none yet): wall time,
     # requests decoded per step and their context tokens. Over the latency model's decode-only
     # time for that batch they give the step inflation admission scales its TBT predictions by.
@@ -298,6 +301,7 @@ class LoadReport(Struct):
 MAX_BLOCK_HASHES = 1 << 16  # a million-token prompt at 16 tokens a block; ~0.6 MB on the wire
 BlockHash = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # shared.prefix_hash: 63 bits, non-negative
 MAX_PREALLOC_HASHES = 4096  # a migration's cached prefix, at most (64k tokens at 16 a block)
+MAX_CANDIDATE_HASHES = 256  # a load report's migration candidate prefix, at most (4k tokens at 16)
 
 
 class DispatchRequest(Struct):

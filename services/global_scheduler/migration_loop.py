@@ -19,7 +19,8 @@ from shared import subjects
 from shared.messages import LoadReport, MigrateOrder, encode
 from shared.policy.config import PolicyConfig
 from shared.policy.disaggregation import rebalancing_pairs
-from shared.policy.migration import MigrationGuard
+from shared.policy.migration import CachedPrefixOf, MigrationGuard
+from shared.policy.prefix_dispatch import PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +36,12 @@ class Order:
 class MigrationPairer:
     """Pure bookkeeping of standing pairs; `plan` turns one round's loads into orders."""
 
-    def __init__(self, policy: PolicyConfig, guard: MigrationGuard) -> None:
+    def __init__(self, policy: PolicyConfig, guard: MigrationGuard, prefixes: PrefixIndex | None = None) -> None:
         self.policy = policy
         self.guard = guard
+        # The llumlets' prefix caches: a source's next request goes preferably where its prefix is
+        # (`CacheAffinity`, bounded); None, or reports without candidate hashes: freeness alone.
+        self.prefixes = prefixes
         self.pairs: dict[str, MigrateOrder] = {}  # source → its standing order
         self._rounds = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:8]  # pair ids stay unique across scheduler restarts
@@ -56,7 +60,8 @@ class MigrationPairer:
         # The policy's anti-thrash guard (no destination with a queue, a freeness gap), as the
         # simulator pairs, so the services pair exactly as `loadgen simulate` measured.
         # (none into a prefill instance: it hands its requests off, issue 19 §2)
-        wanted = {pair.src: pair.dst for pair in rebalancing_pairs(migratable, self.policy, self.guard)}
+        pairs = rebalancing_pairs(migratable, self.policy, self.guard, self._cached_prefix(migratable))
+        wanted = {pair.src: pair.dst for pair in pairs}
         orders = []
         for src, standing in list(self.pairs.items()):
             if wanted.get(src) != standing.dst_instance_id:
@@ -69,6 +74,14 @@ class MigrationPairer:
                 log.info("pair %s: %s → %s", standing.pair_id, src, dst)
             orders.append(Order(src, MigrateOrder(standing.pair_id, dst, round=round_no)))
         return orders
+
+
+    def _cached_prefix(self, loads: Sequence[LoadReport]) -> CachedPrefixOf | None:
+        index = self.prefixes
+        if index is None:
+            return None
+        hashes = {load.instance_id: load.migration_candidate_hashes for load in loads}
+        return lambda src: index.matches(hashes[src]) if hashes.get(src) else {}
 
 
 class MigrationLoop:

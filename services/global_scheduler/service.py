@@ -86,7 +86,7 @@ class GlobalScheduler:
         self._tasks = [asyncio.create_task(self._expiry_loop(), name="expiry"),
                        asyncio.create_task(self.prefixes.run(), name="prefix-index")]
         if self.config.enable_migration:
-            pairer = MigrationPairer(self.config.policy, self.config.guard)
+            pairer = MigrationPairer(self.config.policy, self.config.guard, self.prefixes.index)
             self.migration_loop = MigrationLoop(pairer, self.table.live, self.nc.publish,
                                                 self.config.migration_interval_s,
                                                 on_order=lambda order: self.metrics.order_sent(order.cancel),

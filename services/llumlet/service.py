@@ -380,6 +380,7 @@ class Llumlet:
             step_decode_batch=self.served.decode_batch,
             step_decode_context=self.served.decode_context,
             role=self.role,
+            migration_candidate_hashes=migration.candidate_hashes() if migration is not None else (),
         )
 
     async def publish_report(self) -> None:

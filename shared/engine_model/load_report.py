@@ -135,6 +135,7 @@ def build_load_report(
     step_time_s: float = 0.0,
     step_decode_batch: float = 0.0,
     step_decode_context: float = 0.0,
+    migration_candidate_hashes: Sequence[int] = (),
 ) -> LoadReport:
     """`headroom_blocks`: the execution-priority headroom the report's own freeness fields (for
     dashboards) are computed with; None leaves them 0 (the simulator: its policies compute
@@ -169,6 +170,7 @@ def build_load_report(
         step_time_s=step_time_s,
         step_decode_batch=step_decode_batch,
         step_decode_context=step_decode_context,
+        migration_candidate_hashes=list(migration_candidate_hashes),
     )
     if headroom_blocks is not None:  # (None: nobody reads them; the policies compute their own)
         report.freeness = freeness(report, headroom_blocks, QueueDemand.HEAD)

@@ -17,7 +17,15 @@ from collections.abc import Mapping, Sequence
 from shared.messages import InstanceRole, LoadReport
 from shared.policy.config import PolicyConfig
 from shared.policy.freeness import QueueDemand, freeness
-from shared.policy.migration import MigrationGuard, MigrationPair, may_migrate_into, pair_migrations
+from shared.policy.migration import (
+    DEFAULT_AFFINITY,
+    CacheAffinity,
+    CachedPrefixOf,
+    MigrationGuard,
+    MigrationPair,
+    may_migrate_into,
+    pair_migrations,
+)
 
 # Hand-off destinations, best first: decode instances exist for this; mixed ones only when no
 # decode instance has room. Prefill instances never take a hand-off.
@@ -86,13 +94,14 @@ def handoff_destination(
 
 
 def rebalancing_pairs(
-    loads: Sequence[LoadReport], config: PolicyConfig, guard: MigrationGuard | None
+    loads: Sequence[LoadReport], config: PolicyConfig, guard: MigrationGuard | None,
+    cached_prefix: CachedPrefixOf | None = None, affinity: CacheAffinity = DEFAULT_AFFINITY,
 ) -> list[MigrationPair]:
     """The load-balancing pairs (`pair_migrations`) minus those into a prefill instance: its
     memory is for prompts, and a request moved there would decode beside them, the interference
     disaggregation exists to avoid. A prefill instance may still be a source (requests that
     degraded to mixed there leave by the ordinary rounds). Without prefill instances this is
     exactly `pair_migrations`."""
-    pairs = pair_migrations(loads, config, guard)
+    pairs = pair_migrations(loads, config, guard, cached_prefix, affinity)
     prefill = {l.instance_id for l in loads if l.role is InstanceRole.PREFILL}
     return [p for p in pairs if p.dst not in prefill] if prefill else pairs

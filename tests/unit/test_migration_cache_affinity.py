@@ -7,9 +7,12 @@ import random
 
 import pytest
 
+from services.global_scheduler.migration_loop import MigrationPairer
+from shared.messages import KvCacheSnapshot
 from shared.policy.config import PolicyConfig
 from shared.policy.freeness import QueueDemand, freeness
-from shared.policy.migration import CacheAffinity, MigrationGuard, MigrationPair, pair_migrations
+from shared.policy.migration import DEFAULT_GUARD, CacheAffinity, MigrationGuard, MigrationPair, pair_migrations
+from shared.prefix_index import GlobalPrefixIndex
 from tests.unit.policy_helpers import make_load
 
 CONFIG = PolicyConfig(headroom_blocks={}, migrate_out_freeness=1.0, migrate_in_freeness=10.0)
@@ -100,3 +103,37 @@ def test_without_hits_pairing_is_the_freeness_pairing(seed):
 def test_affinity_bound_is_validated():
     with pytest.raises(ValueError):
         CacheAffinity(max_freeness_loss=1.0)
+
+
+# -- the live scheduler's pairer: the source's report names its next request's prefix ----------
+
+
+def _migratable(load, hashes=()):
+    load.kv_address = f"127.0.0.1:{abs(hash(load.instance_id)) % 50000 + 1024}"
+    load.migration_candidate_hashes = list(hashes)
+    return load
+
+
+def _pairer_cluster(hashes=()):
+    return [
+        _migratable(make_load("src", total=100, running={0: (10, 98)}), hashes),  # F = 0.2
+        _migratable(make_load("freest", total=100, running={0: (1, 5)})),  # F = 95
+        _migratable(make_load("warm", total=100, running={0: (1, 20)})),  # F = 80
+    ]
+
+
+def test_the_scheduler_pairs_a_source_with_the_destination_caching_its_next_request():
+    index = GlobalPrefixIndex()
+    index.restore(KvCacheSnapshot("warm", 1, 16, [11, 12, 13]))
+    pairer = MigrationPairer(CONFIG, DEFAULT_GUARD, index)
+    [order] = pairer.plan(_pairer_cluster(hashes=[11, 12, 13, 14]))
+    assert (order.src, order.message.dst_instance_id) == ("src", "warm")
+
+
+def test_without_candidate_hashes_or_an_index_the_scheduler_pairs_by_freeness():
+    index = GlobalPrefixIndex()
+    index.restore(KvCacheSnapshot("warm", 1, 16, [11, 12, 13]))
+    [order] = MigrationPairer(CONFIG, DEFAULT_GUARD, index).plan(_pairer_cluster())
+    assert order.message.dst_instance_id == "freest"
+    [order] = MigrationPairer(CONFIG, DEFAULT_GUARD).plan(_pairer_cluster(hashes=[11, 12]))
+    assert order.message.dst_instance_id == "freest"

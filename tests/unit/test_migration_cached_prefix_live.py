@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.llumlet.migration.protocol import MigrationStatus
-from services.llumlet.migration.protocol import DestinationSlow
+from services.llumlet.migration.protocol import DestinationSlow, MigrationLimits, MigrationStatus
 from tests.unit.migration_helpers import BLOCK_SIZE, expected_tokens, gen
 from tests.unit.migration_source_harness import make_harness  # noqa: F401 (fixture)
 
@@ -80,3 +79,14 @@ async def test_an_aborted_migration_gives_the_pinned_blocks_back(make_harness) -
     await h.wait_finished("r")  # it went on at the source
     assert h.stream("r") == expected_tokens(h.src, "r", 300)
     h.assert_blocks_back()
+
+
+async def test_the_source_names_the_prefix_of_the_request_it_would_move_next(make_harness) -> None:
+    h = await make_harness(MigrationLimits(min_residence_s=0.0), enable_prefix_caching=True)
+    assert h.coordinator.next_candidate_hashes(256) == []  # nothing decoding
+    await h.decoding("long", prompt=PROMPT, max_tokens=300)
+    await h.decoding("short", prompt=40, max_tokens=300)
+    hashes = list(h.src.scheduler.get("short").block_hashes)  # the selection rule: the shortest
+    assert len(hashes) == 40 // BLOCK_SIZE
+    assert h.coordinator.next_candidate_hashes(256) == hashes
+    assert h.coordinator.next_candidate_hashes(3) == hashes[:3]

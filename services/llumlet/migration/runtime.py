@@ -21,6 +21,7 @@ from services.llumlet.migration.protocol import MigrationLimits
 from services.llumlet.migration.source import MigrationCoordinator, SourceHooks
 from shared import subjects
 from shared.messages import (
+    MAX_CANDIDATE_HASHES,
     MigrateOrder,
     MigrationCommit,
     decode_or_drop,
@@ -112,3 +113,7 @@ class LlumletMigration:
     @property
     def reserved_blocks(self) -> int:
         return self.ops.num_reserved_blocks()
+
+    def candidate_hashes(self) -> list[int]:
+        """For the load report: the prefix of the request this instance would move out next."""
+        return self.coordinator.next_candidate_hashes(MAX_CANDIDATE_HASHES) if self.coordinator is not None else []

@@ -161,6 +161,14 @@ class MigrationCoordinator:
         choice = select_request_to_migrate(candidates)
         return (choice.request_id, dst) if choice is not None else (None, "")
 
+    def next_candidate_hashes(self, limit: int) -> list[int]:
+        """The leading block hashes of the request this source would move next (to a destination
+        it never left): the scheduler's pairing matches them against the destinations' caches."""
+        candidates = [c for c in self.ops.migration_candidates()
+                      if c.request_id not in self._active and self._may_move(c.request_id, "")]
+        choice = select_request_to_migrate(candidates)
+        return [] if choice is None else list(self.ops.prefix_block_hashes(choice.request_id)[:limit])
+
     def _may_move(self, request_id: str, dst: str) -> bool:
         """The per-request limits the simulator runs (`may_move`): a request that just arrived or
         migrated in stays a while, and does not go back soon to an instance it left."""
