@@ -196,11 +196,12 @@ class Migrator:
 
     def _cached_prefix(self, src_id: str) -> dict[str, int]:
         """Destination -> leading blocks of the request `src_id` would move (by the selection
-        rule) that its prefix cache holds: what a live scheduler's prefix index answers."""
+        rule, the residence guard left out, as a live source reports it) that its prefix cache
+        holds: what a live scheduler's prefix index answers."""
         sim = self.sim
         src = sim.instances[src_id]
         busy = {m.request_id for m in self.active.values()}
-        candidates = migration_candidates(src.scheduler, sim.placed_at, sim.now, self.guard, left_at=self.left_at)
+        candidates = migration_candidates(src.scheduler, sim.placed_at, sim.now, None)
         chosen = select_request_to_migrate([c for c in candidates if c.request_id not in busy])
         if chosen is None:
             return {}

@@ -14,6 +14,7 @@ from services.llumlet.engines import model_vocabulary
 from services.llumlet.engines.sim.engine import SyntheticTokens
 from shared.messages import DrainOrder
 from tests.e2e.test_migration_sim import (  # noqa: F401 (cluster, llumlets: fixtures)
+    SIM,
     Watch,
     all_free,
     cluster,
@@ -72,3 +73,49 @@ async def test_only_the_blocks_the_destination_lacks_cross_and_streams_stay_exac
     # What a move without the cache would have sent: every block of the lease.
     full_bytes = sum(int(lease) for _, _, _, lease, _, _ in moves) * BLOCK_SIZE * KV_BYTES_PER_TOKEN
     assert sum(int(num_bytes) for *_, num_bytes, _ in moves) < full_bytes / 4
+
+
+async def test_pairing_takes_the_destination_that_holds_the_prefix(cluster, llumlets, tiny_model_dir):
+    """Two equally free destinations; the one that would win the freeness tie (its id sorts
+    first, and it opens first) holds nothing, the other the requests' shared prefix: the scheduler
+    pairs the loaded instance with the one holding the prefix, as the source's load report names it."""
+    args = ("--sim-num-blocks", "300", "--sim-kv-bytes-per-token", str(KV_BYTES_PER_TOKEN), "--sim-prefix-caching")
+    loaded = llumlets(*args, "--migration-min-residence-s", "1.5")  # nothing moves before both are open
+    suffix = loaded[2:]
+    cold, warm = f"a-cold-{suffix}", f"z-warm-{suffix}"  # the tie goes to the smaller id
+    for instance_id in (cold, warm):
+        cluster.start_llumlet(instance_id, *SIM, *args)
+    try:
+        async with Watch(cluster.nats_url) as watch:
+            await wait_ready(cluster, watch, loaded, cold, warm)
+            model = model_name(cluster)
+            async with httpx.AsyncClient(base_url=cluster.base_url, timeout=60) as http:
+                for instance_id in (loaded, cold):
+                    await watch.order(instance_id, DrainOrder(drain=True))
+                assert await watch.wait_for(lambda latest: latest[loaded].draining and latest[cold].draining, 5)
+                first = await stream_chat(http, model, f"{SHARED} warm-up", 4)
+                assert first["error"] is None and watch.publishers(first["id"]) == [warm]
+                await watch.order(loaded, DrainOrder(drain=False))
+                await watch.order(warm, DrainOrder(drain=True))
+                assert await watch.wait_for(lambda latest: latest[warm].draining and not latest[loaded].draining, 5)
+                requests = [asyncio.create_task(stream_chat(http, model, f"{SHARED} question {i}", 900))
+                            for i in range(8)]
+                assert await watch.wait_for(lambda latest: latest[loaded].num_running == 8, 10)
+                await watch.order(cold, DrainOrder(drain=False))
+                assert await watch.wait_for(lambda latest: not latest[cold].draining, 5)
+                await watch.order(warm, DrainOrder(drain=False))
+                results = await asyncio.gather(*requests)
+            assert await watch.wait_finished(*(r["id"] for r in results))
+            vocab, eos, _ = model_vocabulary(str(tiny_model_dir))
+            tokens = SyntheticTokens(vocab, eos, seed=0)
+            for result in results:
+                assert result["error"] is None
+                key = tokens.key(result["id"])
+                assert watch.tokens(result["id"]) == [tokens.token(key, i) for i in range(900)]
+    finally:
+        for instance_id in (cold, warm):
+            cluster.procs[instance_id].terminate()
+    moves = [m.groups() for m in MIGRATED.finditer(cluster.procs[loaded].log())]
+    assert moves, "no request migrated"
+    _, first_dst, _, _, _, first_cached = moves[0]
+    assert first_dst == warm and int(first_cached) > 0, moves

@@ -162,10 +162,10 @@ class MigrationCoordinator:
         return (choice.request_id, dst) if choice is not None else (None, "")
 
     def next_candidate_hashes(self, limit: int) -> list[int]:
-        """The leading block hashes of the request this source would move next (to a destination
-        it never left): the scheduler's pairing matches them against the destinations' caches."""
-        candidates = [c for c in self.ops.migration_candidates()
-                      if c.request_id not in self._active and self._may_move(c.request_id, "")]
+        """The leading block hashes of the request this source would move next by the selection
+        rule (the residence guard left out: a request it holds back moves within a second), for
+        the scheduler's pairing to match against the destinations' caches."""
+        candidates = [c for c in self.ops.migration_candidates() if c.request_id not in self._active]
         choice = select_request_to_migrate(candidates)
         return [] if choice is None else list(self.ops.prefix_block_hashes(choice.request_id)[:limit])
 
