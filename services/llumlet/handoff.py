@@ -38,12 +38,14 @@ from services.llumlet.migration.protocol import MigrationStatus
 from shared import subjects
 from shared.engine_model.views import StepOutput
 from shared.messages import HandoffAnswer, HandoffQuery, WireError, decode, encode
+from shared.policy.disaggregation import HANDOFF_ATTEMPTS, HANDOFF_RETRY_AFTER_S
 
 log = logging.getLogger(__name__)
 
 ASK_TIMEOUT_S = 0.5  # the scheduler answers from its load table: a slow answer is a loaded scheduler
-ATTEMPTS = 3  # "no room" and refusals are asked about again, a fresh choice each time...
-RETRY_AFTER_S = 0.05  # ...this much later (about a load report's interval)
+# "No room" and refusals are asked about again, a fresh choice each time, this often and this
+# much later: the simulator's hand-offs follow the same policy constants.
+ATTEMPTS, RETRY_AFTER_S = HANDOFF_ATTEMPTS, HANDOFF_RETRY_AFTER_S
 
 
 class HandoffOutcome(enum.Enum):
