@@ -24,7 +24,6 @@ import asyncio
 import datetime
 import json
 import os
-import random
 import re
 import shutil
 import subprocess
@@ -32,64 +31,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from shared.embedded_nats import start_nats
-from tests.chaos.harness import AbortClock, wait_blocks_back
-from tests.chaos.test_cancellation import percentile, sse_events
+from tests.chaos.cancellation_load import cut_half, percentile
+from tests.chaos.harness import wait_blocks_back
 from tests.support.cluster import REPO, Cluster
 
 INSTANCES = ["sim-0", "sim-1", "sim-2"]
 LLUMLET_ARGS = ("--sim-time-scale", "1.0", "--sim-num-blocks", "4000", "--max-model-len", "2048")
 ABORTED_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*request (\S+) aborted \(")
-
-
-async def cut_half(base_url: str, nats_url: str, streams: int, tokens: int, seed: int = 0) -> dict:
-    """As tests/chaos/test_cancellation.py, on wall-clock times (the llumlets' logs use them)."""
-    rng = random.Random(seed)
-    cut_at: dict[str, float] = {}
-    closed_at: dict[str, float] = {}  # when the client's connection was closed (its own lag after the cut)
-    outcomes = {"completed": 0, "cut": 0, "failed": 0}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as http:
-        name = (await http.get("/v1/models")).json()["data"][0]["id"]
-
-        async def one(i: int) -> None:
-            cut_after = rng.randint(1, tokens // 4) if i % 2 else None
-            body = {"model": name, "prompt": [1 + rng.randrange(200) for _ in range(8 + i % 9)], "max_tokens": tokens,
-                    "stream": True, "ignore_eos": True}
-            events, cut_id = 0, None
-            try:
-                async with http.stream("POST", "/v1/completions", json=body) as reply:
-                    if reply.status_code != 200:
-                        outcomes["failed"] += 1
-                        return
-                    async for event in sse_events(reply):
-                        if "error" in event:
-                            outcomes["failed"] += 1
-                            return
-                        events += 1
-                        if events == cut_after:
-                            cut_id = event["id"]
-                            cut_at[cut_id] = time.time()
-                            outcomes["cut"] += 1
-                            break
-                if cut_id is not None:
-                    closed_at[cut_id] = time.time()
-                    return
-            except httpx.HTTPError as exc:  # (a read timeout: a stream silent for 120 s)
-                outcomes[type(exc).__name__] = outcomes.get(type(exc).__name__, 0) + 1
-                return
-            outcomes["completed"] += 1
-
-        with AbortClock(nats_url, clock=time.time) as clock:
-            started = time.monotonic()
-            await asyncio.gather(*(one(i) for i in range(streams)))
-            took = time.monotonic() - started
-            await asyncio.sleep(2.0)  # the last aborts land
-    gaps = [b - a for a, b in zip(clock.beats, clock.beats[1:])]
-    return {"outcomes": outcomes, "took_s": took, "cut_at": cut_at, "closed_at": closed_at, "on_bus": clock.seen,
-            "heartbeat_gap_max_s": max(gaps, default=None)}
 
 
 def engine_aborts(log_dir: Path) -> dict[str, float]:
@@ -129,7 +78,7 @@ def run_once(label: str, gateway_repo: Path, args: argparse.Namespace, model_dir
                           *LLUMLET_ARGS, env={"CORRAL_LOG_LEVEL": "DEBUG"})
         gateway.start_gateway()
         gateway.wait_ready(instances=len(INSTANCES))
-        run = asyncio.run(cut_half(gateway.base_url, server.url, args.streams, args.tokens, args.seed))
+        run = asyncio.run(cut_half(gateway.base_url, server.url, args.streams, args.tokens, args.seed, clock=time.time))
         left = asyncio.run(wait_blocks_back(server.url, INSTANCES, timeout_s=10))
     finally:
         gateway.stop()
