@@ -311,8 +311,9 @@ class Llumlet:
                 await self._fail_all("engine failure", resumable=True)
                 raise
             views = self.engine.request_views() if self.metrics.wants_views(started) else ()
-            self.metrics.step_done(started, time.monotonic(), outputs, views)
-            self.served.step_done(started, time.monotonic(), outputs)
+            ended = time.monotonic()
+            self.metrics.step_done(started, ended, outputs, views)
+            self.served.step_done(started, ended, outputs)
             await self.output.publish_step(outputs)
             if self.handoff is not None:  # (after the first token went out from here)
                 await self.handoff.prefilled(outputs)
