@@ -46,6 +46,7 @@ from services.llumlet.migration.kv_sender import KVSenderPool
 from services.llumlet.migration.kv_wire import AckStatus, FrameHeader, payload_crc32
 from services.llumlet.migration.ops import KVRegion
 from services.llumlet.migration.protocol import MigrationLimits, new_migration_id
+from tests.unit.kv_link_harness import PoolSink
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -139,34 +140,25 @@ async def measure_copies(torch, args, device: str, src_layers: list, dst_layers:
     return rows
 
 
-class _LeaseSink:
-    """The destination's side for one stage at a time: frames land in `lease` in order."""
+class _LeaseSink(PoolSink):
+    """The transfer tests' sink (frames land in `lease` in order), telling when a stage is in."""
 
     def __init__(self, copier: BlockCopier) -> None:
-        self.copier, self.migration_id, self.lease, self.filled = copier, "", [], 0
+        super().__init__(copier, [])
         self.done = asyncio.Event()
 
     def expect(self, migration_id: str, lease: list[int]) -> None:
         self.migration_id, self.lease, self.filled = migration_id, lease, 0
         self.done.clear()
 
-    def admit(self, header: FrameHeader) -> AckStatus:
-        ok = header.migration_id == self.migration_id and header.lease_offset == self.filled
-        return AckStatus.OK if ok else AckStatus.BAD_RANGE
-
     async def write(self, header: FrameHeader, payload: memoryview) -> AckStatus:
-        start = header.lease_offset
-        await self.copier.scatter(self.lease[start:start + header.num_blocks], payload)
-        self.filled += header.num_blocks
+        status = await super().write(header, payload)
         if self.filled == len(self.lease):
             self.done.set()
-        return AckStatus.OK
+        return status
 
     def frame_failed(self, header: FrameHeader, status: AckStatus) -> None:
         raise AssertionError(f"frame refused: {status}")
-
-    async def commit_frame(self, header, commit, frame_status):  # no commits in this benchmark
-        return AckStatus.OK, ""
 
 
 async def raw_loopback_gbps(nbytes: int, piece: int = 4 << 20) -> float:
