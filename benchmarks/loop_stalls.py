@@ -12,7 +12,6 @@ mixes all three, `cpu_ms` tells the event loop's own share.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import time
@@ -54,23 +53,12 @@ def read_stalls(path: Path, start: float, end: float) -> list[tuple[float, float
 
 
 def main() -> int:
-    import logging
-
     import uvloop
 
-    from services.gateway.config import ConfigError, add_arguments, config_from_args
-    from shared import nats_auth
+    from services.gateway.server import config_from_argv
 
     log_path, gateway_args = sys.argv[1], sys.argv[2:]
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.loop_stalls STALL_LOG")
-    add_arguments(parser)
-    args = parser.parse_args(gateway_args)
-    nats_auth.export(args)
-    try:
-        config = config_from_args(args)
-    except ConfigError as exc:
-        parser.error(str(exc))
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_argv(gateway_args, prog="python -m benchmarks.loop_stalls STALL_LOG")
     with open(log_path, "a") as log:
         uvloop.run(_serve(config, log))
     return 0

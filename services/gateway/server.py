@@ -67,9 +67,10 @@ async def _fail_requests_on_exit(server: uvicorn.Server, service: GatewayService
     service.fail_all("the gateway is shutting down")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.gateway",
-                                     description="Corral's OpenAI-compatible gateway")
+def config_from_argv(argv: list[str] | None, prog: str = "python -m services.gateway") -> GatewayConfig:
+    """The gateway's flags parsed (a bad one exits with the parser's message), NATS credentials
+    exported, logging set up: what every way of starting a gateway does first."""
+    parser = argparse.ArgumentParser(prog=prog, description="Corral's OpenAI-compatible gateway")
     add_arguments(parser)
     args = parser.parse_args(argv)
     nats_auth.export(args)
@@ -78,5 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvloop.run(serve(config))
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    uvloop.run(serve(config_from_argv(argv)))
     return 0
