@@ -71,3 +71,12 @@ async def connect(url: str, name: str) -> Client:
         error_cb=on_error,
         **nats_auth.client_options(),  # credentials and TLS (--nats-creds, --nats-tls-*)
     )
+
+
+async def flush_in_order(nc: Client, timeout_s: float = 5.0) -> None:
+    """Return once the server has processed everything sent on `nc` so far (a subscription made
+    just now included). nats-py's `flush` writes its PING ahead of commands still waiting for
+    the client's flusher task, so its PONG can come back before a SUB queued just before it has
+    reached the server; a second PING goes out after that SUB on the wire, and its PONG proves it."""
+    await nc.flush(timeout=timeout_s)
+    await nc.flush(timeout=timeout_s)

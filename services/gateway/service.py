@@ -37,7 +37,7 @@ from shared.messages import (
     AbortRequest, Ack, DispatchRequest, GenerateRequest, LoadReport, Refusal, WireError, decode, decode_chunks,
     decode_or_drop, encode,
 )
-from shared.nats_client import connect
+from shared.nats_client import connect, flush_in_order
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class GatewayService:
         nc = await connect(self.config.nats_url, name=f"corral-gateway-{self.config.gateway_id}")
         self._token_sub = await nc.subscribe(self.output_subject, cb=self._on_token_chunk)
         await nc.subscribe(subjects.LOAD_REPORTS_ALL, cb=self._on_load_report)
-        await nc.flush()
+        await flush_in_order(nc)
         self._nc = nc
         self._dispatcher = Dispatcher(nc, self.instances, self.metrics, self.config.dispatch_timeout_s)
         self._watchdog = asyncio.create_task(self._watch_holders(), name="gateway-watchdog")

@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 
 from shared import subjects
 from shared.messages import KvCacheEvents, KvCacheSnapshot, decode_or_drop
+from shared.nats_client import flush_in_order
 from shared.prefix_index import GlobalPrefixIndex
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class PrefixTracker:
         # One subscription for events and snapshots: one callback queue, so an instance's
         # messages are applied in the order it sent them (two would race each other).
         await nc.subscribe(subjects.KV_ALL, cb=self._on_message)
-        await nc.flush()  # subscribed at the server before anything is asked of a llumlet
+        await flush_in_order(nc)  # subscribed at the server before anything is asked of a llumlet
 
     async def run(self) -> None:
         """Forget the instances that left; ask for the snapshots still missing."""

@@ -23,6 +23,7 @@ from nats.errors import Error as NatsError
 from shared import subjects
 from services.llumlet.kv_journal import KvDelta, KvEventJournal
 from shared.messages import Ack, KvCacheEvents, KvCacheSnapshot, encode
+from shared.nats_client import flush_in_order
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class KvEventPublisher:
 
     async def subscribe(self, nc: Client) -> None:
         await nc.subscribe(subjects.llumlet(self.instance_id, "kv_snapshot"), cb=self._on_snapshot_request)
-        await nc.flush()
+        await flush_in_order(nc)
 
     async def run(self) -> None:
         """Changes every `interval_s`; a snapshot every `snapshot_interval_s` (and one at once)."""

@@ -45,7 +45,7 @@ from shared.messages import (
     decode_or_drop,
     encode,
 )
-from shared.nats_client import connect
+from shared.nats_client import connect, flush_in_order
 from shared.policy.disaggregation import wants_handoff
 
 log = logging.getLogger(__name__)
@@ -195,7 +195,7 @@ class Llumlet:
         self.draining = self.leaving = True
         try:
             await self.publish_report()
-            await self.nc.flush(timeout=1)
+            await flush_in_order(self.nc, timeout_s=1)
         except (NatsError, TimeoutError) as exc:
             log.warning("could not announce that %s is leaving: %s", self.instance_id, exc)
 
@@ -348,7 +348,7 @@ class Llumlet:
             await self.output.publish_chunk(subject, encode(chunk))
             self.engine.abort_request(request_id)
         self.spans.end_all("failed", error=reason)
-        await self.nc.flush()
+        await flush_in_order(self.nc)
 
     # ------------------------------------------------------------------ load reports
 

@@ -19,6 +19,7 @@ from services.llumlet.engines import model_vocabulary
 from services.llumlet.engines.sim.engine import SyntheticTokens
 from shared import subjects
 from shared.messages import AbortRequest, GenerateRequest, decode
+from shared.nats_client import flush_in_order
 from tests.support.cluster import Cluster
 from tests.support.observer import NatsObserver
 
@@ -129,7 +130,7 @@ class GenerateLog:
             self.orders.append(decode(msg.data, GenerateRequest))
 
         await self.nc.subscribe(f"{subjects.PREFIX}.llumlet.*.generate", cb=on_order)
-        await self.nc.flush()
+        await flush_in_order(self.nc)
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -183,7 +184,7 @@ class AbortClock:
 
         await nc.subscribe(subjects.ABORT_ALL, cb=on_abort)
         await nc.subscribe(subjects.GATEWAY_HEARTBEATS_ALL, cb=on_beat)
-        await nc.flush()
+        await flush_in_order(nc)
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         self._ready.set()
         await self._stop.wait()

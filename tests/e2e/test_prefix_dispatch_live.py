@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shared import subjects
 from shared.embedded_nats import start_nats
 from shared.messages import KvCacheEvents, KvCacheSnapshot, decode, encode
+from shared.nats_client import flush_in_order
 from shared.prefix_hash import block_hashes
 from tests.support.cluster import Cluster, free_port
 from tests.support.observer import NatsObserver
@@ -73,7 +74,7 @@ class KvWatch:
 
     async def start(self, nc) -> None:
         await nc.subscribe(subjects.KV_ALL, cb=self._on_message)
-        await nc.flush()
+        await flush_in_order(nc)
 
     async def _on_message(self, msg) -> None:
         if msg.subject.endswith(".snapshot"):

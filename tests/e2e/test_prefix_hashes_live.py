@@ -10,6 +10,7 @@ import pytest
 
 from shared import subjects
 from shared.messages import DispatchRequest, decode
+from shared.nats_client import flush_in_order
 from shared.prefix_hash import block_hashes
 from tests.support.cluster import running_cluster
 
@@ -38,7 +39,7 @@ async def test_dispatch_requests_carry_the_prompts_chain(prefix_cluster):
             for _ in range(2):
                 reply = await http.post("/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 4})
                 assert reply.status_code == 200, reply.text
-        await nc.flush()
+        await flush_in_order(nc)
     finally:
         await nc.close()
     assert len(seen) == 2

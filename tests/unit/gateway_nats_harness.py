@@ -33,6 +33,7 @@ from shared.messages import (
     decode,
     encode,
 )
+from shared.nats_client import flush_in_order
 
 
 CHAT = "/v1/chat/completions"
@@ -97,7 +98,7 @@ class FakeLlumlet:
             await self.nc.subscribe(subjects.ABORT_ALL, cb=self._on_abort),
         ]
         self._tasks.append(asyncio.create_task(self._report_loop()))
-        await self.nc.flush()
+        await flush_in_order(self.nc)
         return self
 
     async def stop(self) -> None:
@@ -148,7 +149,7 @@ class FakeScheduler:
             await msg.respond(encode(self.decide(request)))
 
         self.sub = await self.nc.subscribe(subjects.DISPATCH, queue=subjects.SCHEDULER_QUEUE, cb=on_dispatch)
-        await self.nc.flush()
+        await flush_in_order(self.nc)
         return self
 
 

@@ -13,6 +13,7 @@ from services.llumlet.engines.sim.engine import SimEngine
 from services.llumlet.service import Llumlet
 from shared import subjects
 from shared.messages import Ack, Refusal, decode, encode
+from shared.nats_client import flush_in_order
 from tests.unit.migration_helpers import gen, sim_config
 
 MAX_MODEL_LEN = 256
@@ -30,7 +31,7 @@ async def llumlet(nats_url):
     config = LlumletConfig(f"refuse-{uuid.uuid4().hex[:6]}", nats_url, report_interval_s=0.05)
     llumlet = Llumlet(config, SimEngine(sim_config(time_scale=0.01, num_blocks=256, max_model_len=MAX_MODEL_LEN)))
     await llumlet.start()
-    await llumlet.nc.flush()  # its subscriptions are on the server before another client asks
+    await flush_in_order(llumlet.nc)  # its subscriptions are on the server before another client asks
     yield llumlet
     if llumlet.nc is not None and not llumlet.nc.is_closed:
         await llumlet.stop()

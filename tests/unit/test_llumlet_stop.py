@@ -12,6 +12,7 @@ from services.llumlet.engines.sim.engine import SimEngine
 from services.llumlet.service import Llumlet
 from shared import subjects
 from shared.messages import LoadReport, decode
+from shared.nats_client import flush_in_order
 from tests.unit.migration_helpers import sim_config
 
 
@@ -27,7 +28,7 @@ async def test_the_last_report_of_a_stopping_llumlet_says_draining(nats_url):
     llumlet = Llumlet(LlumletConfig(instance_id, nats_url, report_interval_s=0.05), SimEngine(sim_config()))
     await llumlet.start()
     await llumlet.stop()
-    await nc.flush()
+    await flush_in_order(nc)
     await nc.close()
     assert reports and not reports[0].draining
     assert reports[-1].draining
