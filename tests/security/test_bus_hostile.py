@@ -18,6 +18,7 @@ from shared.messages import (
     Ack, GenerateRequest, MigrationAbort, PreAlloc,
     PreAllocReply as PreAllocGrant, TokenChunk, decode, encode,
 )
+from shared.nats_client import flush_in_order
 from tests.security.conftest import GATEWAY_ID, INSTANCES
 
 REJECTED = "corral:bus_rejected_messages_total"
@@ -66,7 +67,7 @@ async def test_impossible_load_report_is_refused(sec_cluster, overrides):
     try:
         for _ in range(3):
             await nc.publish(subjects.load_report("ghost"), hostile_report(**overrides))
-        await nc.flush()
+        await flush_in_order(nc)
     finally:
         await nc.close()
     await asyncio.sleep(0.3)
@@ -88,7 +89,7 @@ async def test_migrate_order_to_a_bad_id_is_refused_once_and_quietly(sec_cluster
         order = msgspec.msgpack.encode({"pair_id": "p", "dst_instance_id": "bad.id"})
         for _ in range(200):
             await nc.publish(subjects.llumlet(instance, "migrate"), order)
-        await nc.flush()
+        await flush_in_order(nc)
     finally:
         await nc.close()
     await asyncio.sleep(1.0)
@@ -106,7 +107,7 @@ async def _streaming_request(sec_cluster, nc, max_tokens: int):
         orders.put_nowait(decode(msg.data, GenerateRequest))
 
     sub = await nc.subscribe(f"{subjects.PREFIX}.llumlet.*.generate", cb=on_generate)
-    await nc.flush()
+    await flush_in_order(nc)
 
     async def stream() -> list[str]:
         async with httpx.AsyncClient(timeout=120) as http:
@@ -138,7 +139,7 @@ async def test_token_chunk_with_impossible_ids_does_not_cut_the_stream(sec_clust
             forged = msgspec.msgpack.encode({"request_id": order.request_id, "instance_id": "sec-0",
                                              "start_index": 1, "token_ids": ids})
             await nc.publish(order.reply_subject, forged)
-        await nc.flush()
+        await flush_in_order(nc)
         events = _events(await asyncio.wait_for(task, 120))
     finally:
         await nc.close()
@@ -154,7 +155,7 @@ async def test_gateway_never_delivers_more_than_max_tokens(sec_cluster):
         task, order = await _streaming_request(sec_cluster, nc, max_tokens=400)
         flood = TokenChunk(order.request_id, INSTANCES[0], 0, [7] * 1000)
         await nc.publish(order.reply_subject, encode(flood))
-        await nc.flush()
+        await flush_in_order(nc)
         events = _events(await asyncio.wait_for(task, 120))
     finally:
         await nc.close()
@@ -170,7 +171,7 @@ async def test_out_of_order_chunk_flood_is_bounded(sec_cluster):
         task, order = await _streaming_request(sec_cluster, nc, max_tokens=1500)
         for start in range(1000, 21000):  # past any gap, most past max_tokens
             await nc.publish(order.reply_subject, encode(TokenChunk(order.request_id, INSTANCES[0], start, [5])))
-        await nc.flush()
+        await flush_in_order(nc)
         started = time.monotonic()
         assert httpx.get(f"{sec_cluster.base_url}/healthz", timeout=5).status_code == 200
         assert time.monotonic() - started < 1.0
