@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import httpx
+import uvloop
 
 from shared.embedded_nats import start_nats
 from tests.support.cluster import Cluster
@@ -52,7 +53,7 @@ async def client_loop(http: httpx.AsyncClient, model: str, rng: random.Random, u
         body = {"model": model, "prompt": [rng.randrange(1, 200) for _ in range(rng.randint(4, 64))],
                 "max_tokens": tokens, "stream": True, "ignore_eos": True}
         try:
-            async with http.stream("POST", "/v1/completions", json=body) as reply:
+            async with http.stream("POST", "/v1/completions", json=body) as reply, _counted(counts, "open"):
                 if reply.status_code != 200:
                     counts[f"http_{reply.status_code}"] = counts.get(f"http_{reply.status_code}", 0) + 1
                     await asyncio.sleep(0.5)
@@ -74,6 +75,30 @@ async def client_loop(http: httpx.AsyncClient, model: str, rng: random.Random, u
             counts[type(exc).__name__] = counts.get(type(exc).__name__, 0) + 1
 
 
+class _counted:
+    """`counts[key]` is the number of streams inside the block right now (sampled)."""
+
+    def __init__(self, counts: dict, key: str) -> None:
+        self.counts, self.key = counts, key
+
+    async def __aenter__(self) -> None:
+        self.counts[self.key] = self.counts.get(self.key, 0) + 1
+
+    async def __aexit__(self, *exc) -> None:
+        self.counts[self.key] -= 1
+
+
+async def gateway_in_flight(http: httpx.AsyncClient) -> float | None:
+    """The gateway's own count of requests dispatched and not finished (its /metrics)."""
+    try:
+        text = (await http.get("/metrics", timeout=10)).text
+    except httpx.HTTPError:
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("corral:gateway_requests_in_flight{")]
+    return sum(values) if values else None
+
+
 async def soak(cluster: Cluster, args: argparse.Namespace, samples: list) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=args.streams)
     counts = {"completed": 0, "cut": 0, "stream_errors": 0}
@@ -86,7 +111,8 @@ async def soak(cluster: Cluster, args: argparse.Namespace, samples: list) -> dic
         started = time.monotonic()
         while not all(c.done() for c in clients):
             await asyncio.sleep(args.sample_s)
-            samples.append({"t_s": round(time.monotonic() - started, 1), **sample(cluster)})
+            samples.append({"t_s": round(time.monotonic() - started, 1), "streams_open": counts.get("open", 0),
+                            "gateway_in_flight": await gateway_in_flight(http), **sample(cluster)})
             print(json.dumps(samples[-1]), file=sys.stderr, flush=True)
         await asyncio.gather(*clients)
     return counts
@@ -121,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(2.0)
             baseline = sample(cluster)
             samples: list[dict] = []
-            counts = asyncio.run(soak(cluster, args, samples))
+            counts = uvloop.run(soak(cluster, args, samples))  # (the client's own CPU: 2,000 streams)
             time.sleep(5.0)  # connections close, aborts land
             after = sample(cluster)
         finally:
@@ -135,6 +161,9 @@ def main(argv: list[str] | None = None) -> None:
               "first_under_load": under_load[0] if under_load else None,
               "last_under_load": under_load[-1] if under_load else None, "samples": samples}
     print(f"requests: {counts}")
+    held = sorted(s["streams_open"] for s in under_load)
+    if held:
+        print(f"streams open at the samples: min {held[0]}, median {held[len(held) // 2]}, max {held[-1]}")
     print(f"{'process':10} {'rss MiB: base':>14} {'first':>7} {'last':>7} {'peak':>7} {'after':>7}   "
           f"{'fds: base':>9} {'peak':>5} {'after':>5}")
     for name in baseline:
