@@ -70,7 +70,9 @@ class GatewayService:
                                send=self._send_generate, abort=self._publish_abort)
         self.streams = StreamRegistry(on_handover_stall=self.metrics.migration_stalled,
                                       vocab_size=self.tokenizer.vocab_size, on_lost=self.resumer.lost,
-                                      max_buffered=config.max_buffered_chunks)
+                                      max_buffered=config.max_buffered_chunks,
+                                      on_stray=lambda stream, instance_id: self._spawn(self._send_abort(
+                                          stream.request_id, "a copy a resume left behind", instance_id)))
         self.started_at = int(time.time())
         self.output_subject = subjects.gateway_output(config.gateway_id)
         self._nc: Client | None = None
@@ -371,11 +373,13 @@ class GatewayService:
         # A task of its own: release() runs in cancelled generators where awaiting is not possible.
         self._spawn(self._send_abort(request_id, reason))
 
-    async def _send_abort(self, request_id: str, reason: str) -> None:
+    async def _send_abort(self, request_id: str, reason: str, instance_id: str | None = None) -> None:
+        """To every instance, or to `instance_id` alone."""
         if self._nc is None or self._nc.is_closed:
             return
+        order = AbortRequest(request_id, reason, self.config.gateway_id, instance_id=instance_id)
         try:
-            await self._nc.publish(subjects.ABORT_ALL, encode(AbortRequest(request_id, reason, self.config.gateway_id)))
+            await self._nc.publish(subjects.ABORT_ALL, encode(order))
         except NatsError as exc:
             log.warning("could not publish abort of %s: %s", request_id, exc)
 

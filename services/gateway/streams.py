@@ -147,7 +147,7 @@ class OutputStream:
     def __init__(self, request_id: str, instance_id: str | None = None,
                  on_handover_stall: Callable[[float], None] | None = None, max_tokens: int | None = None,
                  on_lost: Callable[[OutputStream, str, str], None] | None = None,
-                 max_buffered: int | None = None) -> None:
+                 max_buffered: int | None = None, on_stray: Callable[[OutputStream, str], None] | None = None) -> None:
         self.request_id = request_id
         self._max_buffered = max_buffered  # deliveries waiting for a slow client (None: no bound)
         self.orderer = TokenOrderer(max_tokens=max_tokens)
@@ -170,6 +170,11 @@ class OutputStream:
         # the request up (stream, instance, why).
         self.delivered: list[int] = []
         self.left: set[str] = set()
+        # Instances whose handover came from one left behind: a migration out of it that committed
+        # after the resume, so a second copy, unless a resume then placed the request there.
+        self._late_copies: set[str] = set()
+        self._told_to_drop: set[str] = set()
+        self._on_stray = on_stray  # ask that one instance to drop its copy (stream, instance)
         self.resumes = 0
         self.gap_since: float | None = None  # when chunks first waited past a gap (a lost chunk)
         # A lost last chunk leaves no gap: silence is the only sign. Since when no chunk came (or
@@ -207,7 +212,10 @@ class OutputStream:
         self.silence_probes = 0
 
     def feed(self, chunk: TokenChunk) -> None:
-        if self.finished or chunk.instance_id in self.left:
+        if self.finished:
+            return
+        if chunk.instance_id in self.left or self._late_copy(chunk):
+            self._stray(chunk)
             return
         if chunk.error is not None and chunk.resumable and self._on_lost is not None:
             if chunk.instance_id == self.holder:
@@ -263,6 +271,27 @@ class OutputStream:
         self._unread_catch_up.clear()
         self.fail(f"the client read too slowly: more than {self._max_buffered} engine steps' output waited for it", 503)
 
+    def _late_copy(self, chunk: TokenChunk) -> bool:
+        if chunk.instance_id == self.holder:
+            return False
+        if chunk.handover and chunk.handover_from is not None and chunk.handover_from in self.left:
+            self._late_copies.add(chunk.instance_id)
+        return chunk.instance_id in self._late_copies
+
+    def _stray(self, chunk: TokenChunk) -> None:
+        """Output of a copy a resume left running (its instance taken for dead while alive, or a
+        migration out of it committed late): dropped, and that instance alone told to drop the
+        request — unless a placement is in flight, which may yet make it the holder."""
+        if (self.placing.locked() or chunk.instance_id == self.holder or chunk.instance_id in self._told_to_drop
+                or chunk.finish_reason is not None or chunk.error is not None):
+            return
+        self.left.add(chunk.instance_id)
+        self._told_to_drop.add(chunk.instance_id)
+        if self._on_stray is not None:
+            log.warning("request %s: %s still runs a copy a resume left behind: aborting it there",
+                        self.request_id, chunk.instance_id)
+            self._on_stray(self, chunk.instance_id)
+
     def abandon(self, instance_id: str) -> None:
         """A resume leaves `instance_id` behind: its chunks, late or held past a gap, are dropped
         (after the resume the new instance's tokens may disagree with them)."""
@@ -296,8 +325,9 @@ class StreamRegistry:
 
     def __init__(self, on_handover_stall: Callable[[float], None] | None = None, vocab_size: int | None = None,
                  on_lost: Callable[[OutputStream, str, str], None] | None = None,
-                 max_buffered: int | None = None) -> None:
+                 max_buffered: int | None = None, on_stray: Callable[[OutputStream, str], None] | None = None) -> None:
         self._streams: dict[str, OutputStream] = {}
+        self._on_stray = on_stray  # a copy a resume left running (see OutputStream._stray)
         self._max_buffered = max_buffered  # per stream: see OutputStream
         self._on_lost = on_lost  # a holder gave a request up whole: resume it elsewhere
         self._on_handover_stall = on_handover_stall  # each migration's client-visible stall (seconds)
@@ -313,7 +343,7 @@ class StreamRegistry:
         assert request_id not in self._streams, f"request id {request_id} is already in flight"
         stream = self._streams[request_id] = OutputStream(request_id, on_handover_stall=self._on_handover_stall,
                                                           max_tokens=max_tokens, on_lost=self._on_lost,
-                                                          max_buffered=self._max_buffered)
+                                                          max_buffered=self._max_buffered, on_stray=self._on_stray)
         return stream
 
     def refusal(self, chunk: TokenChunk) -> str | None:

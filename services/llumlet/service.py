@@ -229,8 +229,8 @@ class Llumlet:
 
     async def _on_abort(self, msg: Msg) -> None:
         order = decode_or_drop(msg.data, AbortRequest, log, "abort", msg.subject)
-        if order is None:
-            return
+        if order is None or order.instance_id not in (None, self.instance_id):
+            return  # (another instance's copy of the request)
         if self.migration is not None:
             self.migration.on_request_aborted(order.request_id)
         if (subject := self.routes.close(order.request_id)) is not None:

@@ -119,6 +119,9 @@ class TokenChunk(Struct):
     # On an instance's first output of the request: prompt tokens its engine found in the prefix
     # cache (vLLM's num_cached_tokens; None: not the first output, or the engine keeps no cache).
     num_cached_tokens: Count | None = None
+    # On a handover: the migration's source. A gateway that gave up on that instance (it resumed
+    # the request elsewhere) takes a late commit's copy for a second one, and aborts it there.
+    handover_from: InstanceId | None = None
 
 
 MAX_BATCH_CHUNKS = 4096
@@ -148,6 +151,8 @@ class AbortRequest(Struct):
     # The gateway that sent it; an abort from anyone else (an operator, another gateway) ends the
     # request's stream with an error, since its own gateway is still waiting for tokens.
     gateway_id: InstanceId | None = None
+    # Only this instance drops its copy (one a resume left behind); None: every instance.
+    instance_id: InstanceId | None = None
 
 
 class SchedulerHeartbeat(Struct):
