@@ -1,14 +1,17 @@
 """Admission control under overload (issue 19 §1): none / current-load / predicted, side by side.
 
     .venv/bin/python -m benchmarks.admission [--dataset synthetic:sharegpt] [--instances 4] [--requests 800] [--seeds 0,1]
-        [--overloads 1.5,2] [--slo-ttft-s 3] [--slo-tbt-s 0.08] [--out results/admission.json]
+        [--overloads 1.5,2] [--slo-ttft-s 3] [--slo-tbt-s 0.08] [--prefill N --decode M] [--out results/admission.json]
 
 LLaMA-7B on A10 instances (the simulator's defaults), `--dataset` lengths (ShareGPT-like by default), 10 % high
-priority, corral dispatch; the same requests for every admission policy. The saturating rate is
+priority, corral dispatch; the same requests for every admission policy. With `--prefill N --decode M`
+the first N instances prefill only and the next M decode only (P/D disaggregation, hand-off at the
+first token; admission then forecasts the decode pool: `shared.policy.decode_pool`). The saturating rate is
 measured first: the highest rate at which the cluster admitting everything keeps P99 TTFT within
 the SLO. Two workloads per seed:
 - overload replay: Poisson arrivals at each `--overloads` multiple of the saturating rate;
-- square-wave burst: 10 s at 2x the saturating rate, 10 s at 0.5x, repeated.
+- square-wave burst: half a period at 2x the saturating rate, half at 0.5x, repeated; the period is
+  20 s, or a third of the workload's span when that is shorter (at least three bursts).
 
 Per run: goodput (requests meeting both SLOs per second of the arrival window), rejected share
 (and of high priority), wasted prefill (prompt tokens of accepted requests that then missed the
@@ -57,13 +60,14 @@ def saturating_rate(config: SimConfig, dataset: str, n: int, seed: int, slo: Slo
 
 
 def square_wave(base: Workload, dataset: str, saturation: float, seed: int) -> Workload:
-    rng = np.random.default_rng(seed)
+    period = min(PERIOD_S, len(base.arrivals) / (1.25 * saturation) / 3)  # the mean rate is 1.25x
+    rng = np.random.default_rng(seed + 1)  # (not the Poisson workloads' draws)
     t, arrivals = 0.0, []
     for arrival in base.arrivals:
-        rate = 2.0 * saturation if (t % PERIOD_S) < PERIOD_S / 2 else 0.5 * saturation
+        rate = 2.0 * saturation if (t % period) < period / 2 else 0.5 * saturation
         t += rng.exponential(1.0 / rate)
         arrivals.append(replace(arrival, time_s=t))
-    return Workload(arrivals, f"{dataset} square wave 2x/0.5x of {saturation:.2f} req/s, period {PERIOD_S:g} s")
+    return Workload(arrivals, f"{dataset} square wave 2x/0.5x of {saturation:.2f} req/s, period {period:.3g} s")
 
 
 def row(result: SimResult, slo: SloConfig) -> dict:
@@ -110,14 +114,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overloads", default="1.5,2")
     parser.add_argument("--slo-ttft-s", type=float, default=3.0)
     parser.add_argument("--slo-tbt-s", type=float, default=0.08)
+    parser.add_argument("--prefill", type=int, default=0, help="prefill-only instances (P/D; of --instances)")
+    parser.add_argument("--decode", type=int, default=0, help="decode-only instances (P/D; of --instances)")
     parser.add_argument("--out", default="results/admission.json")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     overloads = [float(x) for x in args.overloads.split(",")]
     slo = SloConfig(Slo(args.slo_ttft_s, args.slo_tbt_s))
-    config = SimConfig(num_instances=args.instances)
+    config = SimConfig(num_instances=args.instances, num_prefill=args.prefill, num_decode=args.decode)
     saturation = saturating_rate(config, args.dataset, args.requests, seeds[0], slo)
-    print(f"{args.instances} x A10, {args.dataset}, saturating rate {saturation:.2f} req/s; "
+    roles = f" (P/D {args.prefill}:{args.decode})" if config.disaggregated else ""
+    print(f"{args.instances} x A10{roles}, {args.dataset}, saturating rate {saturation:.2f} req/s; "
           f"SLO TTFT {args.slo_ttft_s:g} s, TBT {args.slo_tbt_s * 1e3:g} ms (normal priority keeps "
           f"{slo.reserve:.0%} in reserve)")
     header = (f"{'workload':<16} {'seed':>4} {'admission':<13} {'goodput':>9} {'rejected':>8} {'high rej':>8} "

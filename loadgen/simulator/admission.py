@@ -7,7 +7,9 @@ running request is read from the instance's scheduler (live, from the load repor
 `running_output_tokens`). Each instance's output-length estimate (a histogram of served output
 lengths; live, the one the load reports carry) learns from the requests it finishes, its step
 inflation (step time over decode-only time, an exponential average over its decoding steps) from
-the steps it runs.
+the steps it runs. With P/D roles the decode pool comes from the decode instances and the
+prefill instances' reports (`shared.policy.decode_pool`), as the live scheduler builds it; the
+chunked-prefill budget a step is the engines' `max_num_batched_tokens`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 from shared.engine_model.latency import LatencyModel
 from shared.engine_model.request import SimRequest
-from shared.messages import LoadReport
+from shared.messages import InstanceRole, LoadReport
 from shared.policy.admission import (
     AdmissionDecision,
     AdmissionPolicy,
@@ -27,6 +29,7 @@ from shared.policy.admission import (
     SloConfig,
     admit,
 )
+from shared.policy.decode_pool import DecodePool, decode_loads, in_flight_of, prefill_loads
 from shared.policy.prefix_dispatch import queued_prefill_tokens
 
 
@@ -71,9 +74,16 @@ class SimAdmission:
             old = self._inflation.get(instance_id, 1.0)
             self._inflation[instance_id] = old + INFLATION_WEIGHT * (ratio - old)
 
-    def decide(self, loads: Sequence[LoadReport], prompt_tokens: int, priority: int) -> AdmissionDecision:
+    def decide(self, loads: Sequence[LoadReport], prompt_tokens: int, priority: int,
+               fleet: Sequence[LoadReport] = ()) -> AdmissionDecision:
+        """`loads`: the instances the request may be dispatched to; `fleet`: every serving one (with
+        P/D roles, the decode pool a prefilled request moves to is among them)."""
         outlooks = [self._outlook(load) for load in loads if not load.draining]
-        return admit(outlooks, prompt_tokens, priority, self.model.policy, self.model.slo, self._latency)
+        decode = decode_loads(fleet)
+        pool = None
+        if decode:
+            pool = DecodePool([self._outlook(load) for load in decode], *in_flight_of(prefill_loads(fleet)))
+        return admit(outlooks, prompt_tokens, priority, self.model.policy, self.model.slo, self._latency, pool)
 
     def _outlook(self, load: LoadReport) -> InstanceOutlook:
         scheduler = self._instances[load.instance_id].scheduler
@@ -83,4 +93,6 @@ class SimAdmission:
         free = load.num_blocks_free - load.waiting_demand_blocks - load.committed_blocks - load.reserved_blocks
         return InstanceOutlook(load.instance_id, queued_prefill_tokens(load), load.num_waiting, generated, context,
                                self.estimate(load.instance_id), free, load.block_size,
-                               self._inflation.get(load.instance_id, 1.0), load.num_blocks_total)
+                               self._inflation.get(load.instance_id, 1.0), load.num_blocks_total,
+                               hands_off=load.role is InstanceRole.PREFILL,
+                               prefill_tokens_per_step=scheduler.config.max_num_batched_tokens)

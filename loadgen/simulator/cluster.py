@@ -270,10 +270,11 @@ class ClusterSimulator:
             loads = self.loads()
         else:  # round-robin reads no load; a report only tells it who is serving
             loads = [instance.report or self.report_of(instance) for instance in self.serving]
+        fleet = loads
         if self.config.num_prefill:  # new requests go to prefill (and mixed) instances only
             loads = dispatch_pool(loads)
         if self.admission is not None:  # early rejection: before any prefill is spent
-            admitted = self.admission.decide(loads, arrival.prompt_len, priority)
+            admitted = self.admission.decide(loads, arrival.prompt_len, priority, fleet)
             if not admitted.accepted:
                 return DispatchDecision(None, f"overloaded:{admitted.rejected.value}", Refusal.OVERLOADED)
             loads = [load for load in loads if load.instance_id in admitted.admitted]

@@ -17,6 +17,12 @@ engine is from the profile (a faster engine than `gpu` gives a ratio below 1), f
 Dispatches sent after an instance's latest report was built are added to what it shows
 (`unreported.py`: a report that overtook a dispatch would otherwise wipe it).
 
+With P/D roles (a live prefill instance), a request on a prefill instance decodes on the decode
+pool: its TBT is the pool's forecast at its hand-off (`shared.policy.decode_pool`), from the
+decode instances' reports and the requests the prefill instances' reports show on their way.
+The chunked-prefill budget a step (for `predicted`'s prefill interference) is not in the reports:
+the default of `InstanceOutlook` (vLLM's 2,048) is taken.
+
 An admitted request's reply carries its predicted TTFT on the chosen instance, which the gateway
 compares with the TTFT it measures (`corral:gateway_ttft_prediction_error_seconds`).
 """
@@ -32,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from services.global_scheduler.unreported import UnreportedDispatches
 from shared.engine_model.latency import LatencyModel
-from shared.messages import DispatchReply, DispatchRequest, LoadReport, Refusal
+from shared.messages import DispatchReply, DispatchRequest, InstanceRole, LoadReport, Refusal
 from shared.policy.admission import (
     AdmissionDecision,
     AdmissionPolicy,
@@ -43,6 +49,7 @@ from shared.policy.admission import (
     SloConfig,
     admit,
 )
+from shared.policy.decode_pool import DecodePool, decode_loads, in_flight_of, prefill_loads
 from shared.policy.prefix_dispatch import queued_prefill_tokens
 
 MIN_RETRY_S, MAX_RETRY_S = 0.1, 30.0
@@ -81,7 +88,7 @@ class DispatchAdmission:
         if not live:  # nothing to predict: dispatch answers as without admission (no instance, not overload)
             return request, None, {}
         decision = admit([self._outlook(load) for load in live], request.num_prompt_tokens, request.priority,
-                         self.settings.policy, self.settings.slo, self._latency)
+                         self.settings.policy, self.settings.slo, self._latency, self._decode_pool(loads))
         if decision.accepted:
             admitted = set(decision.admitted)
             others = [load.instance_id for load in live if load.instance_id not in admitted]
@@ -110,7 +117,21 @@ class DispatchAdmission:
         output = self._estimates.of(load)
         return InstanceOutlook(load.instance_id, queued_prefill_tokens(load) + missing.prompt_tokens,
                                load.num_waiting + missing.num, generated, context, output, free, load.block_size,
-                               self._inflation(load), load.num_blocks_total)
+                               self._inflation(load), load.num_blocks_total,
+                               hands_off=load.role is InstanceRole.PREFILL)
+
+    def _decode_pool(self, loads: Sequence[LoadReport]) -> DecodePool | None:
+        """With P/D roles, the decode pool and the requests on their way to it (the prefill
+        instances' reports, plus the dispatches to them the reports do not show yet)."""
+        decode = decode_loads(loads)
+        if not decode:
+            return None
+        prefill = prefill_loads(loads)
+        num, blocks = in_flight_of(prefill)
+        for load in prefill:
+            missing = self._unreported.missing_from(load)
+            num, blocks = num + missing.num, blocks + missing.blocks
+        return DecodePool([self._outlook(load) for load in decode], num, blocks)
 
     def _inflation(self, load: LoadReport) -> float:
         """The instance's recent step time over the model's decode-only step for the batch it

@@ -31,6 +31,15 @@ it expected the long-running batch to empty and admitted too much on prefill-hea
 survival is exact for the served distribution: short for a fresh request of a typical instance,
 long for one deep in the tail.
 
+`predicted` also prices what admitting does to the requests decoding there: its prefill runs in
+their steps (`prefill_interference`: the expected number of running requests it pushes past the
+TBT target, from each one's output so far and the survival; refused at one or more, since an
+admission gains at most one request within the SLO). With P/D roles a request on a prefill
+instance (`hands_off`) decodes on the decode pool: its TBT is the pool's at its hand-off
+(`decode_pool`: `predicted` forecasts it with the requests ending by then and those on their way;
+`current-load` takes the pool as it is now), or, when the pool will have no room for it, the
+prefill instance's own (it degrades to mixed there).
+
 The request is admitted to the instances whose predictions meet the SLO (dispatch then picks
 among them) and rejected with a reason when none does. Normal priority must meet the SLO with
 `reserve` of it held back (and the same share of the instance's KV blocks left free), high
@@ -44,10 +53,17 @@ import bisect
 import enum
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shared.messages import MAX_OUTPUT_LENGTH_BINS
 from shared.policy.config import HIGH_PRIORITY
+from shared.policy.decode_pool import DecodePool, forecast
+from shared.policy.prefill_interference import expected_pushed_past_tbt
+
+
+# `predicted` admits no prompt expected to push this many running requests past the TBT target
+# (`prefill_interference`): one admission gains at most one request within the SLO.
+MAX_PUSHED = 1.0
 
 
 class AdmissionPolicy(str, enum.Enum):
@@ -215,6 +231,8 @@ class InstanceOutlook:
     block_size: int = 16
     step_inflation: float = 1.0  # measured step time / decode-only model time (prefill mixed in)
     total_blocks: int = 0  # the instance's KV blocks (normal priority leaves a reserve of them free)
+    hands_off: bool = False  # a prefill instance: the request decodes on the decode pool (decode_pool.py)
+    prefill_tokens_per_step: int = 2048  # chunked prefill's budget a step (the engine's max_num_batched_tokens)
 
 
 @dataclass(frozen=True)
@@ -223,6 +241,7 @@ class Prediction:
     ttft_s: float
     decode_batch: int
     tbt_s: float
+    pushed: float = 0.0  # running requests its prefill is expected to push past the TBT target (predicted)
 
 
 @dataclass(frozen=True)
@@ -263,6 +282,17 @@ def predict(outlook: InstanceOutlook, prompt_tokens: int, policy: AdmissionPolic
     return Prediction(outlook.instance_id, ttft, batch, latency.decode_s(batch, context) * outlook.step_inflation)
 
 
+def _on_decode_pool(prediction: Prediction, decode: DecodePool, prompt_tokens: int, policy: AdmissionPolicy,
+                    latency: LatencyFns, reserve_share: float) -> Prediction:
+    if not math.isfinite(prediction.ttft_s):
+        return prediction
+    ahead = forecast(decode, prediction.ttft_s, prompt_tokens, policy is AdmissionPolicy.PREDICTED, latency,
+                     reserve_share)
+    if ahead.blocks > ahead.capacity_blocks:  # no room there: it decodes where it prefilled (degraded to mixed)
+        return prediction
+    return Prediction(prediction.instance_id, prediction.ttft_s, ahead.batch, ahead.tbt_s)
+
+
 def admit(
     outlooks: Sequence[InstanceOutlook],
     prompt_tokens: int,
@@ -270,7 +300,10 @@ def admit(
     policy: AdmissionPolicy,
     slo: SloConfig,
     latency: LatencyFns,
+    decode: DecodePool | None = None,
 ) -> AdmissionDecision:
+    """`decode`: with P/D roles, the decode pool a request on a `hands_off` candidate moves to at
+    its first token; its TBT is then the pool's forecast at that time (`decode_pool.forecast`)."""
     if policy is AdmissionPolicy.NONE:
         return AdmissionDecision(tuple(o.instance_id for o in outlooks), None, ())
     if not outlooks:
@@ -278,8 +311,14 @@ def admit(
     budget = slo.budget_for(priority)
     share = 0.0 if priority <= HIGH_PRIORITY else slo.reserve
     predictions = tuple(predict(o, prompt_tokens, policy, latency, int(share * o.total_blocks)) for o in outlooks)
+    if decode is not None and decode.instances:
+        predictions = tuple(_on_decode_pool(p, decode, prompt_tokens, policy, latency, share) if o.hands_off else p
+                            for o, p in zip(outlooks, predictions, strict=True))
+    if policy is AdmissionPolicy.PREDICTED:  # and the requests decoding there, which its prefill slows
+        predictions = tuple(replace(p, pushed=expected_pushed_past_tbt(o, prompt_tokens, latency, budget.tbt_s))
+                            for o, p in zip(outlooks, predictions, strict=True))
     meets_ttft = [p for p in predictions if p.ttft_s <= budget.ttft_s]
-    admitted = tuple(p.instance_id for p in meets_ttft if p.tbt_s <= budget.tbt_s)
+    admitted = tuple(p.instance_id for p in meets_ttft if p.tbt_s <= budget.tbt_s and p.pushed < MAX_PUSHED)
     if admitted:
         return AdmissionDecision(admitted, None, predictions)
     return AdmissionDecision((), RejectReason.TBT if meets_ttft else RejectReason.TTFT, predictions)
