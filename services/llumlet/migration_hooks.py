@@ -91,6 +91,7 @@ def catch_up_chunks(instance_id: str, commit: MigrationCommit) -> list[TokenChun
             num_prompt_tokens=len(request.prompt_token_ids) - request.resume_from,
             num_preemptions=commit.num_preemptions,
             handover=True,
+            handover_from=commit.source_instance_id,
             logprobs=logprobs,
         )
         for start, end, logprobs in parts

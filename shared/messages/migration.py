@@ -109,6 +109,9 @@ class MigrationCommit(Struct):
     # request asked for them): its chunk may reach the gateway after the destination's catch-up,
     # which then carries them, so no token of the stream goes without.
     tail_logprobs: Annotated[list[TokenLogprob], Meta(max_length=MAX_TAIL_LOGPROBS)] | None = None
+    # The instance the request leaves: the destination's handover names it to the gateway, which
+    # tells a migration out of a holder it gave up on (a second copy) from one out of the holder.
+    source_instance_id: InstanceId | None = None
 
     def __post_init__(self) -> None:
         if self.tail_logprobs is not None and len(self.tail_logprobs) > len(self.output_token_ids):

@@ -25,7 +25,8 @@ from shared.messages import (
 def commit_of(outputs: list[int], tail: list[TokenLogprob] | None, resume_from: int = 0) -> MigrationCommit:
     request = GenerateRequest("r1", [5, 6, 7, *outputs[:resume_from]], SamplingParams(max_tokens=50, logprobs=1),
                               "gw.out", resume_from=resume_from)
-    return MigrationCommit("m1", request, outputs, num_computed_tokens=3, num_preemptions=2, tail_logprobs=tail)
+    return MigrationCommit("m1", request, outputs, num_computed_tokens=3, num_preemptions=2, tail_logprobs=tail,
+                           source_instance_id="src")
 
 
 def lp(value: float) -> TokenLogprob:
@@ -37,6 +38,7 @@ def test_the_last_step_goes_in_a_chunk_of_its_own_with_its_logprobs():
     assert (head.start_index, head.token_ids, head.logprobs) == (0, [10, 11, 12], None)
     assert (tail.start_index, tail.token_ids, tail.logprobs) == (3, [13], [lp(-0.5)])
     assert head.handover and tail.handover and head.num_preemptions == tail.num_preemptions == 2
+    assert head.handover_from == tail.handover_from == "src"  # (a gateway that left `src` drops this copy)
     assert head.num_prompt_tokens == tail.num_prompt_tokens == 3
 
 

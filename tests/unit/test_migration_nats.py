@@ -146,6 +146,7 @@ async def test_migrated_request_streams_exactly_its_own_tokens(llumlets, client)
     assert client.tokens("r1") == expected_tokens(a.engine, "r1", 800)
     assert client.publishers("r1")[:2] == [a.instance_id, b.instance_id]
     assert client.of("r1")[-1].finish_reason is FinishReason.LENGTH
+    assert {c.handover_from for c in client.of("r1") if c.handover} == {a.instance_id}  # (names its source)
     await wait_idle(a, b)
 
 

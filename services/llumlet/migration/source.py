@@ -352,6 +352,7 @@ class MigrationCoordinator:
         COMMIT (idempotent) learn the outcome; a refusal raises (→ abort, resumes here)."""
         commit = self.ops.migration_commit(m.request_id, m.migration_id)
         commit.departures = self.departures.leaving(m.request_id, self.instance_id)
+        commit.source_instance_id = self.instance_id
         assert upto <= m.lease_blocks, (upto, m.lease_blocks)
         block_ids = self.ops.block_ids_of(m.request_id)[m.blocks_sent : upto]
         raw = encode(commit)
