@@ -139,7 +139,8 @@ def start_destination(s: Settings, nats_url: str, log_path: Path, port_file: Pat
                                "--engine", "sim", "--sim-num-blocks", str(s.num_blocks),
                                "--sim-block-size", str(s.block_size), "--max-model-len", str(s.max_model_len),
                                "--sim-gpu", s.gpu, "--sim-time-scale", "1",
-                               "--sim-kv-bytes-per-token", str(s.kv_bytes_per_token)], port_file, log_path)
+                               "--sim-kv-bytes-per-token", str(s.kv_bytes_per_token),
+                               "--migration-hold-max-ms", str(1e3 * s.limits.hold_max_s)], port_file, log_path)
 
 
 async def wait_for_destination(nc, timeout_s: float = 60.0) -> LoadReport:
@@ -205,6 +206,9 @@ async def migrate_once(src: Llumlet, nc, chunks: Chunks, length: int, stage_limi
         "downtime_ms": 1e3 * m.downtime_s,
         **client,
         "handover": source_stamps(m, src.engine.steps, client),
+        # The price of a hold: the destination's other requests' largest gap around the handover.
+        "others_client": chunks.largest_gap_around([f"bg-{DST}-{i}" for i in range(BACKGROUND_REQUESTS)],
+                                                   m.commit_sent_at, client["dst_token_at_client"]),
         "modelled_decode_step_ms": 1e3 * modelled_step,
         "stages": [dataclasses.asdict(stage) for stage in m.stages],
         "num_stages": len(m.stages),
@@ -343,6 +347,8 @@ def parse_args(argv: list[str] | None) -> Settings:
     defaults = MigrationLimits()
     parser.add_argument("--stage-limit", type=int, default=defaults.stage_limit)
     parser.add_argument("--last-stage-blocks", type=int, default=defaults.last_stage_blocks)
+    parser.add_argument("--hold-max-ms", type=float, default=1e3 * defaults.hold_max_s,
+                        help="the destination holds a step this long for an imminent commit (0: off)")
     parser.add_argument("--frame-mib", type=int, default=defaults.frame_bytes >> 20)
     args = parser.parse_args(argv)
     lengths = sorted(int(x) for x in args.lengths.split(","))
@@ -352,7 +358,7 @@ def parse_args(argv: list[str] | None) -> Settings:
         parser.error("--kv-bytes-per-token must be a positive multiple of 8")
     try:
         limits = MigrationLimits(stage_limit=args.stage_limit, last_stage_blocks=args.last_stage_blocks,
-                                 frame_bytes=args.frame_mib << 20)
+                                 frame_bytes=args.frame_mib << 20, hold_max_s=args.hold_max_ms / 1e3)
     except ValueError as exc:
         parser.error(str(exc))
     return Settings(limits, lengths, args.kv_bytes_per_token, max(1, args.repeats), args.num_blocks, args.block_size,

@@ -39,7 +39,7 @@ def _any(subject_of_id: str) -> str:
 
 
 def _migration_verbs() -> list[str]:
-    return [_any(subjects.migration("ID", verb)) for verb in ("prealloc", "abort", "commit")]
+    return [_any(subjects.migration("ID", verb)) for verb in ("prealloc", "abort", "commit", "notice")]
 
 
 @dataclass(frozen=True)

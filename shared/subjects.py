@@ -46,7 +46,7 @@ ABORT_ALL = f"{PREFIX}.abort"
 
 
 def migration(instance_id: str, verb: str) -> str:
-    """Migration handshake addressed to a destination llumlet: prealloc, abort, commit."""
+    """Migration handshake addressed to a destination llumlet: prealloc, abort, commit, notice."""
     return f"{PREFIX}.migration.{valid_token(instance_id)}.{verb}"
 
 

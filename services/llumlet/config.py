@@ -120,6 +120,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="refuse an incoming migration that would leave less than this fraction of blocks free")
     mig.add_argument("--migration-bandwidth-mib-s", type=float, default=env("MIGRATION_BANDWIDTH_MIB_S", 0.0),
                      help="cap on the KV data plane's rate in MiB/s (0: none)")
+    mig.add_argument("--migration-hold-max-ms", type=float,
+                     default=env("MIGRATION_HOLD_MAX_MS", 1e3 * defaults.hold_max_s),
+                     help="as a destination, hold the next engine step up to this long for a commit the source "
+                          "said is imminent, so the request joins that step (its other requests wait as long); "
+                          "0: never hold")
     sim = parser.add_argument_group("simulated engine")
     engine, scheduler = SimEngineConfig(), SchedulerConfig()
     sim.add_argument("--sim-num-blocks", type=int, default=env("SIM_NUM_BLOCKS", scheduler.num_blocks))
@@ -219,6 +224,7 @@ def migration_limits_from_args(args: argparse.Namespace) -> MigrationLimits:
             dest_max_waiting=args.migration_dest_max_waiting,
             dest_min_free_fraction=args.migration_dest_min_free_fraction,
             bandwidth_bytes_per_s=args.migration_bandwidth_mib_s * (1 << 20),
+            hold_max_s=args.migration_hold_max_ms / 1e3,
         )
     except ValueError as exc:
         raise SystemExit(f"bad migration settings: {exc}") from exc

@@ -303,7 +303,8 @@ class Llumlet:
                 self._work.clear()
                 await self._work.wait()
                 continue
-            started = time.monotonic()
+            # (a commit due any moment may hold the step, so that its request is in it)
+            started = await self.migration.before_step() if self.migration is not None else time.monotonic()
             try:
                 outputs = await self.engine.step()
             except Exception:
@@ -312,6 +313,8 @@ class Llumlet:
                 raise
             views = self.engine.request_views() if self.metrics.wants_views(started) else ()
             ended = time.monotonic()
+            if self.migration is not None:
+                self.migration.after_step(started, ended)
             self.metrics.step_done(started, ended, outputs, views)
             self.served.step_done(started, ended, outputs)
             await self.output.publish_step(outputs)

@@ -23,6 +23,7 @@ __all__ = [
     "PreAllocReply",
     "MigrationAbort",
     "MigrationCommit",
+    "CommitNotice",
 ]
 
 
@@ -90,6 +91,19 @@ class PreAllocReply(Struct):
     kv_address: Annotated[str, Meta(max_length=256)] = ""  # the destination's KV receiver (host:port) for the data plane
     # Leading blocks of the lease the destination's prefix cache held (pinned there): not sent.
     num_cached_blocks: Count = 0
+    # The destination holds its next engine step up to this long for a commit it was told is
+    # imminent (`CommitNotice`), so the request joins that step; 0: it does not (send no notice).
+    hold_max_s: Seconds = 0.0
+
+
+class CommitNotice(Struct):
+    """Source → destination (NATS publish, no reply), as the source asks to suspend the request
+    for its last stage: the COMMIT should land in about `commit_in_s`. A destination that holds
+    (`PreAllocReply.hold_max_s`) starts no step that would end after it, so the request's first
+    step there begins at the commit, not after the step then in flight."""
+
+    migration_id: RequestId
+    commit_in_s: Annotated[float, Meta(ge=0.0, le=60.0)]
 
 
 class MigrationAbort(Struct):

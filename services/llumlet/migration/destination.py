@@ -13,7 +13,8 @@ A new migration's first PRE-ALLOC passes the simulator's guard on this instance'
 queue here, enough blocks left free after taking the request: `guard_refusal`). The COMMIT
 comes in the last KV frame (`commit_frame`, answered in that frame's ack); over NATS only when the
 source never got that ack, and both go through `commit` (idempotent: a repeat is answered from
-the record). A NATS COMMIT that finds the lease not yet filled is refused and ends the migration
+the record). A source's `CommitNotice` (the commit is due in a moment) goes to the `CommitHold`,
+which the engine loop waits on before a step; a commit or an end settles it. A NATS COMMIT that finds the lease not yet filled is refused and ends the migration
 (the source then resumes the request), so a frame that lands later is refused too.
 """
 
@@ -26,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from shared.engine_model.views import EngineError
+from services.llumlet.migration.commit_hold import CommitHold
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.kv_wire import AckStatus, FrameHeader
 from services.llumlet.migration.ops import IntakeLoad, MigratableEngine
@@ -38,6 +40,7 @@ from services.llumlet.migration.protocol import (
 )
 from shared.messages import (
     Ack,
+    CommitNotice,
     MigrationAbort,
     MigrationCommit,
     PreAlloc,
@@ -94,8 +97,10 @@ class IncomingMigrations:
                  on_change: Callable[[], None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic,
                  intake_load: Callable[[], IntakeLoad] | None = None,
-                 on_committed: Callable[[MigrationCommit], Awaitable[None]] | None = None) -> None:
+                 on_committed: Callable[[MigrationCommit], Awaitable[None]] | None = None,
+                 hold: CommitHold | None = None) -> None:
         self.ops = ops
+        self.hold = hold  # None: no hold for imminent commits (grants say hold_max_s 0)
         self._on_committed = on_committed  # the llumlet publishes the request's output from now on
         self.copier = copier
         self.limits = limits
@@ -170,7 +175,8 @@ class IncomingMigrations:
                 self._on_change()
         self._renew(m, msg)
         return PreAllocGrant(ok=True, block_ids=list(granted), kv_address=self.kv_address,
-                             num_cached_blocks=m.cached_blocks if msg.stage == 0 else 0)
+                             num_cached_blocks=m.cached_blocks if msg.stage == 0 else 0,
+                             hold_max_s=self.hold.hold_max_s if self.hold is not None else 0.0)
 
     async def _pin_cached_prefix(self, m: IncomingMigration, msg: PreAlloc) -> list[int]:
         """The first grant binds the request to the cached blocks of its prefix held here (issue
@@ -211,6 +217,14 @@ class IncomingMigrations:
             self._end(m, MigrationStatus.ABORTED_SRC, msg.reason or "aborted by the source")
         return Ack(ok=True)
 
+    def handle_notice(self, msg: CommitNotice) -> None:
+        """The source's word that the migration's commit is due in `commit_in_s`: the engine loop
+        may hold its next step for it. Only for a migration running here (a late notice of one
+        that ended holds nothing)."""
+        m = self._migrations.get(msg.migration_id)
+        if self.hold is not None and m is not None and m.status is MigrationStatus.RUNNING:
+            self.hold.expect(m.migration_id, msg.commit_in_s)
+
     def handle_commit(self, commit: MigrationCommit) -> tuple[Ack, bool]:
         """(reply, whether this call committed it): a repeated commit acks without adding twice."""
         m = self._migrations.get(commit.migration_id)
@@ -231,6 +245,7 @@ class IncomingMigrations:
             self._end(m, MigrationStatus.ABORTED_DST, problem)
             return Ack(ok=False, error=problem), False
         m.finish(self._clock())
+        self._settle(m)  # (the request is in the engine: a held step may go, with it)
         log.info("incoming migration %s of %s committed: %d blocks (add_migrated %.2f ms)", m.migration_id,
                  m.request_id, len(m.block_ids), 1e3 * (m.ended_at - started))
         self._on_change()
@@ -240,6 +255,8 @@ class IncomingMigrations:
         """A COMMIT, from a KV frame or NATS: decide (`handle_commit`), then hand the request
         to the llumlet. Idempotent: a repeat is acked from the record, nothing added twice."""
         reply, committed = self.handle_commit(commit)
+        if committed and self.hold is not None:
+            await asyncio.sleep(0)  # a step held for it starts first (with it); its catch-up goes out meanwhile
         if committed and self._on_committed is not None:
             try:
                 await self._on_committed(commit)
@@ -371,8 +388,13 @@ class IncomingMigrations:
 
     # -- internals -----------------------------------------------------------------------------
 
+    def _settle(self, m: IncomingMigration) -> None:
+        if self.hold is not None:
+            self.hold.settle(m.migration_id)
+
     def _end(self, m: IncomingMigration, status: MigrationStatus, reason: str) -> None:
         m.abort(status, reason, self._clock())
+        self._settle(m)  # a step held for its commit goes now
         log.info("incoming migration %s of %s ended: %s (%s)", m.migration_id, m.request_id, status.value, reason)
         if m.writers:
             m.release_pending = True  # a scatter still writes into these blocks

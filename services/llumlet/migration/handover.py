@@ -1,5 +1,7 @@
 """The destination's share of a migration's client-visible stall: one log line per migrated-in
-request, from its commit to the end of the step that computed its first token here.
+request, from its commit to the end of the step that computed its first token here; and one
+for the price its other requests paid: the gap between the step before its first step and the
+end of that first step (their token gap there), with the hold before it (`commit_hold.py`).
 
 Times are `time.monotonic()` seconds, absolute: on one host every process reads the same clock,
 so a benchmark lines them up with the source's record and with the token arrivals it saw
@@ -22,6 +24,29 @@ def log_first_step(log: logging.Logger, request_id: str, committed_at: float, in
     """The migrated request's first step here ended: committed → in the engine's queue → the
     step that computed its first token (its start and end)."""
     log.info(_LINE, request_id, committed_at, in_engine_at, step_started_at, step_ended_at)
+
+
+_STEP_LINE = ("handover step %s: step before ended %.6f, this step %.6f-%.6f, held %.3f ms, typical step %.3f ms "
+              "(monotonic s)")
+_STEP_PATTERN = re.compile(r"handover step (\S+): step before ended ([\d.]+), this step ([\d.]+)-([\d.]+), "
+                           r"held ([\d.]+) ms, typical step ([\d.]+) ms")
+
+
+def log_handover_step(log: logging.Logger, request_id: str, before_ended_at: float | None, step_started_at: float,
+                      step_ended_at: float, held_s: float, typical_step_s: float) -> None:
+    """The engine loop's first step since the request committed here ended (`runtime.after_step`):
+    the other requests in it got no token from the end of the step before until its end."""
+    if before_ended_at is not None:
+        log.info(_STEP_LINE, request_id, before_ended_at, step_started_at, step_ended_at, 1e3 * held_s,
+                 1e3 * typical_step_s)
+
+
+def parse_handover_steps(log_text: str) -> dict[str, dict[str, float]]:
+    """By request id: the step before's end, the first step's start and end, the hold and the
+    destination's typical step (ms)."""
+    return {rid: {"step_before_ended_at": float(b), "handover_step_started_at": float(s),
+                  "handover_step_ended_at": float(e), "held_ms": float(h), "typical_step_ms": float(t)}
+            for rid, b, s, e, h, t in _STEP_PATTERN.findall(log_text)}
 
 
 def parse_handovers(log_text: str) -> dict[str, dict[str, float]]:

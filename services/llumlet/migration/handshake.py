@@ -21,7 +21,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from services.llumlet.migration.destination import IncomingMigrations
 from services.llumlet.migration.protocol import DestinationGone, DestinationSlow, MigrationLimits, PreAllocGrant
 from shared import bus_guard, subjects
-from shared.messages import Ack, MigrationAbort, MigrationCommit, PreAlloc, WireError, decode, encode
+from shared.messages import Ack, CommitNotice, MigrationAbort, MigrationCommit, PreAlloc, WireError, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,9 @@ class DestinationLink(Protocol):
     async def abort(self, dst: str, msg: MigrationAbort) -> Ack: ...
 
     async def commit(self, dst: str, msg: MigrationCommit) -> Ack: ...
+
+    async def notice(self, dst: str, msg: CommitNotice) -> None:
+        """Tell the destination its commit is due (no reply: a lost notice only costs its hold)."""
 
 
 class NatsDestinationLink:
@@ -52,6 +55,9 @@ class NatsDestinationLink:
     async def commit(self, dst: str, msg: MigrationCommit) -> Ack:
         return await self._ask(dst, "commit", msg, Ack, self.limits.commit_timeout_s)
 
+    async def notice(self, dst: str, msg: CommitNotice) -> None:
+        await self.nc.publish(subjects.migration(dst, "notice"), encode(msg))
+
     async def _ask(self, dst: str, verb: str, msg: msgspec.Struct, reply_type: type[R], timeout_s: float) -> R:
         try:
             reply = await self.nc.request(subjects.migration(dst, verb), encode(msg), timeout=timeout_s)
@@ -66,8 +72,9 @@ class NatsDestinationLink:
 
 
 class HandshakeServer:
-    """The destination's three subjects; each handler decodes, decides and replies (a PRE-ALLOC
-    may wait for the engine to reserve blocks; `IncomingMigrations` keeps its decisions apart)."""
+    """The destination's subjects; each handler decodes, decides and replies (the notice has no
+    reply; a PRE-ALLOC may wait for the engine to reserve blocks; `IncomingMigrations` keeps its
+    decisions apart)."""
 
     def __init__(self, incoming: IncomingMigrations) -> None:
         self.incoming = incoming  # (its `commit` hands a committed request to the llumlet)
@@ -76,6 +83,7 @@ class HandshakeServer:
         await nc.subscribe(subjects.migration(instance_id, "prealloc"), cb=self._on_prealloc)
         await nc.subscribe(subjects.migration(instance_id, "abort"), cb=self._on_abort)
         await nc.subscribe(subjects.migration(instance_id, "commit"), cb=self._on_commit)
+        await nc.subscribe(subjects.migration(instance_id, "notice"), cb=self._on_notice)
 
     async def _on_prealloc(self, msg: Msg) -> None:
         try:
@@ -92,6 +100,12 @@ class HandshakeServer:
             bus_guard.rejected(msg.subject, exc.reason, str(exc), log, "migration abort")
             reply = Ack(ok=False, error=str(exc))
         await self._respond(msg, reply)
+
+    async def _on_notice(self, msg: Msg) -> None:
+        try:
+            self.incoming.handle_notice(decode(msg.data, CommitNotice))
+        except WireError as exc:
+            bus_guard.rejected(msg.subject, exc.reason, str(exc), log, "commit notice")
 
     async def _on_commit(self, msg: Msg) -> None:
         try:

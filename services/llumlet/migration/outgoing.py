@@ -42,6 +42,9 @@ class OutgoingMigration(MigrationLifecycle):
     commit_sent_at: float | None = None  # the last stage (with the COMMIT) started out
     committed_at: float | None = None  # the destination acknowledged the COMMIT
     release_s: float = 0.0  # freeing the request here afterwards (off the downtime)
+    dst_hold_max_s: float = 0.0  # the destination holds a step this long for a noticed commit (0: no notice)
+    noticed_at: float | None = None  # the CommitNotice went out
+    notice_commit_in_s: float | None = None  # what it said
     ended_at: float | None = None
 
     @property

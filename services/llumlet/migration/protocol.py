@@ -10,6 +10,9 @@ Message flow (source S, destination D; NATS request/reply unless noted):
     S      last stage (few blocks left, or the stage limit reached): PRE-ALLOC while the request
            still runs, then suspend, a top-up PRE-ALLOC only if it grew meanwhile, and copy the
            rest (incl. the partial block); the same order whichever way the last stage came
+    S → D  NOTICE(commit in ≈ X s)             NATS publish, when the destination's grants say it
+                                               holds (hold_max_s > 0): as the suspend is asked, a
+                                               step early; D's next step waits for the commit
     S → D  COMMIT(request, output so far)      in the last stage's last KV frame (TCP): once the
                                                frame is written D adopts the lease's blocks,
                                                resumes the request and answers in the frame's ack
@@ -128,11 +131,17 @@ class MigrationLimits:
     pair_ttl_s: float = 1.0  # an order not re-confirmed for this long lapses (scheduler gone)
     refused_backoff_s: float = 0.5  # after the destination refused, wait before trying it again
     idle_poll_s: float = 0.02  # with a pair but nothing to migrate, look again after this
+    # Destination: hold the next engine step up to this long for a commit the source said is
+    # imminent (`CommitNotice`), so the request joins that step instead of the one after (0: never
+    # hold). Its price: the other requests here wait as long (`commit_hold.py`).
+    hold_max_s: float = 0.025
 
     def __post_init__(self) -> None:
         self.stage_rule(), self.guard()  # (they check their own fields)
         if self.max_out < 0 or self.max_in < 0:
             raise ValueError("max_out and max_in must be >= 0")
+        if self.hold_max_s < 0:
+            raise ValueError("hold_max_s must be >= 0 (0: never hold a step for a commit)")
         if self.bandwidth_bytes_per_s < 0:
             raise ValueError("bandwidth_bytes_per_s must be >= 0 (0: no cap)")
         if self.frame_bytes <= 0 or self.frame_bytes > self.max_frame_bytes:

@@ -1,18 +1,22 @@
 """Everything migration inside one llumlet, wired together: the block copier, the KV receiver,
-the handshake (both sides), the source coordinator and the lease watchdog."""
+the handshake (both sides), the source coordinator, the lease watchdog, and the engine loop's
+side of it (`before_step` / `after_step`: the step clock, the hold for an imminent commit)."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from services.llumlet.migration.commit_hold import CommitHold, StepClock
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.departures import Departures
 from services.llumlet.migration.destination import IncomingMigrations
+from services.llumlet.migration.handover import log_handover_step
 from services.llumlet.migration.handshake import HandshakeServer, NatsDestinationLink
 from services.llumlet.migration.kv_receiver import KVReceiver
 from services.llumlet.migration.kv_sender import KVSenderPool
@@ -54,13 +58,17 @@ class LlumletMigration:
         self.senders = KVSenderPool(limits)
         self.coordinator: MigrationCoordinator | None = None
         self.departures = Departures()  # the source's return-trip limit reads what commits brought in
+        self.steps = StepClock()
+        self.hold = CommitHold(limits.hold_max_s, self.steps)
+        self._handovers: dict[str, float] = {}  # committed here, its first step not begun: request id → when
 
     async def start(self, nc: Client) -> list[Coroutine[Any, Any, None]]:
         """Listen for KV frames and handshakes; returns the background loops to run."""
         self.copier = BlockCopier(self.ops.kv_regions(), initial_frame_bytes=self.limits.effective_frame_bytes())
         self.incoming = IncomingMigrations(self.ops, self.copier, self.limits, refusal=self.hooks.refusal,
                                            on_change=self.hooks.changed, intake_load=self.ops.intake_load,
-                                           on_committed=self._migrated_in)
+                                           on_committed=self._migrated_in,
+                                           hold=self.hold if self.hold.enabled else None)
         self.receiver = KVReceiver(self.incoming, self.limits, self.copier.new_host_buffer, self.kv_host,
                                    self.kv_port, self.kv_advertise_host)
         try:
@@ -69,7 +77,7 @@ class LlumletMigration:
             raise SystemExit(f"cannot listen for KV transfers on {self.kv_host}:{self.kv_port}: {exc}") from exc
         self.coordinator = MigrationCoordinator(self.instance_id, self.ops, self.copier,
                                                 NatsDestinationLink(nc, self.limits), self.senders, self.limits,
-                                                self.hooks, departures=self.departures)
+                                                self.hooks, departures=self.departures, steps=self.steps)
         await HandshakeServer(self.incoming).subscribe(nc, self.instance_id)
         await nc.subscribe(subjects.llumlet(self.instance_id, "migrate"), cb=self._on_order)
         log.info("migration on: KV receiver at %s (%d bytes per block)", self.kv_address, self.copier.block_bytes)
@@ -86,7 +94,28 @@ class LlumletMigration:
         if self.copier is not None:
             self.copier.close()
 
+    # -- the engine loop's side -----------------------------------------------------------------
+
+    async def before_step(self) -> float:
+        """Right before the engine loop starts a step: hold it for a commit due any moment (its
+        request then joins this step), then stamp its start; returns that start (monotonic)."""
+        await self.hold.wait()
+        started = time.monotonic()
+        self.steps.started(started)
+        return started
+
+    def after_step(self, started: float, ended: float) -> None:
+        """The step that began at `started` ended: for each request committed here before it
+        began (its first step here), log the other requests' token gap around it."""
+        before, typical = self.steps.last_ended_at, self.steps.typical_s
+        self.steps.ended(ended)
+        for request_id, committed_at in list(self._handovers.items()):
+            if committed_at <= started:
+                del self._handovers[request_id]
+                log_handover_step(log, request_id, before, started, ended, self.hold.last_held_s, typical)
+
     async def _migrated_in(self, commit: MigrationCommit) -> None:
+        self._handovers[commit.request.request_id] = time.monotonic()
         self.departures.arrived(commit.request.request_id, commit.departures)
         await self.hooks.migrated_in(commit)
 

@@ -9,6 +9,11 @@ by the policy's per-request limits (`may_move`, as the simulator): stayed `min_r
 here since they arrived or migrated in, and did not leave the destination less than
 `min_return_s` ago (their `Departures`, carried in each commit).
 
+Where the destination holds its next step for an imminent commit (its grants say so), the last
+stage starts right after one of this instance's steps started: the source tells the destination
+(`CommitNotice`) that the commit is due once that step ends and the last stage is through, about
+a step ahead, and asks for the suspend (`commit_hold.py`).
+
 Elsewhere: the record of one migration (`outgoing.py`); learning the COMMIT's outcome when the
 last frame's ack is lost (`commit_outcome.py`).
 """
@@ -18,11 +23,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from services.llumlet.migration.commit_hold import StepClock
 from services.llumlet.migration.commit_outcome import ask_commit, tell_abort
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.handshake import DestinationLink
@@ -40,13 +47,14 @@ from services.llumlet.migration.protocol import (
     SourceAborted,
     new_migration_id,
 )
-from shared.messages import MAX_PREALLOC_HASHES, MigrateOrder, PreAlloc, encode
+from shared.messages import MAX_PREALLOC_HASHES, CommitNotice, MigrateOrder, PreAlloc, encode
 from services.llumlet.migration.departures import Departures
 from shared.policy.migration import may_move, next_stage, select_request_to_migrate
 
 log = logging.getLogger(__name__)
 
 _HISTORY = 256  # ended migrations kept for stats and tests
+_LAST_STAGE_GUESS_S = 0.002  # suspend → commit landed, before this source has timed one
 
 
 class SourceHooks(Protocol):
@@ -76,7 +84,8 @@ class _Pair:
 class MigrationCoordinator:
     def __init__(self, instance_id: str, ops: MigratableEngine, copier: BlockCopier, link: DestinationLink,
                  senders: KVSenderPool, limits: MigrationLimits, hooks: SourceHooks,
-                 clock: Callable[[], float] = time.monotonic, departures: Departures | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, departures: Departures | None = None,
+                 steps: StepClock | None = None) -> None:
         self.instance_id = instance_id
         self.ops = ops
         self.copier = copier
@@ -85,6 +94,8 @@ class MigrationCoordinator:
         self.limits = limits
         self.hooks = hooks
         self._clock = clock
+        self.steps = steps  # this instance's engine steps (None: no commit notices)
+        self._last_stages: collections.deque[float] = collections.deque(maxlen=8)  # suspend → commit acked
         self.departures = departures if departures is not None else Departures()
         self._guard = limits.guard()
         self._pair: _Pair | None = None
@@ -272,6 +283,8 @@ class MigrationCoordinator:
             await self._copy(m, full, LivePhase.RUNNING, prealloc_s, final=False)
         await self._prealloc(m, snapshot.num_blocks, full)  # (off the downtime)
         self._check(m, LivePhase.RUNNING)
+        if await self._notice_commit(m):
+            self._check(m, LivePhase.RUNNING)
         await self._suspend(m)
         upto = self._check(m, LivePhase.SUSPENDED).num_blocks  # everything, the partial block too
         if upto < m.lease_blocks:
@@ -281,6 +294,21 @@ class MigrationCoordinator:
             prealloc_s = await self._prealloc(m, upto)
             self._check(m, LivePhase.SUSPENDED)
         await self._last_stage(m, upto, prealloc_s)
+
+    async def _notice_commit(self, m: OutgoingMigration) -> bool:
+        """Where the destination holds a step for an imminent commit: wait for the next step of
+        ours to start (the request keeps decoding meanwhile), then tell the destination the commit
+        is due when that step ends and the last stage is through; the suspend follows at once, so
+        the notice comes about a step ahead. False: no notice (the destination does not hold)."""
+        if self.steps is None or m.dst_hold_max_s <= 0:
+            return False
+        typical = self.steps.typical_s
+        await self.steps.next_start(timeout_s=max(0.5, 4 * typical))  # (none: the notice is just shorter)
+        last_stage = statistics.median(self._last_stages) if self._last_stages else _LAST_STAGE_GUESS_S
+        m.notice_commit_in_s = self.steps.left_s() + last_stage
+        m.noticed_at = self._clock()
+        await self.link.notice(m.dst, CommitNotice(m.migration_id, m.notice_commit_in_s))
+        return True
 
     async def _suspend(self, m: OutgoingMigration) -> None:
         asked = self._clock()
@@ -329,6 +357,7 @@ class MigrationCoordinator:
             m.blocks_sent = m.cached_blocks = grant.num_cached_blocks  # there already: never sent
         m.lease_blocks = upto
         m.kv_address = grant.kv_address
+        m.dst_hold_max_s = grant.hold_max_s
         return self._clock() - asked
 
     def _check(self, m: OutgoingMigration, phase: LivePhase) -> MigrationSnapshot:
@@ -381,6 +410,8 @@ class MigrationCoordinator:
         m.commit_s = now - asked
         if committed:
             m.committed_at = now
+            if m.noticed_at is not None and m.suspended_at is not None:  # (what the next notice predicts)
+                self._last_stages.append(now - m.suspended_at)
             self.departures.forget(m.request_id)
             self.hooks.migrated_out(m.request_id)  # no await since the ack: nothing published meanwhile
         if committed is None:  # nobody knows: the request cannot go on anywhere for sure

@@ -1,0 +1,139 @@
+"""Holding the destination's next engine step for a commit due any moment (issue 20).
+
+A request that commits while the destination's step is in flight can only join the step after
+it: up to a whole step more on the client's stall (half a step on average). So the source tells
+the destination ahead (`CommitNotice`: "the commit lands in about X s", sent as it asks to
+suspend the request, right after one of its own steps started, so the notice comes about a
+step early), and the destination's engine loop, before it starts a step, waits for a commit
+due before that step would end, at most `hold_max_s`; the commit (or its abort) wakes it at
+once and the request is in that step. The price is the hold itself: the destination's other
+requests wait for it (their token gap grows by the hold), which is why it is bounded and
+taken only when the commit is due within one of this engine's steps. A commit that never
+comes (aborted migration, source dead) releases the hold at its bound, and its notice is
+dropped: it never holds a step again.
+
+`StepClock` is the engine loop's steps as both sides see them (a source times its notice by
+its own steps, a destination bounds its hold by its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import statistics
+import time
+from collections.abc import Callable
+
+_RECENT_STEPS = 16  # the typical step: the median of the last this many
+
+
+class StepClock:
+    """When the step in flight started, how long steps take lately, and a wait for the next
+    start. Fed by the engine loop (`started`, `ended`), in that order, one step at a time."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.started_at: float | None = None  # of the step in flight; None between steps
+        self.last_ended_at: float | None = None
+        self._recent: collections.deque[float] = collections.deque(maxlen=_RECENT_STEPS)
+        self._start = asyncio.Event()
+
+    def started(self, now: float) -> None:
+        assert self.started_at is None, "a step started while another was in flight"
+        self.started_at = now
+        self._start.set()  # (the waiters woken hold the old event; new ones wait for the next start)
+        self._start = asyncio.Event()
+
+    def ended(self, now: float) -> None:
+        assert self.started_at is not None, "a step ended that never started"
+        self._recent.append(now - self.started_at)
+        self.started_at, self.last_ended_at = None, now
+
+    @property
+    def typical_s(self) -> float:
+        """The median of the recent steps (0 before the first)."""
+        return statistics.median(self._recent) if self._recent else 0.0
+
+    def left_s(self) -> float:
+        """Until the step in flight should end, by the typical step (0: none in flight)."""
+        if self.started_at is None:
+            return 0.0
+        return max(0.0, self.started_at + self.typical_s - self._clock())
+
+    async def next_start(self, timeout_s: float) -> bool:
+        """Wait for the next step to start (False: none within `timeout_s`, e.g. an idle engine)."""
+        try:
+            await asyncio.wait_for(self._start.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+
+class CommitHold:
+    """The destination's side: notices of imminent commits, and the wait before a step."""
+
+    def __init__(self, hold_max_s: float, steps: StepClock, clock: Callable[[], float] = time.monotonic) -> None:
+        if hold_max_s < 0:
+            raise ValueError("hold_max_s must be >= 0 (0: never hold)")
+        self.hold_max_s = hold_max_s
+        self.steps = steps
+        self._clock = clock
+        self._expected: dict[str, float] = {}  # migration id → when its commit should land
+        self._settled = asyncio.Event()
+        self.last_held_s = 0.0  # the hold before the latest step (0: none)
+        self.num_holds = self.num_released_at_bound = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.hold_max_s > 0
+
+    @property
+    def num_expected(self) -> int:
+        return len(self._expected)
+
+    def expect(self, migration_id: str, commit_in_s: float) -> None:
+        """A source's notice: the migration's commit should land in `commit_in_s`."""
+        if self.enabled:
+            self._expected[migration_id] = self._clock() + commit_in_s
+
+    def settle(self, migration_id: str) -> None:
+        """The migration committed (its request is in the engine now) or ended: a hold waiting
+        for it goes on at once. (A migration noticed or not: the call is harmless either way.)"""
+        if self._expected.pop(migration_id, None) is not None:
+            self._settled.set()
+
+    def due(self, now: float) -> list[str]:
+        """The migrations whose commit should land before a step started now would end, within
+        the bound: worth holding that step for (a later one joins the step after, as early)."""
+        horizon = self.hold_max_s if not self.steps.typical_s else min(self.hold_max_s, self.steps.typical_s)
+        return [mid for mid, at in self._expected.items() if at <= now + horizon]
+
+    async def wait(self) -> float:
+        """Before a step: hold it for the commits due (`due`), until they all settle or for
+        `hold_max_s` at most; the seconds held (0: nothing due, the step goes at once)."""
+        self.last_held_s = 0.0
+        if not self._expected:
+            return 0.0
+        started = self._clock()
+        for mid in [mid for mid, at in self._expected.items() if at + self.hold_max_s < started]:
+            del self._expected[mid]  # overdue by more than a hold: the source is late or gone
+        due = self.due(started)
+        if not due:
+            return 0.0
+        self.num_holds += 1
+        deadline = started + self.hold_max_s
+        while any(mid in self._expected for mid in due):
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                break
+            self._settled.clear()  # (no await since the check above: no settle is missed)
+            try:
+                await asyncio.wait_for(self._settled.wait(), remaining)
+            except TimeoutError:
+                break
+        late = [mid for mid in due if mid in self._expected]
+        for mid in late:  # a commit that did not come within the bound: never held for again
+            del self._expected[mid]
+        self.num_released_at_bound += bool(late)
+        self.last_held_s = self._clock() - started
+        return self.last_held_s
