@@ -129,6 +129,7 @@ def source_stamps(m, steps: list[tuple], client: dict) -> dict:
     ends = [step[0] + step[1] for step in steps if step[0] + step[1] <= m.suspended_at]
     return {"src_last_step_end_at": max(ends) if ends else None, "suspended_at": m.suspended_at,
             "commit_sent_at": m.commit_sent_at, "acked_at": m.committed_at,
+            "noticed_at": m.noticed_at, "notice_commit_in_s": m.notice_commit_in_s,
             "src_token_at_client": client["src_token_at_client"], "dst_token_at_client": client["dst_token_at_client"]}
 
 

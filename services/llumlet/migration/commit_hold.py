@@ -79,7 +79,10 @@ class CommitHold:
         self.steps = steps
         self._clock = clock
         self._expected: dict[str, float] = {}  # migration id → when its commit should land
-        self._settled = asyncio.Event()
+        # What a held step awaits: resolved by a settle or the bound's timer. (A bare future, not
+        # `wait_for` on an event: that wakes the loop's task one turn later, behind the commit's
+        # own follow-up work.)
+        self._waiter: asyncio.Future[None] | None = None
         self.last_held_s = 0.0  # the hold before the latest step (0: none)
         self.num_holds = self.num_released_at_bound = 0
 
@@ -100,7 +103,7 @@ class CommitHold:
         """The migration committed (its request is in the engine now) or ended: a hold waiting
         for it goes on at once. (A migration noticed or not: the call is harmless either way.)"""
         if self._expected.pop(migration_id, None) is not None:
-            self._settled.set()
+            _wake(self._waiter)
 
     def due(self, now: float) -> list[str]:
         """The migrations whose commit should land before a step started now would end, within
@@ -122,18 +125,27 @@ class CommitHold:
             return 0.0
         self.num_holds += 1
         deadline = started + self.hold_max_s
+        loop = asyncio.get_running_loop()
         while any(mid in self._expected for mid in due):
             remaining = deadline - self._clock()
             if remaining <= 0:
                 break
-            self._settled.clear()  # (no await since the check above: no settle is missed)
+            assert self._waiter is None, "two steps held at once"
+            waiter = self._waiter = loop.create_future()  # (no await since the check above: no settle missed)
+            timer = loop.call_later(remaining, _wake, waiter)
             try:
-                await asyncio.wait_for(self._settled.wait(), remaining)
-            except TimeoutError:
-                break
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
         late = [mid for mid in due if mid in self._expected]
         for mid in late:  # a commit that did not come within the bound: never held for again
             del self._expected[mid]
         self.num_released_at_bound += bool(late)
         self.last_held_s = self._clock() - started
         return self.last_held_s
+
+
+def _wake(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)

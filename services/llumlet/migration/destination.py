@@ -224,6 +224,8 @@ class IncomingMigrations:
         m = self._migrations.get(msg.migration_id)
         if self.hold is not None and m is not None and m.status is MigrationStatus.RUNNING:
             self.hold.expect(m.migration_id, msg.commit_in_s)
+            log.info("commit notice %s of %s at %.6f: due in %.2f ms", m.migration_id, m.request_id, time.monotonic(),
+                     1e3 * msg.commit_in_s)
 
     def handle_commit(self, commit: MigrationCommit) -> tuple[Ack, bool]:
         """(reply, whether this call committed it): a repeated commit acks without adding twice."""

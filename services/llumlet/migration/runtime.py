@@ -115,7 +115,9 @@ class LlumletMigration:
                 log_handover_step(log, request_id, before, started, ended, self.hold.last_held_s, typical)
 
     async def _migrated_in(self, commit: MigrationCommit) -> None:
-        self._handovers[commit.request.request_id] = time.monotonic()
+        m = self.incoming.get(commit.migration_id) if self.incoming is not None else None
+        committed_at = m.ended_at if m is not None and m.ended_at is not None else time.monotonic()
+        self._handovers[commit.request.request_id] = committed_at
         self.departures.arrived(commit.request.request_id, commit.departures)
         await self.hooks.migrated_in(commit)
 

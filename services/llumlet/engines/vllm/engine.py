@@ -149,14 +149,16 @@ class VllmEngine:
         return self._shared
 
     def queue_add(self, tracked: Tracked, command: AddCommand) -> None:
-        """Queue an add built elsewhere (a migrated request); EngineError on a duplicate id."""
+        """Queue an add built elsewhere (a migrated request); EngineError on a duplicate id.
+        Applied at the start of the next step (the llumlet wakes its loop at the commit), not on
+        its own ahead of it: there it would hold the GIL against the event loop that starts that
+        step (a step held for the commit would wait for it, ~1-3 ms with the tiny model)."""
         shared = self._shared
         with shared.lock:
             if tracked.request_id in shared.requests:
                 raise EngineError(f"request {tracked.request_id} is already on this engine", Refusal.DUPLICATE)
             shared.requests[tracked.request_id] = tracked
             shared.commands.append(command)
-        self._apply_soon()
 
     async def step(self) -> list[StepOutput]:
         driver = self.running_driver()
