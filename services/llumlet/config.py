@@ -20,6 +20,7 @@ class VllmSettings:
     kv_cache_space_gib: float = 1.0
     max_num_seqs: int = 64
     cpu_threads: int = 1  # torch threads on a CPU host (corral up: the cores it gave this llumlet)
+    prefix_caching: bool = True  # vLLM's automatic prefix caching (and its KV events, cache-aware migration)
 
 
 @dataclass
@@ -153,6 +154,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     vl.add_argument("--vllm-cpu-threads", type=int, default=env("VLLM_CPU_THREADS", 1),
                     help="torch threads on a CPU host; give the llumlet that many cores of its own "
                          "(taskset; corral up does it), or the threads contend with the rest (default 1)")
+    vl.add_argument("--vllm-prefix-caching", action=argparse.BooleanOptionalAction,
+                    default=env("VLLM_PREFIX_CACHING", True),
+                    help="vLLM's automatic prefix caching: its cached blocks are reported to the schedulers "
+                         "and an incoming migration is not sent the blocks of its prefix cached here")
 
 
 def config_from_args(args: argparse.Namespace) -> LlumletConfig:
@@ -176,7 +181,7 @@ def config_from_args(args: argparse.Namespace) -> LlumletConfig:
         migration=migration_limits_from_args(args),
         sim=sim_engine_from_args(args),
         vllm=VllmSettings(kv_cache_space_gib=args.vllm_kv_cache_gib, max_num_seqs=args.vllm_max_num_seqs,
-                          cpu_threads=args.vllm_cpu_threads),
+                          cpu_threads=args.vllm_cpu_threads, prefix_caching=args.vllm_prefix_caching),
     )
 
 

@@ -12,6 +12,7 @@ client-side latencies (TTFT, ITL, e2e, decode) are the gateway's.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -19,6 +20,9 @@ from shared import vllm_metrics as vllm
 from shared.engine_model.views import RequestPhase, RequestView, StepOutput
 from services.llumlet.handoff import HandoffOutcome
 from shared.messages import LoadReport
+
+if TYPE_CHECKING:
+    from services.llumlet.migration.outgoing import OutgoingMigration
 
 
 # How often, at most, the engine's request views are read to see which queued requests a step
@@ -97,6 +101,14 @@ class LlumletMetrics:
         migrations = Counter("corral:llumlet_migrations", "Requests migrated (committed), by direction",
                              [*labels, "direction"], registry=r)
         self.migrations = {d: migrations.labels(*self._labels, d) for d in ("in", "out")}
+        # Outgoing migrations, committed or not (their stages' bytes crossed the wire either way).
+        self.migration_kv_bytes = counter("corral:llumlet_migration_kv_bytes_sent",
+                                          "KV-cache bytes this instance sent to migration destinations")
+        self.migration_blocks_sent = counter("corral:llumlet_migration_blocks_sent",
+                                             "KV blocks this instance sent to migration destinations")
+        self.migration_blocks_cached = counter(
+            "corral:llumlet_migration_blocks_cached",
+            "KV blocks of outgoing migrations not sent: the destination's prefix cache held them")
         self.handoffs = by_label(Counter, "corral:llumlet_handoffs",
                                  "Prefill instance: requests at their first token, by how their hand-off to a "
                                  "decode instance ended", "outcome", [o.value for o in HandoffOutcome])
@@ -189,6 +201,12 @@ class LlumletMetrics:
 
     def migrated(self, direction: str) -> None:
         self.migrations[direction].inc()
+
+    def outgoing_migration_ended(self, m: OutgoingMigration) -> None:
+        """One outgoing migration is over (committed or aborted): what it moved and skipped."""
+        self.migration_kv_bytes.inc(sum(stage.num_bytes for stage in m.stages))
+        self.migration_blocks_sent.inc(sum(stage.num_blocks for stage in m.stages))
+        self.migration_blocks_cached.inc(m.cached_blocks)
 
     def handed_off(self, outcome: HandoffOutcome) -> None:
         self.handoffs[outcome.value].inc()

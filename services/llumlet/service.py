@@ -136,6 +136,7 @@ class Llumlet:
         if self.migration is not None:
             for loop in await self.migration.start(nc):
                 self._tasks.append(asyncio.create_task(loop, name=loop.__qualname__))
+            self.migration.coordinator.on_ended = self.metrics.outgoing_migration_ended
         self.handoff = self._build_handoff()
         if self.handoff is not None:
             self._tasks.append(asyncio.create_task(self.handoff.run(), name="handoff"))
@@ -313,11 +314,11 @@ class Llumlet:
                 raise
             views = self.engine.request_views() if self.metrics.wants_views(started) else ()
             ended = time.monotonic()
+            if self.migration is not None:
+                self.migration.after_step(started, ended)
             self.metrics.step_done(started, ended, outputs, views)
             self.served.step_done(started, ended, outputs)
             await self.output.publish_step(outputs)
-            if self.migration is not None:  # (its handover log line after the tokens went out)
-                self.migration.after_step(started, ended)
             if self.handoff is not None:  # (after the first token went out from here)
                 await self.handoff.prefilled(outputs)
             if outputs:

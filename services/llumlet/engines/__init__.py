@@ -57,6 +57,7 @@ def _create_engine(config: LlumletConfig) -> Engine:
                 kv_cache_space_gib=config.vllm.kv_cache_space_gib,
                 max_num_seqs=config.vllm.max_num_seqs,
                 cpu_threads=config.vllm.cpu_threads,
+                enable_prefix_caching=config.vllm.prefix_caching,
                 seed=config.seed,
             )
         )

@@ -17,7 +17,7 @@ import msgspec
 
 from shared.engine_model.views import RequestPhase, RequestView, StepOutput
 from services.llumlet.engines.vllm.config import VllmEngineConfig
-from services.llumlet.engines.vllm.kv_events import HASH_ALGO, install, kv_events_config
+from services.llumlet.engines.vllm.kv_events import HASH_ALGO, RAW_DIGESTS_ENV, install, kv_events_config
 from services.llumlet.engines.vllm.leases import DestinationLeases
 from services.llumlet.engines.vllm.params import finish_reason_of, logprobs_of, to_vllm_sampling_params
 from services.llumlet.engines.vllm.probe import SchedulerProbe
@@ -111,7 +111,8 @@ class VllmDriver:
 
         self.kv_state = MIGRATION_STATE
         self.leases = DestinationLeases(self.probe.block_pool, self.kv_state, self.block_size)
-        self.kv_journal = install(self.probe)  # what the prefix cache holds (None: caching off)
+        installed = install(self.probe)  # what the prefix cache holds (None: caching off)
+        self.kv_journal, self.cached_digests = installed if installed is not None else (None, None)
 
     @classmethod
     def build(cls, config: VllmEngineConfig, served_model_name: str, shared: SharedState) -> VllmDriver:
@@ -121,6 +122,8 @@ class VllmDriver:
         if config.kv_cache_space_gib is not None and os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None):
             # On CPU this legacy variable (whole GiB only) would override kv_cache_memory_bytes.
             log.warning("ignoring VLLM_CPU_KVCACHE_SPACE: the engine config sets the KV cache size")
+        if config.enable_prefix_caching:
+            os.environ.update(RAW_DIGESTS_ENV)  # KV events with whole digests (`prefix_pins.py`)
         import torch
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -279,6 +282,15 @@ class VllmDriver:
                 del self.shared.requests[request_id]
         self.take_snapshot()
         return True
+
+    def pin_cached_prefix(self, lease_id: str, wire_hashes: list[int], max_blocks: int) -> list[int]:
+        """A new lease's first blocks: the cached ones of the request's leading prefix."""
+        if self.cached_digests is None:
+            return []
+        block_ids = self.leases.pin(lease_id, self.cached_digests.cached_prefix(wire_hashes, max_blocks))
+        if block_ids:
+            self.take_snapshot()
+        return block_ids
 
     def reserve(self, lease_id: str, num_blocks: int) -> list[int] | None:
         block_ids = self.leases.reserve(lease_id, num_blocks)

@@ -5,6 +5,11 @@ hashes: its first step finds them as a local prefix hit and takes them as they a
 connector (`connector.py`) copies only the rest (the partial last block) into the blocks vLLM
 allocated it, whatever the request's length. Then the lease goes back to the pool (the blocks the
 request took stay its own). Call only on the engine thread.
+
+A lease may start with pinned blocks (issue 18 §4): blocks of the request's prefix this engine's
+prefix cache holds already (`prefix_pins.py`), referenced here so nothing evicts them; the source
+never sends them. They are cached under the request's hashes already, so only the lease's blocks
+after them join the cache at the add, and the request's first step takes them all as hits.
 """
 
 from __future__ import annotations
@@ -25,8 +30,19 @@ class DestinationLeases:
         self._block_size = block_size
         self._kv_state = kv_state  # the connector's MigrationState
         self._blocks: dict[str, list[Any]] = {}  # lease id → vLLM blocks taken from the pool
+        self._pinned: dict[str, int] = {}  # lease id → how many of its leading blocks were cached here
         self._adopted: dict[str, str] = {}  # internal id → lease holding its migrated KV
         self._adopted_at: dict[str, tuple[float, float]] = {}  # internal id → (committed, added to vLLM)
+
+    def pin(self, lease_id: str, cached_blocks: list[Any]) -> list[int]:
+        """Hold cached blocks (a new lease's first blocks): one reference each, so they leave the
+        free queue if nobody else holds them, and stay cached until the lease lets go."""
+        if self._blocks.get(lease_id) or not cached_blocks:
+            return []  # (a lease holding blocks already: its table cannot start with cached ones)
+        self._pool.touch(cached_blocks)
+        self._blocks[lease_id] = list(cached_blocks)
+        self._pinned[lease_id] = len(cached_blocks)
+        return [b.block_id for b in cached_blocks]
 
     def reserve(self, lease_id: str, num_blocks: int) -> list[int] | None:
         """Take `num_blocks` more blocks out of the pool under the lease (None, nothing taken, if short)."""
@@ -39,6 +55,7 @@ class DestinationLeases:
     def release(self, lease_id: str) -> int:
         """Back to the pool; how many blocks the lease held (0: none, or released already)."""
         blocks = self._blocks.pop(lease_id, [])
+        self._pinned.pop(lease_id, None)
         if blocks:
             self._pool.free_blocks(blocks)
         return len(blocks)
@@ -48,21 +65,24 @@ class DestinationLeases:
         from services.llumlet.engines.vllm.connector import LoadPlan
 
         blocks = self._blocks.get(load.lease_id, [])
-        self._offer_to_prefix_cache(vllm_request, blocks, load.num_tokens)
+        self._offer_to_prefix_cache(vllm_request, blocks, load.num_tokens, self._pinned.get(load.lease_id, 0))
         self._kv_state.loads[internal_id] = LoadPlan([b.block_id for b in blocks], load.num_tokens)
         self._adopted[internal_id] = load.lease_id
         self._adopted_at[internal_id] = (load.committed_at, time.monotonic())
 
-    def _offer_to_prefix_cache(self, vllm_request: Any, blocks: list[Any], num_tokens: int) -> None:
+    def _offer_to_prefix_cache(self, vllm_request: Any, blocks: list[Any], num_tokens: int, num_pinned: int) -> None:
         """The lease's full blocks (their KV final) into the prefix cache, as the request's own
-        blocks would be after a step. The lease keeps its reference until the request's first
-        step has run, so none of them is evicted or handed out before that step takes them;
-        without prefix caching (or for a request that skips it) the connector copies them all."""
+        blocks would be after a step; its first `num_pinned` are cached already. The lease keeps
+        its reference until the request's first step has run, so none of them is evicted or
+        handed out before that step takes them; without prefix caching (or for a request that
+        skips it) the connector copies them all."""
         if vllm_request is None or not self._pool.enable_caching:
             return
         num_full = min(len(blocks), num_tokens // self._block_size, len(vllm_request.block_hashes))
-        if num_full:
-            self._pool.cache_full_blocks(vllm_request, blocks, 0, num_full, self._block_size, 0)
+        assert pinned_blocks_match(self._pool, blocks[:num_pinned], vllm_request.block_hashes), \
+            f"{vllm_request.request_id}: a pinned block is not cached under the request's own hash"
+        if num_full > num_pinned:
+            self._pool.cache_full_blocks(vllm_request, blocks, num_pinned, num_full, self._block_size, 0)
 
     def is_adopted(self, internal_id: str) -> bool:
         """A migrated request whose KV still sits in its lease (it needs no blocks of the pool's to join)."""
@@ -94,3 +114,16 @@ class DestinationLeases:
             return
         committed, added = times
         log_first_step(log, internal_id, committed, added, step_started, time.monotonic())
+
+
+def pinned_blocks_match(block_pool: Any, pinned: list[Any], vllm_block_hashes: list[bytes]) -> bool:
+    """Each pinned block is cached under the request's own hash at its index: its KV is the
+    request's (the source named the blocks by the wire form of these very hashes)."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    from services.llumlet.engines.vllm.prefix_pins import KV_CACHE_GROUP
+
+    cache = block_pool.cached_block_hash_to_block
+    return len(pinned) <= len(vllm_block_hashes) and all(
+        cache.contain(make_block_hash_with_group_id(digest, KV_CACHE_GROUP), block.block_id)
+        for block, digest in zip(pinned, vllm_block_hashes))

@@ -14,6 +14,9 @@ the step in progress), so the llumlet's event loop keeps serving meanwhile:
   with its output as prompt, the lease's full blocks join vLLM's prefix cache under its block
   hashes (its first step takes them as a local hit), the connector copies the rest (the partial
   last block) into the blocks vLLM allocates, then the lease goes back to the pool (`leases.py`).
+- cache-aware (issue 18 §4, prefix caching on): the source names the request's full blocks by
+  vLLM's own block hashes in wire form; the destination pins the ones its prefix cache holds
+  (`prefix_pins.py`) as the lease's first blocks, and the source never sends those.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any, Protocol, TypeVar
 
 from services.llumlet.engines.vllm.driver import VllmDriver, continuation
 from services.llumlet.engines.vllm.params import check_request
+from services.llumlet.engines.vllm.prefix_pins import wire_hashes_of
 from services.llumlet.engines.vllm.state import AddCommand, MigratedLoad, SharedState, Tracked, TrackedStatus
 from services.llumlet.migration.ops import IntakeLoad, KVRegion, LivePhase, MigrationSnapshot
 from shared.engine_model.views import EngineError
@@ -137,7 +141,14 @@ class VllmMigration:
         return MigrationSnapshot(LivePhase.RUNNING, view.num_computed_tokens, view.num_preemptions, len(view.block_ids))
 
     def prefix_block_hashes(self, request_id: str) -> Sequence[int]:
-        return ()  # its destination does not bind to a cached prefix (pin_cached_prefix)
+        """vLLM's hashes of the request's full blocks (prompt and output so far: a destination
+        holding any of them needs no copy), in wire form; none with prefix caching off."""
+        with self._shared.lock:
+            tracked = self._shared.requests.get(request_id)
+        vreq = tracked.vllm_request if tracked is not None else None
+        if vreq is None:
+            return ()
+        return wire_hashes_of(vreq.block_hashes, tracked.wire_hashes)
 
     def block_ids_of(self, request_id: str) -> list[int]:
         shared = self._shared
@@ -176,9 +187,18 @@ class VllmMigration:
     # -- destination ---------------------------------------------------------------------------
 
     async def pin_cached_prefix(self, lease_id: str, block_hashes: Sequence[int], max_blocks: int) -> list[int]:
-        """Not built for vLLM: every block is copied (the lease's full blocks then join vLLM's
-        prefix cache at the add, `leases.py`); binding to blocks it caches already is left."""
-        return []
+        digests = self.engine.running_driver().cached_digests
+        if digests is None or len(digests) == 0 or not block_hashes or max_blocks < 1:
+            return []  # (prefix caching off, or nothing cached: no wait for the engine thread)
+        return await self.engine.on_engine_thread(self._pin, lease_id, list(block_hashes), max_blocks)
+
+    def _pin(self, driver: VllmDriver, lease_id: str, block_hashes: list[int], max_blocks: int) -> list[int]:
+        """On the engine thread (counted with the lease like a reservation)."""
+        block_ids = driver.pin_cached_prefix(lease_id, block_hashes, max_blocks)
+        if block_ids:
+            with self._shared.lock:
+                self._lease_sizes[lease_id] = self._lease_sizes.get(lease_id, 0) + len(block_ids)
+        return block_ids
 
     async def reserve_blocks(self, lease_id: str, num_blocks: int) -> list[int] | None:
         if num_blocks == 0:  # (a last stage's pre-alloc, usually: no wait for the engine thread)

@@ -67,6 +67,8 @@ class Tracked:
     status: TrackedStatus = TrackedStatus.QUEUED
     suspended: Suspended | None = None  # what it was when suspended (status SUSPENDED only)
     placed_at: float = field(default_factory=time.monotonic)  # arrived or migrated in here
+    # Its vLLM block hashes in wire form, as far as the event loop asked (`prefix_pins.wire_hashes_of`).
+    wire_hashes: list[int] = field(default_factory=list)
 
     def move(self, to: TrackedStatus, suspended: Suspended | None = None) -> None:
         """The one way status changes: asserts the transition (and a record with SUSPENDED)."""
