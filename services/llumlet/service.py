@@ -314,11 +314,11 @@ class Llumlet:
                 raise
             views = self.engine.request_views() if self.metrics.wants_views(started) else ()
             ended = time.monotonic()
-            if self.migration is not None:
-                self.migration.after_step(started, ended)
             self.metrics.step_done(started, ended, outputs, views)
             self.served.step_done(started, ended, outputs)
             await self.output.publish_step(outputs)
+            if self.migration is not None:  # (its handover log line after the tokens went out)
+                self.migration.after_step(started, ended)
             if self.handoff is not None:  # (after the first token went out from here)
                 await self.handoff.prefilled(outputs)
             if outputs:

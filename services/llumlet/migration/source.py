@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 _HISTORY = 256  # ended migrations kept for stats and tests
 _LAST_STAGE_GUESS_S = 0.002  # suspend → commit landed, before this source has timed one
+_SMALL_LAST_STAGE_BLOCKS = 2  # a last stage this small is timed as the fixed part of the next ones
 
 
 class SourceHooks(Protocol):
@@ -95,7 +96,8 @@ class MigrationCoordinator:
         self.hooks = hooks
         self._clock = clock
         self.steps = steps  # this instance's engine steps (None: no commit notices)
-        self._last_stages: collections.deque[float] = collections.deque(maxlen=8)  # suspend → commit acked
+        # Suspend → commit landed of recent small last stages (a live one's usual 1-2 blocks).
+        self._last_stages: collections.deque[float] = collections.deque(maxlen=8)
         self.departures = departures if departures is not None else Departures()
         self._guard = limits.guard()
         self._pair: _Pair | None = None
@@ -302,16 +304,35 @@ class MigrationCoordinator:
         """Where the destination holds a step for an imminent commit: wait for the next step of
         ours to start (the request keeps decoding meanwhile), then tell the destination the commit
         is due when that step ends and the last stage is through; the suspend follows at once, so
-        the notice comes about a step ahead. False: no notice (the destination does not hold)."""
+        the notice comes about a step ahead. False: no notice (the destination does not hold, or
+        the commit's time cannot be told)."""
         if self.steps is None or m.dst_hold_max_s <= 0:
             return False
         typical = self.steps.typical_s
         await self.steps.next_start(timeout_s=max(0.5, 4 * typical))  # (none: the notice is just shorter)
-        last_stage = statistics.median(self._last_stages) if self._last_stages else _LAST_STAGE_GUESS_S
+        last_stage = self._last_stage_estimate(m)
+        if last_stage is None:
+            return False
         m.notice_commit_in_s = self.steps.left_s() + last_stage
         m.noticed_at = self._clock()
         await self.link.notice(m.dst, CommitNotice(m.migration_id, m.notice_commit_in_s))
         return True
+
+    def _last_stage_estimate(self, m: OutgoingMigration) -> float | None:
+        """Suspend → commit: what small last stages took lately, plus the blocks beyond those at
+        this migration's rate so far; None when there is no rate to go by (a blocking copy sends
+        everything after the suspend: no notice). An estimate late by more than the destination's
+        step loses the hold; early, the hold waits longer (at most its bound)."""
+        fixed = statistics.median(self._last_stages) if self._last_stages else _LAST_STAGE_GUESS_S
+        snapshot = self.ops.migration_snapshot(m.request_id)
+        extra = 0 if snapshot is None else max(0, snapshot.num_blocks - m.blocks_sent - _SMALL_LAST_STAGE_BLOCKS)
+        sent = [s for s in m.stages if s.num_blocks]
+        if not extra:
+            return fixed
+        if not sent:
+            return None
+        seconds_per_block = sum(s.seconds for s in sent) / sum(s.num_blocks for s in sent)
+        return fixed + extra * seconds_per_block
 
     async def _suspend(self, m: OutgoingMigration) -> None:
         asked = self._clock()
@@ -413,8 +434,9 @@ class MigrationCoordinator:
         m.commit_s = now - asked
         if committed:
             m.committed_at = now
-            if m.noticed_at is not None and m.suspended_at is not None:  # (what the next notice predicts)
-                self._last_stages.append(now - m.suspended_at)
+            if m.noticed_at is not None and m.stages and m.stages[-1].num_blocks <= _SMALL_LAST_STAGE_BLOCKS:
+                # (the fixed part the next notices predict: the commit lands about mid-round-trip)
+                self._last_stages.append(m.commit_sent_at - m.suspended_at + (now - m.commit_sent_at) / 2)
             self.departures.forget(m.request_id)
             self.hooks.migrated_out(m.request_id)  # no await since the ack: nothing published meanwhile
         if committed is None:  # nobody knows: the request cannot go on anywhere for sure
