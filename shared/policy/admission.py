@@ -265,7 +265,7 @@ def predict(outlook: InstanceOutlook, prompt_tokens: int, policy: AdmissionPolic
             reserve_blocks: int = 0) -> Prediction:
     running = len(outlook.running_generated)
     step_s = latency.decode_s(running, int(running * outlook.context_tokens_per_request)) if running else 0.0
-    queue_s = latency.prefill_s(outlook.queued_prefill_tokens)
+    queue_s = latency.prefill_s(outlook.queued_prefill_tokens) + _step_in_flight_s(outlook, latency, step_s)
     if -(-(prompt_tokens + 1) // outlook.block_size) + reserve_blocks > outlook.free_blocks_after_queue:
         queue_s = math.inf  # no room now: it would wait for memory (see the module note)
     ttft = queue_s + latency.prefill_s(prompt_tokens)
@@ -280,6 +280,17 @@ def predict(outlook: InstanceOutlook, prompt_tokens: int, policy: AdmissionPolic
     batch = running + outlook.num_queued + 1
     context = int(batch * max(outlook.context_tokens_per_request, float(prompt_tokens)))
     return Prediction(outlook.instance_id, ttft, batch, latency.decode_s(batch, context) * outlook.step_inflation)
+
+
+def _step_in_flight_s(outlook: InstanceOutlook, latency: LatencyFns, decode_step_s: float) -> float:
+    """What is left, on average, of the step running when the request arrives (it starts at the
+    next one, and the chunk that step prefills has already left the queue's count): half a step,
+    one with a chunk of prefill while there is a queue (a full budget's, or the queue's size when
+    smaller), else a decode step at the instance's pace."""
+    if outlook.queued_prefill_tokens > 0:
+        chunk = min(outlook.queued_prefill_tokens, outlook.prefill_tokens_per_step)
+        return 0.5 * (latency.prefill_s(chunk) + decode_step_s)
+    return 0.5 * decode_step_s * outlook.step_inflation
 
 
 def _on_decode_pool(prediction: Prediction, decode: DecodePool, prompt_tokens: int, policy: AdmissionPolicy,

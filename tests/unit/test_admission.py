@@ -39,9 +39,14 @@ def outlook(iid="a", queued=0, num_queued=0, generated=(), mean=100.0, output=No
                            step_inflation=inflation)
 
 
-def test_ttft_is_queued_prefill_plus_own_prompt():
+def test_ttft_is_queued_prefill_plus_own_prompt_plus_half_the_step_in_flight():
+    # The step running at arrival carries a chunk of the queue (300 tokens: all of it fits the
+    # budget) that has already left the queue's count: on average half of it is still to run.
     p = predict(outlook(queued=300), 200, AdmissionPolicy.PREDICTED, LATENCY)
-    assert p.ttft_s == pytest.approx(0.5)
+    assert p.ttft_s == pytest.approx(0.3 + 0.2 + 0.15)
+    # With nothing queued the step in flight is a decode step (20 ms with 10 running, at 2x pace).
+    idle = predict(outlook(generated=[5] * 10, inflation=2.0), 200, AdmissionPolicy.PREDICTED, LATENCY)
+    assert idle.ttft_s == pytest.approx(0.2 + 0.5 * 0.020 * 2.0)
 
 
 def test_none_admits_everything():
@@ -59,31 +64,34 @@ def test_rejects_on_ttft_when_every_queue_is_too_long():
 
 def test_predicted_counts_requests_that_finish_during_the_prefill_out_of_the_batch():
     # 40 running requests: the current batch of 41 steps in 51 ms, past the 50 ms target. The
-    # 0.9 s prefill spans 18 steps (50 ms at 40). The instance serves 10 or 3,000 tokens, half
+    # 1.275 s TTFT (0.9 s of prefill, half a step in flight with a 700-token chunk) spans 25
+    # steps (50 ms at 40). The instance serves 10 or 3,000 tokens, half
     # and half (mean ~1,500: a mean-based residual keeps all 40). The 30 at 100 tokens are past
     # every short one: all stay. The 10 at 4 tokens are short (ended in 18 steps) or long by even
     # odds: 5 stay. 35 (36 with the prior's sliver) and itself step in 46-47 ms.
     output = served([10] * 1000 + [3000] * 1000)
     load = outlook(queued=700, generated=[100] * 30 + [4] * 10, output=output)
-    current = admit([load], 200, 0, AdmissionPolicy.CURRENT_LOAD, SLO, LATENCY)
-    predicted = admit([load], 200, 0, AdmissionPolicy.PREDICTED, SLO, LATENCY)
+    slo = SloConfig(Slo(ttft_s=1.5, tbt_s=0.050), reserve=0.0)
+    current = admit([load], 200, 0, AdmissionPolicy.CURRENT_LOAD, slo, LATENCY)
+    predicted = admit([load], 200, 0, AdmissionPolicy.PREDICTED, slo, LATENCY)
     assert current.rejected is RejectReason.TBT and current.predictions[0].decode_batch == 41
     assert predicted.predictions[0].decode_batch in (36, 37)
     assert predicted.accepted
-    assert output.still_running(100, 18) == pytest.approx(1.0, abs=1e-3)
-    assert output.still_running(4, 18) == pytest.approx(0.5, abs=1e-3)
+    assert output.still_running(100, 25) == pytest.approx(1.0, abs=1e-3)
+    assert output.still_running(4, 25) == pytest.approx(0.5, abs=1e-3)
 
 
 def test_predicted_keeps_long_running_requests_of_a_heavy_tail():
     # A heavy-tailed instance (Pareto from 20 tokens, alpha 1.25: mean ~100): a request 500 tokens
     # in has far more than the mean left, so a long-running batch does not empty during a prefill.
-    # 45 running step in 55 ms; a 2.5 s TTFT spans 45 steps. The mean-based residual
+    # 45 running step in 55 ms; a 2.5 s TTFT (1.5 s of queue, 0.2 s of prompt, half a step with a
+    # 1,515-token chunk in flight) spans 45 steps. The mean-based residual
     # (`max(mean - g, mean / 4)`, ~25 tokens) dropped them all and admitted; by the survival
     # (500 / 545)^1.25 ~ 90 % of them are still there, past the TBT target.
     rng = np.random.default_rng(0)
     output = served(np.minimum(np.rint(20 * (1 + rng.pareto(1.25, 20_000))), 60_000))
     slo = SloConfig(Slo(ttft_s=3.0, tbt_s=0.050), reserve=0.0)
-    load = outlook(queued=2300, generated=[500] * 45, output=output)
+    load = outlook(queued=1515, generated=[500] * 45, output=output)
     assert max(output.mean - 500, 0.25 * output.mean) < 45  # the old residual: all end during the prefill
     assert output.still_running(500, 45) == pytest.approx((500 / 545) ** 1.25, abs=0.03)
     assert 41 <= predict(load, 200, AdmissionPolicy.PREDICTED, LATENCY).decode_batch <= 44
@@ -108,7 +116,7 @@ def test_queued_requests_join_the_batch_in_both_policies():
 
 def test_high_priority_is_rejected_last():
     slo = SloConfig(Slo(ttft_s=1.0, tbt_s=0.050), reserve=0.2)  # normal must predict <= 0.8 s
-    load = outlook(queued=700)  # 0.9 s with a 200-token prompt
+    load = outlook(queued=500)  # 0.95 s with a 200-token prompt (0.25 s: half the step in flight)
     assert admit([load], 200, 0, AdmissionPolicy.PREDICTED, slo, LATENCY).rejected is RejectReason.TTFT
     assert admit([load], 200, HIGH_PRIORITY, AdmissionPolicy.PREDICTED, slo, LATENCY).accepted
 

@@ -99,7 +99,9 @@ def test_an_admitted_request_carries_its_predicted_ttft():
     load = make_load("a", total=2000, block_size=16, running={0: (2, 40)}, waiting=[20])  # 320 tokens ahead
     reply = scheduler(load).decide(DispatchRequest("r0", 100, 16))
     assert reply.instance_id == "a"
-    expected = (A10.prefill_ms(load.waiting_demand_blocks * 16) + A10.prefill_ms(100)) / 1e3
+    queued = load.waiting_demand_blocks * 16  # and half the step in flight: a chunk that size, 2 decoding
+    in_flight = 0.5 * (A10.prefill_ms(queued) + A10.decode_ms(2, 2 * 40 * 16 // 2)) / 1e3
+    expected = (A10.prefill_ms(queued) + A10.prefill_ms(100)) / 1e3 + in_flight
     assert reply.predicted_ttft_s == pytest.approx(expected, rel=0.05)
     without = GlobalScheduler(SchedulerConfig(nats_url="nats://unused:4222"))
     without.table.update(make_load("a"))
