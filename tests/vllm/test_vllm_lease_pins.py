@@ -2,7 +2,8 @@
 (no model, no engine): the pin takes a reference on the cached blocks of a request's prefix found
 by wire hash, the add caches only the lease's blocks after them (re-caching a pinned block would
 trip vLLM's own assertion), and a release gives every reference back with the cached blocks still
-cached. (Two real llumlets: test_vllm_migration_prefix.py.)"""
+cached; vLLM's KV events feed the digest map the pins are found by. (Two real llumlets:
+test_vllm_migration_prefix.py.)"""
 
 from __future__ import annotations
 
@@ -83,3 +84,29 @@ def test_a_released_lease_gives_its_pins_back_and_a_held_block_stays_held(setup)
     assert running.ref_cnt == 2 and pool.get_num_free_blocks() == free_before - 1  # block 1 left the free queue
     assert leases.release("lease") == 2
     assert running.ref_cnt == 1 and pool.get_num_free_blocks() == free_before
+
+
+def test_the_kv_event_publisher_feeds_the_journal_and_the_digest_map(setup):
+    """vLLM's own event types, as the scheduler hands them over with raw digests."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    from services.llumlet.engines.vllm.kv_events import JournalPublisher
+    from services.llumlet.engines.vllm.prefix_pins import CachedDigests
+    from services.llumlet.kv_journal import KvEventJournal
+    from shared.prefix_hash import wire_hash
+
+    pool, _, _, _, digests, earlier_ids = setup
+    journal = KvEventJournal()
+    cached = CachedDigests(pool)
+    publisher = JournalPublisher(journal, cached)
+    wire = [wire_hash(d) for d in digests]
+    stored = BlockStored(digests[:3], None, TOKENS[:3 * BLOCK], BLOCK, None, "GPU", None)
+    publisher.publish(SimpleNamespace(events=[stored]))
+    assert journal.num_held == 3 and [b.block_id for b in cached.cached_prefix(wire, 10)] == earlier_ids
+    pool.evict_blocks({earlier_ids[2]})  # block 2 leaves vLLM's cache
+    publisher.publish(SimpleNamespace(events=[BlockRemoved([digests[2]], "GPU")]))
+    assert journal.num_held == 2 and [b.block_id for b in cached.cached_prefix(wire, 10)] == earlier_ids[:2]
+    publisher.publish(SimpleNamespace(events=[AllBlocksCleared()]))
+    assert journal.num_held == 0 and len(cached) == 0
