@@ -142,7 +142,8 @@ class VllmMigration:
 
     def prefix_block_hashes(self, request_id: str) -> Sequence[int]:
         """vLLM's hashes of the request's full blocks (prompt and output so far: a destination
-        holding any of them needs no copy), in wire form; none with prefix caching off."""
+        holding any of them needs no copy), in wire form. vLLM hashes blocks with prefix caching
+        off too (Corral's KV connector is on), so a source without a cache still names them."""
         with self._shared.lock:
             tracked = self._shared.requests.get(request_id)
         vreq = tracked.vllm_request if tracked is not None else None
