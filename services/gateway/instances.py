@@ -1,6 +1,8 @@
 """The gateway's view of the instances, built from the load reports it overhears.
 
-Load reports double as heartbeats: an instance silent for `timeout_s` is dead. The gateway needs
+Load reports double as heartbeats: an instance silent for `timeout_s` is dead (or sooner, silent
+while the others report: `silent_for` against a limit that grows for an instance whose reports
+came late lately, `shared.silence`). The gateway needs
 them for bypass dispatch (when the global scheduler does not answer) and for the watchdog that
 fails requests whose holder died. Storage and expiry are the scheduler's own table.
 """
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from shared.instance_table import InstanceTable
 from shared.messages import DispatchRequest, LoadReport
 from shared.policy import account_dispatch
+from shared.silence import SilenceLimits
 
 
 class GatewayInstances:
@@ -24,11 +27,18 @@ class GatewayInstances:
         self._marked_dead: dict[str, float] = {}  # instance id -> when; until it reports again
         self._heard: dict[str, float] = {}  # instance id -> when its last report arrived
         self._latest = float("-inf")  # when the last report of any instance arrived
+        self._limits = SilenceLimits(clock)
 
     def update(self, load: LoadReport) -> None:
         if self._table.update(load):
             self._marked_dead.pop(load.instance_id, None)
             self._heard[load.instance_id] = self._latest = self._clock()
+            self._limits.heard(load.instance_id)
+
+    def death_limit_s(self, instance_id: str, base_s: float) -> float:
+        """How long `silent_for` must say before the instance is dead: `base_s`, or longer for one
+        whose reports came late lately (starved, not dead), never past `timeout_s`."""
+        return self._limits.limit(instance_id, base_s, max(base_s, self.timeout_s))
 
     def silent_for(self, instance_id: str, since: float) -> float:
         """How long the instance has been silent while others were heard: from its last report
@@ -45,6 +55,7 @@ class GatewayInstances:
         """Declare an instance dead at once (nobody listens on its subjects any more)."""
         self._table.remove(instance_id)
         self._marked_dead[instance_id] = self._clock()
+        self._limits.forget(instance_id)  # (should it report again, judged afresh)
 
     def live_loads(self) -> list[LoadReport]:
         return self._table.live()
@@ -93,3 +104,4 @@ class GatewayInstances:
             del self._marked_dead[instance_id]
         for instance_id in [i for i, t in self._heard.items() if now - t > older_than_s]:
             del self._heard[instance_id]
+            self._limits.forget(instance_id)

@@ -185,7 +185,8 @@ class GatewayService:
         (or for the generic `instance_timeout_s` at all), counting from `since` (when we started
         relying on it) and never from before NATS came back to this gateway."""
         since = max(since, self._silence_floor)
-        return (self.instances.silent_for(instance_id, since) > self.config.death_timeout_s
+        return (self.instances.silent_for(instance_id, since)
+                > self.instances.death_limit_s(instance_id, self.config.death_timeout_s)
                 or self.instances.is_silent(instance_id, since))
 
     def _check_holders(self) -> None:

@@ -67,6 +67,23 @@ def test_marked_dead_instance_is_silent_at_once_until_it_reports_again(instances
     assert not instances.is_silent("a", since=clock.now)
 
 
+def test_an_instance_whose_reports_came_late_lately_is_given_longer_up_to_the_timeout(instances, clock):
+    for seq in range(1, 5):  # reports 0.9 s apart: starved, not dead
+        instances.update(report("slow", seq))
+        instances.update(report("punctual", seq))
+        clock.now += 0.9
+    assert instances.death_limit_s("punctual", 0.8) == pytest.approx(1.8)  # (its reports came 0.9 s apart too)
+    for seq in range(5, 5 + 20 * 60):  # a minute of punctual 50 ms reports from one of them
+        instances.update(report("punctual", seq))
+        clock.now += 0.05
+    assert instances.death_limit_s("punctual", 0.8) == 0.8
+    assert instances.death_limit_s("slow", 0.8) == pytest.approx(1.8)  # as of its last report
+    for seq in range(10):  # very slow: capped at the generic timeout
+        instances.update(report("slow", 100 + seq))
+        clock.now += 2.5
+    assert instances.death_limit_s("slow", 0.8) == TIMEOUT_S
+
+
 def test_max_model_len_comes_from_the_report(instances):
     instances.update(report("a", max_model_len=2048))
     instances.update(report("b"))
