@@ -30,6 +30,13 @@ clock (monotonic, shared by the processes of a host): the source's record (its l
 suspend, last stage out), the destination's handover log line (commit, in its engine, the step that
 computed the request's first token there: `services/llumlet/migration/handover.py`), and the
 client's arrivals.
+
+`--hold-max-ms` (the destination's `--migration-hold-max-ms`; 0: off) bounds the destination's hold
+of its next step for a commit the source said is imminent (`services/llumlet/migration/commit_hold.py`);
+run it at 0 and at the default back to back to compare. Its price is reported beside the stall: the
+destination's other requests' token gap around the request's first step there (the end of the step
+before → the end of that step, the hold included; from its log), against its typical step; and the
+same at the client (their largest gap overlapping the handover, against their usual gap).
 """
 
 from __future__ import annotations

@@ -28,6 +28,12 @@ what the client sees: the gap in the request's token stream, ordered as the gate
 between the last new token from the source and the first new token from the destination (the
 gateway exports it as `corral:gateway_migration_stall_seconds`), against the request's own median
 gap between new tokens in the same run.
+
+`--hold-max-ms` (the destination's `--migration-hold-max-ms`; 0: off) bounds the destination's hold
+of its next step for a commit the source said is imminent (`services/llumlet/migration/commit_hold.py`);
+run it at 0 and at the default back to back to compare. Its price is reported beside the stall: the
+destination's other requests' token gap around the request's first step there (the end of the step
+before → the end of that step, the hold included; from its log), against its typical step.
 """
 
 from __future__ import annotations
