@@ -82,7 +82,9 @@ class SimAdmission:
         decode = decode_loads(fleet)
         pool = None
         if decode:
-            pool = DecodePool([self._outlook(load) for load in decode], *in_flight_of(prefill_loads(fleet)))
+            prefill = prefill_loads(fleet)
+            last = max((self._latency.prefill_s(queued_prefill_tokens(load)) for load in prefill), default=0.0)
+            pool = DecodePool([self._outlook(load) for load in decode], *in_flight_of(prefill), last)
         return admit(outlooks, prompt_tokens, priority, self.model.policy, self.model.slo, self._latency, pool)
 
     def _outlook(self, load: LoadReport) -> InstanceOutlook:

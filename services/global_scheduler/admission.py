@@ -128,10 +128,13 @@ class DispatchAdmission:
             return None
         prefill = prefill_loads(loads)
         num, blocks = in_flight_of(prefill)
+        last_landing_s = 0.0
         for load in prefill:
             missing = self._unreported.missing_from(load)
             num, blocks = num + missing.num, blocks + missing.blocks
-        return DecodePool([self._outlook(load) for load in decode], num, blocks)
+            queue_s = self._latency.prefill_s(queued_prefill_tokens(load) + missing.prompt_tokens)
+            last_landing_s = max(last_landing_s, queue_s)
+        return DecodePool([self._outlook(load) for load in decode], num, blocks, last_landing_s)
 
     def _inflation(self, load: LoadReport) -> float:
         """The instance's recent step time over the model's decode-only step for the batch it

@@ -75,6 +75,17 @@ def test_requests_ending_before_the_hand_off_make_room_current_load_does_not_see
     assert decision.accepted and decision.predictions[0].decode_batch <= 2  # (the prior's sliver rounds up)
 
 
+def test_departures_are_counted_until_the_last_request_on_its_way_lands():
+    # 20 requests 18 tokens into 20-token outputs; 10 on their way, the last prefilled in 1 s.
+    # A request handed off at once still meets all 20; it decodes while the 10 land, and by
+    # then the 20 have ended: over that span the pool holds the 10 and itself.
+    running = [instance("d", generated=[18] * 20)]
+    at_once = forecast(DecodePool(running, 10, 100), 0.01, 100, True, LATENCY)
+    over_the_span = forecast(DecodePool(running, 10, 100, last_landing_s=1.0), 0.01, 100, True, LATENCY)
+    assert at_once.batch >= 29  # (a sliver of them ends within the 0.01 s)
+    assert over_the_span.batch <= 12
+
+
 def test_the_pool_batch_is_shared_evenly_and_priced_at_the_pools_pace():
     pool = DecodePool([instance("d1", generated=[1000] * 30, output=served(5000)),
                        instance("d2", generated=[1000] * 10, output=served(5000))], in_flight=9)
