@@ -3,6 +3,10 @@
     .venv/bin/python -m benchmarks.admission [--dataset synthetic:sharegpt] [--instances 4] [--requests 800] [--seeds 0,1]
         [--overloads 1.5,2] [--slo-ttft-s 3] [--slo-tbt-s 0.08] [--prefill N --decode M] [--out results/admission.json]
 
+e.g. P/D on a prefill-heavy trace: --dataset synthetic:L-S --instances 8 --prefill 5 --decode 3 --slo-ttft-s 2
+--slo-tbt-s 0.1 --requests 600 (the issue-19 closing note's tables: colocated ShareGPT-like and L-S at TBT 50 ms,
+300 requests; P/D L-S 5:3, L-M 4:4 and ShareGPT-like 4:4, 600 requests; seeds 0,1,2).
+
 LLaMA-7B on A10 instances (the simulator's defaults), `--dataset` lengths (ShareGPT-like by default), 10 % high
 priority, corral dispatch; the same requests for every admission policy. With `--prefill N --decode M`
 the first N instances prefill only and the next M decode only (P/D disaggregation, hand-off at the

@@ -21,9 +21,11 @@ pool at the request's hand-off instead:
   room, about 2 % less goodput over the same 18 runs);
 - plus itself.
 The hand-off spreads requests to the freest decode instance, so the pool's batch is shared
-evenly; a step of that batch (at the pool's measured step inflation) must meet the TBT target,
-and the pool's KV blocks (less normal priority's reserve) must hold what will be there.
-`current-load` runs the same check on the pool as it is now, plus the request.
+evenly; a step of that batch (at the pool's measured step inflation) must meet the TBT target
+when the pool's KV blocks (less normal priority's reserve) hold what will be there; when they do
+not, the request would decode on its prefill instance, and that instance's own prediction
+decides (`admission._on_decode_pool`). `current-load` runs the same check on the pool as it is
+now, plus the request.
 
 Pure functions: the scheduler builds the pool from load reports, the simulator from its engines.
 """
