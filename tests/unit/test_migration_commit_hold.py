@@ -218,7 +218,7 @@ def test_a_destination_without_a_hold_grants_none() -> None:
 async def test_the_source_notices_the_commit_a_step_ahead_where_the_destination_holds(make_harness) -> None:
     h = await make_harness()
     steps = StepClock()
-    h.coordinator.steps = steps
+    h.coordinator.notices.steps = steps
     h.incoming.hold = CommitHold(0.05, StepClock())  # grants say the destination holds
     notices: list[tuple[float, CommitNotice]] = []
 
@@ -252,7 +252,7 @@ async def test_the_source_notices_the_commit_a_step_ahead_where_the_destination_
 
 async def test_no_notice_to_a_destination_that_does_not_hold(make_harness) -> None:
     h = await make_harness()
-    h.coordinator.steps = StepClock()
+    h.coordinator.notices.steps = StepClock()
     sent: list[CommitNotice] = []
 
     async def notice(dst: str, msg: CommitNotice) -> None:

@@ -9,10 +9,8 @@ by the policy's per-request limits (`may_move`, as the simulator): stayed `min_r
 here since they arrived or migrated in, and did not leave the destination less than
 `min_return_s` ago (their `Departures`, carried in each commit).
 
-Where the destination holds its next step for an imminent commit (its grants say so), the last
-stage starts right after one of this instance's steps started: the source tells the destination
-(`CommitNotice`) that the commit is due once that step ends and the last stage is through, about
-a step ahead, and asks for the suspend (`commit_hold.py`).
+Where the destination holds its next step for an imminent commit (its grants say so), the source
+tells it first (`commit_notice.py`), then asks for the suspend.
 
 Elsewhere: the record of one migration (`outgoing.py`); learning the COMMIT's outcome when the
 last frame's ack is lost (`commit_outcome.py`).
@@ -23,13 +21,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from services.llumlet.migration.commit_hold import StepClock
+from services.llumlet.migration.commit_notice import CommitNotifier
 from services.llumlet.migration.commit_outcome import ask_commit, tell_abort
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.handshake import DestinationLink
@@ -47,15 +45,13 @@ from services.llumlet.migration.protocol import (
     SourceAborted,
     new_migration_id,
 )
-from shared.messages import MAX_PREALLOC_HASHES, CommitNotice, MigrateOrder, PreAlloc, encode
+from shared.messages import MAX_PREALLOC_HASHES, MigrateOrder, PreAlloc, encode
 from services.llumlet.migration.departures import Departures
 from shared.policy.migration import may_move, next_stage, select_request_to_migrate
 
 log = logging.getLogger(__name__)
 
 _HISTORY = 256  # ended migrations kept for stats and tests
-_LAST_STAGE_GUESS_S = 0.002  # suspend → commit landed, before this source has timed one
-_SMALL_LAST_STAGE_BLOCKS = 2  # a last stage this small is timed as the fixed part of the next ones
 
 
 class SourceHooks(Protocol):
@@ -95,9 +91,7 @@ class MigrationCoordinator:
         self.limits = limits
         self.hooks = hooks
         self._clock = clock
-        self.steps = steps  # this instance's engine steps (None: no commit notices)
-        # Suspend → commit landed of recent small last stages (a live one's usual 1-2 blocks).
-        self._last_stages: collections.deque[float] = collections.deque(maxlen=8)
+        self.notices = CommitNotifier(ops, link, steps, clock)  # (where the destination holds a step)
         self.departures = departures if departures is not None else Departures()
         self._guard = limits.guard()
         self._pair: _Pair | None = None
@@ -288,7 +282,7 @@ class MigrationCoordinator:
             await self._copy(m, full, LivePhase.RUNNING, prealloc_s, final=False)
         await self._prealloc(m, snapshot.num_blocks, full)  # (off the downtime)
         self._check(m, LivePhase.RUNNING)
-        if await self._notice_commit(m):
+        if await self.notices.notice(m):
             self._check(m, LivePhase.RUNNING)
         await self._suspend(m)
         upto = self._check(m, LivePhase.SUSPENDED).num_blocks  # everything, the partial block too
@@ -299,40 +293,6 @@ class MigrationCoordinator:
             prealloc_s = await self._prealloc(m, upto)
             self._check(m, LivePhase.SUSPENDED)
         await self._last_stage(m, upto, prealloc_s)
-
-    async def _notice_commit(self, m: OutgoingMigration) -> bool:
-        """Where the destination holds a step for an imminent commit: wait for the next step of
-        ours to start (the request keeps decoding meanwhile), then tell the destination the commit
-        is due when that step ends and the last stage is through; the suspend follows at once, so
-        the notice comes about a step ahead. False: no notice (the destination does not hold, or
-        the commit's time cannot be told)."""
-        if self.steps is None or m.dst_hold_max_s <= 0:
-            return False
-        typical = self.steps.typical_s
-        await self.steps.next_start(timeout_s=max(0.5, 4 * typical))  # (none: the notice is just shorter)
-        last_stage = self._last_stage_estimate(m)
-        if last_stage is None:
-            return False
-        m.notice_commit_in_s = self.steps.left_s() + last_stage
-        m.noticed_at = self._clock()
-        await self.link.notice(m.dst, CommitNotice(m.migration_id, m.notice_commit_in_s))
-        return True
-
-    def _last_stage_estimate(self, m: OutgoingMigration) -> float | None:
-        """Suspend → commit: what small last stages took lately, plus the blocks beyond those at
-        this migration's rate so far; None when there is no rate to go by (a blocking copy sends
-        everything after the suspend: no notice). An estimate late by more than the destination's
-        step loses the hold; early, the hold waits longer (at most its bound)."""
-        fixed = statistics.median(self._last_stages) if self._last_stages else _LAST_STAGE_GUESS_S
-        snapshot = self.ops.migration_snapshot(m.request_id)
-        extra = 0 if snapshot is None else max(0, snapshot.num_blocks - m.blocks_sent - _SMALL_LAST_STAGE_BLOCKS)
-        sent = [s for s in m.stages if s.num_blocks]
-        if not extra:
-            return fixed
-        if not sent:
-            return None
-        seconds_per_block = sum(s.seconds for s in sent) / sum(s.num_blocks for s in sent)
-        return fixed + extra * seconds_per_block
 
     async def _suspend(self, m: OutgoingMigration) -> None:
         asked = self._clock()
@@ -434,9 +394,7 @@ class MigrationCoordinator:
         m.commit_s = now - asked
         if committed:
             m.committed_at = now
-            if m.noticed_at is not None and m.stages and m.stages[-1].num_blocks <= _SMALL_LAST_STAGE_BLOCKS:
-                # (the fixed part the next notices predict: the commit lands about mid-round-trip)
-                self._last_stages.append(m.commit_sent_at - m.suspended_at + (now - m.commit_sent_at) / 2)
+            self.notices.committed(m, now)
             self.departures.forget(m.request_id)
             self.hooks.migrated_out(m.request_id)  # no await since the ack: nothing published meanwhile
         if committed is None:  # nobody knows: the request cannot go on anywhere for sure
