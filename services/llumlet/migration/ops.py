@@ -85,8 +85,9 @@ class MigratableEngine(Protocol):
     def block_ids_of(self, request_id: str) -> list[int]: ...
 
     def prefix_block_hashes(self, request_id: str) -> Sequence[int]:
-        """The request's prompt full-block hashes (shared.prefix_hash) for a destination to bind
-        to its cached prefix; empty when the engine does not hash prompts."""
+        """The request's leading full-block hashes in wire form (shared.prefix_hash: the prompt's,
+        and on vLLM its output's full blocks too) for a destination to bind to its cached
+        prefix; empty when the engine does not hash them."""
 
     async def suspend(self, request_id: str) -> bool:
         """Out of the batch, blocks kept; False if it was not running (the request left)."""
