@@ -3,11 +3,10 @@ the two cache-affinity baselines, as pure functions over load reports and a pref
 
 - `choose_by_predicted_ttft` (corral-prefix): per instance, the predicted time to first token =
   prefill of what is queued ahead there + prefill of the request's uncached suffix (its longest
-  cached prefix from the index), plus the delay that suffix's prefill puts on the requests that
-  will queue behind it there (`dispatch_cost_s`). Instances that keep room for the request after
-  their queue (dispatch freeness >= 0) rank ahead of those without, whatever their cache holds;
-  the queue term grows with every request dispatched there (`account_dispatch`), so affinity
-  alone never piles a popular prefix onto one instance.
+  cached prefix from the index). Instances that keep room for the request after their queue
+  (dispatch freeness >= 0) rank ahead of those without, whatever their cache holds; the queue
+  term grows with every request dispatched there (`account_dispatch`), so affinity alone never
+  piles a popular prefix onto one instance.
 - `choose_longest_prefix` (prefix-only): the longest cached prefix wins, ties by dispatch
   freeness: what a pure cache-affinity router does (it piles).
 - `choose_min_kv_cost` (kv-cost): NVIDIA Dynamo's KV router cost, weight × prefill blocks
@@ -47,7 +46,7 @@ class PrefixContext:
     index: PrefixIndex
     prefill_s: Callable[[int], float]  # seconds to prefill that many tokens (the latency model)
     kv_cost_overlap_weight: float = 1.0  # Dynamo's overlap_score_weight
-    ttft_tie_s: float = 1e-3  # costs this close (seconds) are a tie, broken by freeness
+    ttft_tie_s: float = 1e-3  # predictions this close are a tie, broken by freeness
 
 
 def matched_blocks(request: DispatchRequest, index: PrefixIndex) -> Mapping[str, int]:
@@ -77,29 +76,6 @@ def predicted_ttft_s(load: LoadReport, request: DispatchRequest, context: Prefix
     return context.prefill_s(queued_prefill_tokens(load)) + context.prefill_s(uncached)
 
 
-def queued_behind(loads: Sequence[LoadReport]) -> float:
-    """Requests expected to wait behind a new one wherever it goes: the next arrival, plus the
-    queue the cluster holds now (its mean per instance: under steady load, what a request finds
-    ahead of it is what forms behind it)."""
-    return 1.0 + sum(load.num_waiting for load in loads) / max(len(loads), 1)
-
-
-def dispatch_cost_s(load: LoadReport, request: DispatchRequest, context: PrefixContext,
-                    matched: Mapping[str, int], behind: float) -> float:
-    """The request's predicted TTFT there plus the delay its uncached prefill imposes on the
-    `behind` requests that will queue after it. By the TTFT alone a request leaves its cached
-    prefix for a slightly shorter queue elsewhere, and the prefill done again is compute every
-    later arrival waits for: in the simulator (benchmarks/prefix_dispatch.py, conversations on
-    16 A100s, where prefill saturates before KV memory; 60-100 req/s, seeds 2-5) P99 TTFT was
-    1.5-1.7x higher and the hit rate 9-16 points lower without this term; on A10s, where memory
-    saturates first, the difference is within seed noise. Piling stays bounded: a holder wins
-    only while its queue exceeds another's by less than (1 + behind) prefills of the request,
-    about the cluster's mean queue plus two requests."""
-    uncached = request.num_prompt_tokens - cached_tokens(load, request, matched)
-    own = context.prefill_s(uncached)
-    return context.prefill_s(queued_prefill_tokens(load)) + own + behind * own
-
-
 def choose_by_predicted_ttft(
     loads: Sequence[LoadReport], request: DispatchRequest, config: PolicyConfig, context: PrefixContext
 ) -> DispatchDecision:
@@ -107,7 +83,6 @@ def choose_by_predicted_ttft(
     if isinstance(live, DispatchDecision):
         return live
     matched = matched_blocks(request, context.index)
-    behind = queued_behind(live)
     ranked = []
     for load in live:
         score = dispatch_score(load, config.headroom_blocks)
@@ -115,15 +90,14 @@ def choose_by_predicted_ttft(
                                             load.block_size)
         # Room after the queue and this request's new blocks: the freeness rule.
         has_room = score >= 0 and _free_after_queue(load) >= uncached_blocks
-        ranked.append((not has_room, dispatch_cost_s(load, request, context, matched, behind), -score,
-                       load.instance_id))
+        ranked.append((not has_room, predicted_ttft_s(load, request, context, matched), -score, load.instance_id))
     ranked.sort()
-    first_no_room, best_cost, _, _ = ranked[0]
-    tied = [iid for no_room, cost, _, iid in ranked
-            if no_room == first_no_room and cost <= best_cost + context.ttft_tie_s]
-    if len(tied) > 1:  # near-equal costs: the freer instance, then the request's hash
-        best_score = min(neg for _, _, neg, iid in ranked if iid in tied)
-        tied = [iid for _, _, neg, iid in ranked if iid in tied and neg <= best_score + config.tie_epsilon]
+    first_no_room, best_ttft, _, _ = ranked[0]
+    tied = [iid for no_room, ttft, _, iid in ranked
+            if no_room == first_no_room and ttft <= best_ttft + context.ttft_tie_s]
+    if len(tied) > 1:  # near-equal predictions: the freer instance, then the request's hash
+        best_score = min(neg for no_room, ttft, neg, iid in ranked if iid in tied)
+        tied = [iid for no_room, ttft, neg, iid in ranked if iid in tied and neg <= best_score + config.tie_epsilon]
     return DispatchDecision(pick_tied(tied, request))
 
 

@@ -12,11 +12,8 @@ from shared.policy.prefix_dispatch import (
     choose_by_predicted_ttft,
     choose_longest_prefix,
     choose_min_kv_cost,
-    dispatch_cost_s,
     kv_cost,
-    matched_blocks,
     predicted_ttft_s,
-    queued_behind,
 )
 from shared.prefix_hash import block_hashes
 from tests.unit.policy_helpers import make_load
@@ -73,28 +70,6 @@ def test_a_queue_ahead_outweighs_the_cached_prefix():
     ctx = context({"a": SYSTEM_HASHES})
     assert choose_by_predicted_ttft([cached, empty], request(1), CONFIG, ctx).instance_id == "b"
     assert choose_longest_prefix([cached, empty], request(1), CONFIG, ctx).instance_id == "a"  # affinity piles
-
-
-def test_a_short_queue_at_the_holder_beats_prefilling_the_prefix_again():
-    # 800 tokens queued at the holder: by the TTFT alone the empty instance is 13 ms sooner, but
-    # the 640 tokens it would prefill again delay whoever queues behind it there.
-    holder = make_load("a", total=1000, waiting=[50])
-    empty = make_load("b", total=1000)
-    ctx = context({"a": SYSTEM_HASHES})
-    req = request(4)
-    assert predicted_ttft_s(empty, req, ctx) < predicted_ttft_s(holder, req, ctx)
-    assert choose_by_predicted_ttft([holder, empty], req, CONFIG, ctx).instance_id == "a"
-
-
-def test_the_cost_charges_the_uncached_prefill_once_per_request_queued_behind():
-    loads = [make_load("a", total=1000, waiting=[10, 10, 10]), make_load("b", total=1000, waiting=[10])]
-    assert queued_behind(loads) == 1 + 4 / 2
-    ctx = context({"a": SYSTEM_HASHES})
-    req = request(5)  # 672 tokens, 640 of them cached at a
-    matched = matched_blocks(req, ctx.index)
-    for load, uncached in ((loads[0], 32), (loads[1], 672)):
-        ttft = predicted_ttft_s(load, req, ctx, matched)
-        assert abs(dispatch_cost_s(load, req, ctx, matched, behind=3.0) - (ttft + 3.0 * uncached * 1e-4)) < 1e-12
 
 
 def test_an_instance_without_room_loses_to_one_with_room_whatever_it_caches():
