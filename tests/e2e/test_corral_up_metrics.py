@@ -159,15 +159,17 @@ def test_a_real_prometheus_stores_the_vllm_names(corral_up, tmp_path):
     try:
         deadline = time.monotonic() + 60
         found: list[dict] = []
-        while time.monotonic() < deadline and len(found) < INSTANCES:
+        reasons: set[str] = set()
+        # Each target is scraped on its own schedule: wait for the llumlets' series and the gateway's.
+        while time.monotonic() < deadline and (len(found) < INSTANCES or not {"stop", "length", "abort", "error"} <= reasons):
             time.sleep(1)
             try:
                 found = prometheus_query(url, "vllm:num_requests_running")
+                reasons = {r["metric"]["finished_reason"] for r in prometheus_query(url, "vllm:request_success_total")}
             except httpx.HTTPError:
                 continue
         log = (tmp_path / "prometheus.log").read_text(errors="replace")
         assert sorted(r["metric"]["engine"] for r in found) == [f"llumlet-{i}" for i in range(INSTANCES)], log
-        reasons = {r["metric"]["finished_reason"] for r in prometheus_query(url, "vllm:request_success_total")}
         assert {"stop", "length", "abort", "error"} <= reasons
         for series in ("vllm:iteration_tokens_total_bucket", "vllm:request_params_n_count",
                        "vllm:request_inference_time_seconds_count", "vllm:num_requests_waiting_by_reason"):
