@@ -61,10 +61,16 @@ class Watch(StreamWatch):
         return False
 
     async def move(self, request_id: str, src: str, dst: str, timeout_s: float = 10.0) -> None:
-        """Pair src → dst until the request publishes from dst, then cancel the pair."""
+        """Pair src → dst until the request publishes from dst, then cancel the pair. The order is
+        re-sent every half second, as the scheduler re-confirms its pairs: an order not confirmed
+        within `pair_ttl_s` lapses (on a loaded machine the first may, before a migration starts)."""
         pair = f"test-{uuid.uuid4().hex[:8]}"
-        await self.nc.publish(subjects.llumlet(src, "migrate"), encode(MigrateOrder(pair, dst)))
-        moved = await self.until(lambda: self.publishers(request_id)[-1:] == [dst], timeout_s)
+        deadline = time.monotonic() + timeout_s
+        moved = False
+        while not moved and time.monotonic() < deadline:
+            await self.nc.publish(subjects.llumlet(src, "migrate"), encode(MigrateOrder(pair, dst)))
+            moved = await self.until(lambda: self.publishers(request_id)[-1:] == [dst],
+                                     min(0.5, max(0.0, deadline - time.monotonic())))
         await self.nc.publish(subjects.llumlet(src, "migrate"), encode(MigrateOrder(pair, dst, cancel=True)))
         assert moved, f"{request_id} did not move {src} → {dst}: {self.publishers(request_id)}"
 
