@@ -28,6 +28,7 @@ import uvloop
 
 from shared.embedded_nats import start_nats
 from tests.support.cluster import Cluster
+from tests.support.observer import NatsObserver
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,13 +53,13 @@ async def client_loop(http: httpx.AsyncClient, model: str, rng: random.Random, u
         cut_after = rng.randint(1, 10) if rng.random() < 0.1 else None
         body = {"model": model, "prompt": [rng.randrange(1, 200) for _ in range(rng.randint(4, 64))],
                 "max_tokens": tokens, "stream": True, "ignore_eos": True}
+        events = 0
         try:
             async with http.stream("POST", "/v1/completions", json=body) as reply, _counted(counts, "open"):
                 if reply.status_code != 200:
                     counts[f"http_{reply.status_code}"] = counts.get(f"http_{reply.status_code}", 0) + 1
                     await asyncio.sleep(0.5)
                     continue
-                events = 0
                 async for data in reply.aiter_bytes():
                     events += data.count(b"\n\ndata: {") + data.startswith(b"data: {")
                     if b'"error": {' in data or b'"error":{' in data:
@@ -71,8 +72,9 @@ async def client_loop(http: httpx.AsyncClient, model: str, rng: random.Random, u
                         break
                 else:
                     counts["completed"] += 1
-        except httpx.HTTPError as exc:
-            counts[type(exc).__name__] = counts.get(type(exc).__name__, 0) + 1
+        except httpx.HTTPError as exc:  # (a read timeout: 120 s without a byte; before its first token: queued)
+            key = f"{type(exc).__name__}_{'mid_stream' if events else 'before_first_token'}"
+            counts[key] = counts.get(key, 0) + 1
 
 
 class _counted:
@@ -102,7 +104,8 @@ async def gateway_in_flight(http: httpx.AsyncClient) -> float | None:
 async def soak(cluster: Cluster, args: argparse.Namespace, samples: list) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=args.streams)
     counts = {"completed": 0, "cut": 0, "stream_errors": 0}
-    async with httpx.AsyncClient(base_url=cluster.base_url, timeout=120, limits=limits) as http:
+    async with (httpx.AsyncClient(base_url=cluster.base_url, timeout=120, limits=limits) as http,
+                NatsObserver(cluster.nats_url) as observer):  # (the engines' queues and preemptions)
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
         until = time.monotonic() + args.duration_s
         rng = random.Random(0)
@@ -111,8 +114,11 @@ async def soak(cluster: Cluster, args: argparse.Namespace, samples: list) -> dic
         started = time.monotonic()
         while not all(c.done() for c in clients):
             await asyncio.sleep(args.sample_s)
+            loads = list(observer.latest.values())
             samples.append({"t_s": round(time.monotonic() - started, 1), "streams_open": counts.get("open", 0),
-                            "gateway_in_flight": await gateway_in_flight(http), **sample(cluster)})
+                            "gateway_in_flight": await gateway_in_flight(http),
+                            "engines_waiting": sum(r.num_waiting for r in loads),
+                            "engines_preemptions": sum(r.num_preemptions_total for r in loads), **sample(cluster)})
             print(json.dumps(samples[-1]), file=sys.stderr, flush=True)
         await asyncio.gather(*clients)
     return counts
