@@ -16,8 +16,8 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from shared import subjects
 from shared.messages import (
-    AbortRequest, DispatchRequest, DrainOrder, GenerateRequest, KvCacheEvents, KvCacheSnapshot, LoadReport,
-    MigrateOrder, MigrationAbort, MigrationCommit, PreAlloc, SamplingParams, TokenChunk, encode,
+    AbortRequest, CommitNotice, DispatchRequest, DrainOrder, GenerateRequest, KvCacheEvents, KvCacheSnapshot,
+    LoadReport, MigrateOrder, MigrationAbort, MigrationCommit, PreAlloc, SamplingParams, TokenChunk, encode,
 )
 from tests.security.conftest import GATEWAY_ID, INSTANCES
 
@@ -38,6 +38,7 @@ SUBSCRIBED = {
     subjects.migration(DST, "prealloc"): (PreAlloc("fuzz-m", "fuzz-r", 1, 0.5, 0), True, (DST,)),
     subjects.migration(DST, "abort"): (MigrationAbort("fuzz-m"), True, (DST,)),
     subjects.migration(DST, "commit"): (MigrationCommit("fuzz-unknown", _REQUEST, [4], 3), True, (DST,)),
+    subjects.migration(DST, "notice"): (CommitNotice("fuzz-m", 0.01), False, (DST,)),
     subjects.gateway_output(GATEWAY_ID): (TokenChunk("fuzz-unknown", DST, 0, [1]), False, ("gateway",)),
     subjects.kv_events("fuzz-i"): (KvCacheEvents("fuzz-i", 1, 16, [1, 2], [3]), False, ("scheduler",)),
     subjects.kv_snapshot("fuzz-i"): (KvCacheSnapshot("fuzz-i", 1, 16, [1, 2]), False, ("scheduler",)),
