@@ -17,7 +17,6 @@ from shared.messages import DispatchRequest, InstanceRole, Refusal
 from shared.policy.admission import (
     AdmissionPolicy,
     InstanceOutlook,
-    LatencyFns,
     OutputLengthEstimate,
     RejectReason,
     Slo,
@@ -28,8 +27,7 @@ from shared.policy.decode_pool import HANDOFF_WINDOW_TOKENS, DecodePool, decode_
 from shared.policy.prefill_interference import expected_pushed_past_tbt
 from tests.unit.policy_helpers import make_load
 
-# 1 ms per prefill token; a decode step of 10 ms + 1 ms per request in the batch.
-LATENCY = LatencyFns(prefill_s=lambda n: n * 1e-3 if n > 0 else 0.0, decode_s=lambda bs, ctx: 0.010 + 0.001 * bs)
+from tests.unit.test_admission import LATENCY  # 1 ms per prefill token; a step of 10 ms + 1 ms per request
 SLO = SloConfig(Slo(ttft_s=5.0, tbt_s=0.050), reserve=0.0)
 CURRENT, PREDICTED = AdmissionPolicy.CURRENT_LOAD, AdmissionPolicy.PREDICTED
 
