@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -22,6 +23,8 @@ async def serve_until_signalled(service: Service, wait: Callable[[], Awaitable[N
     """Start, wait for a signal (or for `wait()` to return, e.g. a crashed loop), then stop."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    # `kill -USR1 PID` writes every thread's stack to stderr: how a hung service says where.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     if not await _start_unless_signalled(service, stop):
@@ -37,6 +40,7 @@ async def serve_until_signalled(service: Service, wait: Callable[[], Awaitable[N
         for task in waiters:
             task.cancel()
         await service.stop()
+        log.info("stopped")
     for task in done:
         if not task.cancelled() and task.exception() is not None:
             raise task.exception()

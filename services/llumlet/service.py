@@ -46,6 +46,7 @@ from shared.messages import (
     encode,
 )
 from shared.nats_client import connect, flush_in_order
+from services.stop_phases import StopPhases
 from shared.policy.disaggregation import wants_handoff
 
 log = logging.getLogger(__name__)
@@ -163,17 +164,20 @@ class Llumlet:
         return not_ready_reason(self._last_report, self.draining, connected, self.config.report_interval_s, time.time())
 
     async def stop(self) -> None:
-        await self._announce_leaving()
-        await self._empty_out(self.config.stop_grace_s)
+        """Each phase bounded (`StopPhases`): a stop always ends in an exit, and one that waits
+        logs where."""
+        phases = StopPhases(f"llumlet {self.instance_id}", log)
+        await phases.run("announcing", self._announce_leaving(), 5)
+        await phases.run("emptying out", self._empty_out(self.config.stop_grace_s), self.config.stop_grace_s + 5)
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.migration is not None:
-            await self.migration.stop()  # outgoing requests resume here, incoming leases are freed
-        await self._fail_all("instance stopped", resumable=True)
-        if self.nc is not None and not self.nc.is_closed:
-            await self.nc.drain()
-        await self.engine.stop()
+        await phases.run("ending its loops", asyncio.gather(*self._tasks, return_exceptions=True), 5)
+        if self.migration is not None:  # outgoing requests resume here, incoming leases are freed
+            await phases.run("ending migrations", self.migration.stop(), 10)
+        await phases.run("failing what is left", self._fail_all("instance stopped", resumable=True), 10)
+        if self.nc is not None and not self.nc.is_closed and not await phases.run("draining NATS", self.nc.drain(), 5):
+            await phases.run("closing NATS", self.nc.close(), 5)
+        await phases.run("stopping the engine", self.engine.stop(), 30)
 
     async def _empty_out(self, grace_s: float) -> None:
         """Stopping: the scheduler migrates requests out of a draining instance (live, no

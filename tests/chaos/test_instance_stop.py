@@ -4,6 +4,10 @@ is lost, nothing duplicated."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import time
+
 from tests.chaos.harness import GenerateLog, dead_processes, judge, log_lines, wait_blocks_back
 from tests.chaos.test_instance_death import STREAMS, TOKENS, expected, load_with_fault, prompts, resumes_logged
 
@@ -16,11 +20,23 @@ async def _terminate(make_cluster, tiny_model_dir, *llumlet_args: str) -> tuple:
         outcomes, _ = await load_with_fault(cluster, lambda: codes.append(_sigterm(cluster.procs[victim])),
                                             victim, orders)
     # The victim exits on its own once empty (or once its grace is over).
-    exit_code = cluster.procs[victim].process.wait(30)
+    exit_code = exit_code_within(cluster.procs[victim], 30)
     tally = judge(outcomes, expected(tiny_model_dir, orders, prompts(STREAMS), TOKENS))
     assert not (left := await wait_blocks_back(cluster.nats_url, ["sim-1", "sim-2"])), left
     assert dead_processes(cluster, victim) == []
     return cluster, tally, exit_code, orders
+
+
+def exit_code_within(proc, timeout_s: float) -> int:
+    """The process's exit code; if it is still running after `timeout_s`, the test fails with
+    where it hangs (its threads' stacks, from SIGUSR1) and the end of its log."""
+    try:
+        return proc.process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.process.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        proc.process.kill()
+        raise AssertionError(f"still running {timeout_s:.0f} s after its load ended:\n" + proc.log()[-6000:]) from None
 
 
 def _sigterm(proc) -> None:
