@@ -142,6 +142,11 @@ async def test_a_stream_moved_between_two_vllm_llumlets_keeps_every_logprob(clus
 
     async with Watch(cluster.nats_url) as watch:
         reference = await chat()
+        # The client can have the whole reply before this watch has the last chunk: until the
+        # watch sees it end, the reference would pass for the live request (and the order would
+        # go to its instance, which may hold nothing to move).
+        (reference_id,) = watch.chunks
+        assert await watch.wait_finished(reference_id)
         task = asyncio.create_task(chat())
         assert await watch.until(lambda: watch.live_request() is not None, 30)
         request_id = watch.live_request()
