@@ -10,6 +10,8 @@ import signal
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from services.stop_phases import pending_task_stacks
+
 log = logging.getLogger(__name__)
 
 
@@ -25,6 +27,8 @@ async def serve_until_signalled(service: Service, wait: Callable[[], Awaitable[N
     loop = asyncio.get_running_loop()
     # `kill -USR1 PID` writes every thread's stack to stderr: how a hung service says where.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # `kill -USR2 PID` logs where each of the event loop's tasks waits.
+    loop.add_signal_handler(signal.SIGUSR2, lambda: log.warning("tasks now:\n%s", pending_task_stacks()))
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     if not await _start_unless_signalled(service, stop):
