@@ -16,8 +16,9 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from shared import subjects
 from shared.messages import (
-    AbortRequest, CommitNotice, DispatchRequest, DrainOrder, GenerateRequest, KvCacheEvents, KvCacheSnapshot,
-    LoadReport, MigrateOrder, MigrationAbort, MigrationCommit, PreAlloc, SamplingParams, TokenChunk, encode,
+    AbortRequest, CommitNotice, DispatchRequest, DrainOrder, GatewayHeartbeat, GenerateRequest, HandoffQuery,
+    KvCacheEvents, KvCacheSnapshot, LoadReport, MigrateOrder, MigrationAbort, MigrationCommit, PreAlloc,
+    SamplingParams, SchedulerHeartbeat, TokenChunk, encode,
 )
 from tests.security.conftest import GATEWAY_ID, INSTANCES
 
@@ -42,7 +43,12 @@ SUBSCRIBED = {
     subjects.gateway_output(GATEWAY_ID): (TokenChunk("fuzz-unknown", DST, 0, [1]), False, ("gateway",)),
     subjects.kv_events("fuzz-i"): (KvCacheEvents("fuzz-i", 1, 16, [1, 2], [3]), False, ("scheduler",)),
     subjects.kv_snapshot("fuzz-i"): (KvCacheSnapshot("fuzz-i", 1, 16, [1, 2]), False, ("scheduler",)),
+    subjects.HANDOFF: (HandoffQuery(DST, "fuzz-r", 1), True, ("scheduler",)),
+    subjects.SCHEDULER_HEARTBEAT: (SchedulerHeartbeat("fuzz-s"), False, ("scheduler",)),
+    subjects.gateway_heartbeat("fuzz-g"): (GatewayHeartbeat("fuzz-g", 0.25), False, INSTANCES),
 }
+# Not fed: a llumlet's `kv_snapshot` request subject, whose handler reads no payload (it publishes
+# its snapshot whatever arrives), so there is nothing there to fuzz.
 HOSTILE_VALUES = [-1, -(2**63), 2**64 - 1, 2**63 - 1, math.nan, math.inf, "bad id", "a.b", "", "\r\n", None,
                   [0] * 100_000, {"x": 1}, b"\x00" * 10]
 
