@@ -21,7 +21,7 @@ from loadgen.simulator.sweep import run_sweep
 from loadgen.simulator.workload import Workload, WorkloadSpec
 from shared.engine_model.config import STEP_MODES, SchedulerConfig
 from shared.policy.baselines import POLICIES, POLICY_NAMES, PREFIX_POLICY_NAMES, SchedulingPolicy, get_policy
-from shared.policy.admission import ADMISSION_POLICY_NAMES, AdmissionPolicy, Slo, SloConfig
+from shared.policy.admission import ADMISSION_POLICY_NAMES, AdmissionPolicy, Slo, SloConfig, priority_slos
 from shared.policy.config import HIGH_PRIORITY, PolicyConfig, ScalingConfig
 from shared.policy.migration import DEFAULT_GUARD
 
@@ -134,6 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "batch when the prefill would finish); needs --slo-ttft-s and --slo-tbt-s")
     gate.add_argument("--slo-ttft-s", type=float, metavar="S", help="TTFT target; with --slo-tbt-s adds the SLO table")
     gate.add_argument("--slo-tbt-s", type=float, metavar="S", help="TBT target (mean time per output token)")
+    gate.add_argument("--slo-priority", action="append", default=[], metavar="P:TTFT_S:TBT_S",
+                      help="a priority's own targets, e.g. high:0.5:0.05 or 3:10:0.5 (repeatable)")
     gate.add_argument("--slo-reserve", type=float, default=SloConfig(Slo(1, 1)).reserve, metavar="F",
                       help="share of the SLO normal priority may not use, so high priority is rejected last")
     out = parser.add_argument_group("output")
@@ -251,7 +253,7 @@ def _admission(args: argparse.Namespace) -> AdmissionModel | None:
         return None
     if args.slo_ttft_s is None or args.slo_tbt_s is None:
         raise ValueError("give both --slo-ttft-s and --slo-tbt-s")
-    slo = SloConfig(Slo(args.slo_ttft_s, args.slo_tbt_s), reserve=args.slo_reserve)
+    slo = SloConfig(Slo(args.slo_ttft_s, args.slo_tbt_s), priority_slos(args.slo_priority), reserve=args.slo_reserve)
     return AdmissionModel(AdmissionPolicy(args.admission), slo)
 
 

@@ -12,7 +12,7 @@ from services.global_scheduler.admission import AdmissionSettings
 from services.global_scheduler.dispatcher import DISPATCH_POLICY_NAMES
 from shared.config import add_nats_argument, env
 from shared.engine_model.latency import SIMPLE_MODELS
-from shared.policy.admission import ADMISSION_POLICY_NAMES, AdmissionPolicy, Slo, SloConfig
+from shared.policy.admission import ADMISSION_POLICY_NAMES, AdmissionPolicy, Slo, SloConfig, priority_slos
 from shared.policy.config import PolicyConfig
 from shared.policy.migration import DEFAULT_GUARD, MigrationGuard
 
@@ -72,6 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gate.add_argument("--admission", choices=ADMISSION_POLICY_NAMES, default=env("ADMISSION", "none"))
     gate.add_argument("--slo-ttft-s", type=float, default=env("SLO_TTFT_S", None), help="TTFT target")
     gate.add_argument("--slo-tbt-s", type=float, default=env("SLO_TBT_S", None), help="TBT target")
+    gate.add_argument("--slo-priority", action="append", metavar="P:TTFT_S:TBT_S",
+                      default=env("SLO_PRIORITY", "").split(),
+                      help="a priority's own targets, e.g. high:0.5:0.05 or 3:10:0.5 "
+                           "(repeatable; env: space-separated)")
     gate.add_argument("--slo-reserve", type=float, default=env("SLO_RESERVE", 0.1),
                       help="share of the SLO (and of KV blocks) normal priority leaves to high priority")
     gate.add_argument("--admission-gpu", choices=sorted(SIMPLE_MODELS), default=env("ADMISSION_GPU", "A10"),
@@ -104,7 +108,8 @@ def admission_from_args(args: argparse.Namespace) -> AdmissionSettings | None:
     if args.slo_ttft_s is None or args.slo_tbt_s is None:
         raise SystemExit(f"--admission {args.admission} needs --slo-ttft-s and --slo-tbt-s")
     try:
-        slo = SloConfig(Slo(args.slo_ttft_s, args.slo_tbt_s), reserve=args.slo_reserve)
+        slo = SloConfig(Slo(args.slo_ttft_s, args.slo_tbt_s), priority_slos(args.slo_priority),
+                        reserve=args.slo_reserve)
     except ValueError as exc:
         raise SystemExit(f"bad SLO: {exc}") from exc
     return AdmissionSettings(AdmissionPolicy(args.admission), slo, gpu=args.admission_gpu)

@@ -52,7 +52,7 @@ from __future__ import annotations
 import bisect
 import enum
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from shared.messages import MAX_OUTPUT_LENGTH_BINS
@@ -109,6 +109,28 @@ class SloConfig:
         slo = self.slo_for(priority)
         keep = 1.0 if priority <= HIGH_PRIORITY else 1.0 - self.reserve
         return Slo(slo.ttft_s * keep, slo.tbt_s * keep)
+
+
+def priority_slos(specs: Iterable[str]) -> dict[int, Slo]:
+    """`--slo-priority` values, `PRIORITY:TTFT_S:TBT_S` each: a priority's own targets. PRIORITY is
+    an integer (vLLM's: lower is more important) or `high` / `normal` (so `high:0.5:0.05` needs no
+    `--slo-priority=-1:…` to get past argparse). A malformed one raises ValueError naming it."""
+    found: dict[int, Slo] = {}
+    for spec in specs:
+        parts = spec.split(":")
+        try:
+            if len(parts) != 3:
+                raise ValueError("three fields")
+            named = {"high": HIGH_PRIORITY, "normal": 0}
+            priority = named[parts[0]] if parts[0] in named else int(parts[0])
+            ttft_s, tbt_s = float(parts[1]), float(parts[2])
+            slo = Slo(ttft_s, tbt_s)
+        except ValueError as exc:
+            raise ValueError(f"bad priority SLO {spec!r} (want PRIORITY:TTFT_S:TBT_S, e.g. high:0.5:0.05): {exc}") from None
+        if priority in found:
+            raise ValueError(f"priority {priority} has two SLOs")
+        found[priority] = slo
+    return found
 
 
 def _output_bin_edges() -> tuple[int, ...]:

@@ -65,8 +65,16 @@ def test_cli_prints_and_writes_the_slo_table(tmp_path, capsys):
     ("--admission", "predicted"),  # no SLO
     ("--slo-ttft-s", "2"),  # half an SLO
     ("--admission", "predicted", "--slo-ttft-s", "0", "--slo-tbt-s", "0.1"),
+    ("--admission", "predicted", "--slo-ttft-s", "2", "--slo-tbt-s", "0.1", "--slo-priority", "high:0.5"),
 ])
 def test_bad_admission_options_are_clear_errors(argv):
     args = parse("--dataset", "synthetic:sharegpt", "--num-requests", "10", *argv)
     with pytest.raises(LoadgenError):
         cli.build_config(args)
+
+
+def test_a_priority_slo_flag_reaches_the_simulated_admission():
+    args = parse("--dataset", "synthetic:sharegpt", "--num-requests", "10", "--admission", "predicted",
+                 "--slo-ttft-s", "2", "--slo-tbt-s", "0.1", "--slo-priority", "high:0.5:0.05")
+    slo = cli.build_config(args).admission.slo
+    assert slo.slo_for(-1) == Slo(0.5, 0.05) and slo.slo_for(0) == Slo(2, 0.1)

@@ -81,6 +81,32 @@ def test_flags_build_the_settings_and_bad_ones_exit():
             scheduler_config.config_from_args(parse(*argv))
 
 
+def test_a_priority_gets_its_own_slo_from_the_flags():
+    config = scheduler_config.config_from_args(parse("--admission", "predicted", "--slo-ttft-s", "2",
+                                                     "--slo-tbt-s", "0.1", "--slo-priority", "high:0.5:0.05",
+                                                     "--slo-priority", "3:10:0.5", "--slo-priority=-2:0.4:0.04"))
+    slo = config.admission.slo
+    assert slo.slo_for(-2) == Slo(0.4, 0.04)
+    assert slo.slo_for(HIGH_PRIORITY) == Slo(0.5, 0.05) and slo.slo_for(3) == Slo(10, 0.5)
+    assert slo.slo_for(0) == Slo(2, 0.1)
+    for bad in ("high:0.5", "x:1:1", "high:0:0.05", "1:1:1:9"):
+        with pytest.raises(SystemExit, match="bad priority SLO"):
+            scheduler_config.config_from_args(parse("--admission", "predicted", "--slo-ttft-s", "2",
+                                                    "--slo-tbt-s", "0.1", "--slo-priority", bad))
+
+
+def test_a_tighter_high_priority_slo_refuses_what_normal_priority_admits():
+    # ~1.05 s of queued prefill ahead (as above): inside normal's 2 s, outside high priority's own 0.5 s.
+    busy = make_load("a", total=4000, block_size=512, waiting=[8])
+    slo = SloConfig(Slo(2.0, 0.2), {HIGH_PRIORITY: Slo(0.5, 0.2)}, reserve=0.1)
+    s = GlobalScheduler(SchedulerConfig(nats_url="nats://unused:4222",
+                                        admission=AdmissionSettings(AdmissionPolicy.PREDICTED, slo)))
+    busy.sent_at = time.time()
+    s.table.update(busy)
+    assert s.decide(DispatchRequest("n", 100, 16)).instance_id == "a"
+    assert s.decide(DispatchRequest("h", 100, 16, priority=HIGH_PRIORITY)).reason is Refusal.OVERLOADED
+
+
 def test_predicted_reads_output_progress_from_the_reports():
     """A batch about to finish (each running request 10 tokens into an output this instance
     serves at 12, by the report's histogram of finished lengths) leaves a small decode batch
