@@ -9,12 +9,10 @@ import time
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
-from nats.errors import OutboundBufferLimitError
 
 from services.llumlet.config import LlumletConfig
 from services.llumlet.engine import Engine
 from shared.engine_model.views import EngineError
-from shared.engine_model.load_report import aggregate_views, build_load_report
 from services.llumlet.metrics import LlumletMetrics
 from services.llumlet.served import ServedTally
 from services.llumlet.tracing import RequestSpans, trace_context_of
@@ -28,6 +26,7 @@ from services.llumlet.output import OutputPublisher
 from services.llumlet.handoff import PrefillHandoff, nats_ask
 from services.llumlet.kv_events import KvEventPublisher
 from services.llumlet.kv_journal import journal_of
+from services.llumlet.load_reports import LoadReporter
 from services.llumlet.migration import kv_auth
 from shared import bus_guard, subjects, tracing
 from shared.messages import (
@@ -37,7 +36,6 @@ from shared.messages import (
     FinishReason,
     GatewayHeartbeat,
     GenerateRequest,
-    LoadReport,
     Refusal,
     TokenChunk,
     WireError,
@@ -66,9 +64,6 @@ class Llumlet:
         self.routes = OutputRoutes()  # where each request's output goes
         self.gateways = GatewayWatch()  # a gateway gone silent: its requests have no reader
         self._work = asyncio.Event()
-        self._report_now = asyncio.Event()
-        self._seq = 0
-        self._last_report: LoadReport | None = None
         self._tasks: list[asyncio.Task] = []
         # Token output to the gateways (held in order while NATS cannot take it).
         self.output = OutputPublisher(self.instance_id, self.routes, lambda: self.nc, lambda: self.spans)
@@ -77,6 +72,7 @@ class Llumlet:
         self.metrics: LlumletMetrics | None = None
         self.served = ServedTally()  # finished requests and step pace, for admission control
         self.spans = RequestSpans(self.instance_id, "")  # replaced once tracing is set up in start()
+        self.reports = LoadReporter(self)  # what the schedulers know of this instance
 
     def _build_migration(self) -> LlumletMigration | None:
         """After the engine started: its KV tensors (what the copier moves) exist only then."""
@@ -127,7 +123,7 @@ class Llumlet:
         await nc.subscribe(subjects.llumlet(self.instance_id, "drain"), cb=self._on_drain)
         self._tasks = [
             asyncio.create_task(self._engine_loop(), name="engine-loop"),
-            asyncio.create_task(self._report_loop(), name="report-loop"),
+            asyncio.create_task(self.reports.run(), name="report-loop"),
             asyncio.create_task(self._watch_gateways(), name="gateway-watch"),
         ]
         if (journal := journal_of(self.engine)) is not None:  # its prefix cache, told to the schedulers
@@ -141,7 +137,7 @@ class Llumlet:
         self.handoff = self._build_handoff()
         if self.handoff is not None:
             self._tasks.append(asyncio.create_task(self.handoff.run(), name="handoff"))
-        await self.publish_report()
+        await self.reports.publish()
         log.info(
             "llumlet %s up: role=%s engine=%s blocks=%d block_size=%d",
             self.instance_id,
@@ -161,7 +157,7 @@ class Llumlet:
     def not_ready_reason(self) -> str | None:
         """The metrics port's `/ready` (called from its thread: only reads)."""
         connected = self.nc is not None and self.nc.is_connected
-        return not_ready_reason(self._last_report, self.draining, connected, self.config.report_interval_s, time.time())
+        return not_ready_reason(self.reports.last, self.draining, connected, self.config.report_interval_s, time.time())
 
     async def stop(self) -> None:
         """Each phase bounded (`StopPhases`): a stop always ends in an exit, and one that waits
@@ -199,7 +195,7 @@ class Llumlet:
             return
         self.draining = self.leaving = True
         try:
-            await self.publish_report()
+            await self.reports.publish()
             await flush_in_order(self.nc, timeout_s=1)
         except (NatsError, TimeoutError) as exc:
             log.warning("could not announce that %s is leaving: %s", self.instance_id, exc)
@@ -229,7 +225,7 @@ class Llumlet:
         self.metrics.request_arrived(request.request_id, time.monotonic())
         self.spans.started(request)
         self._work.set()
-        self._report_now.set()
+        self.report_soon()
         await msg.respond(encode(Ack(ok=True)))
 
     async def _on_abort(self, msg: Msg) -> None:
@@ -243,7 +239,7 @@ class Llumlet:
             log.debug("request %s aborted (%s)", order.request_id, order.reason)  # (benchmarks/cancellation.py)
             self.metrics.request_left(order.request_id)
             self.spans.ended(order.request_id, "aborted")
-            self._report_now.set()
+            self.report_soon()
             if order.gateway_id is None or subjects.gateway_output(order.gateway_id) != subject:
                 # Not its gateway's abort: that gateway still waits for tokens; end its stream.
                 error = f"request aborted ({order.reason}) by {order.gateway_id or 'another party'} ({self.instance_id})"
@@ -283,7 +279,7 @@ class Llumlet:
                     chunk = TokenChunk(request_id, self.instance_id, 0, [], finish_reason=FinishReason.ERROR,
                                        error=f"{why}: request aborted ({self.instance_id})", resumable=True)
                     await self.output.publish_chunk(subject, encode(chunk))
-                self._report_now.set()
+                self.report_soon()
 
     async def _on_drain(self, msg: Msg) -> None:
         order = decode_or_drop(msg.data, DrainOrder, log, "drain order", msg.subject)
@@ -293,7 +289,7 @@ class Llumlet:
             return
         self.draining = order.drain
         log.info("llumlet %s draining=%s", self.instance_id, self.draining)
-        self._report_now.set()
+        self.report_soon()
         if msg.reply:
             await msg.respond(encode(Ack(ok=True)))
 
@@ -326,7 +322,7 @@ class Llumlet:
             if self.handoff is not None:  # (after the first token went out from here)
                 await self.handoff.prefilled(outputs)
             if outputs:
-                self._maybe_report_now()
+                self.reports.soon_if_blocks_moved()
 
     async def fail_request(self, request_id: str, reason: str) -> None:
         subject = self.routes.close(request_id)
@@ -358,50 +354,7 @@ class Llumlet:
         self.spans.end_all("failed", error=reason)
         await flush_in_order(self.nc)
 
-    # ------------------------------------------------------------------ load reports
-
-    def current_load(self) -> LoadReport:
-        self._seq += 1
-        migration = self.migration
-        return build_load_report(
-            instance_id=self.instance_id,
-            seq=self._seq,
-            sent_at=time.time(),
-            requests=aggregate_views(self.engine.request_views()),
-            num_blocks_total=self.engine.num_blocks_total,
-            num_blocks_free=self.engine.num_free_blocks(),
-            block_size=self.engine.block_size,
-            num_preemptions_total=self.engine.num_preemptions_total(),
-            headroom_blocks=self.config.policy.headroom_blocks,
-            draining=self.draining,
-            reserved_blocks=migration.reserved_blocks if migration is not None else 0,
-            committed_blocks=self.engine.num_committed_blocks(),
-            num_migrating=migration.num_migrating if migration is not None else 0,
-            kv_address=migration.kv_address if migration is not None else "",
-            max_model_len=self.engine.max_model_len,
-            model=self.engine.model_name,
-            engine=self.engine.kind,
-            num_finished_total=self.served.num_finished,
-            finished_output_tokens_total=self.served.finished_output_tokens,
-            finished_output_histogram=self.served.output_histogram,
-            num_accepted_total=self.served.num_accepted,
-            step_time_s=self.served.step_time_s,
-            step_decode_batch=self.served.decode_batch,
-            step_decode_context=self.served.decode_context,
-            role=self.role,
-            migration_candidate_hashes=migration.candidate_hashes() if migration is not None else (),
-        )
-
-    async def publish_report(self) -> None:
-        report = self.current_load()
-        self._last_report = report
-        self.metrics.observe_report(report)
-        if not self.nc.is_connected:
-            return  # a report is rebuilt every interval: not worth buffering while NATS is away
-        try:
-            await self.nc.publish(subjects.load_report(self.instance_id), encode(report))
-        except OutboundBufferLimitError:
-            pass  # as above: the next one will do
+    # ------------------------------------------------------------------ wake-ups (the migration hooks' too)
 
     def wake_engine(self) -> None:
         """There is work for the engine loop (a request arrived, migrated in or resumed)."""
@@ -409,19 +362,4 @@ class Llumlet:
 
     def report_soon(self) -> None:
         """Publish a load report now rather than at the next interval."""
-        self._report_now.set()
-
-    def _maybe_report_now(self) -> None:
-        last = self._last_report
-        threshold = max(1, int(self.engine.num_blocks_total * self.config.report_change_fraction))
-        if last is None or abs(last.num_blocks_free - self.engine.num_free_blocks()) >= threshold:
-            self._report_now.set()
-
-    async def _report_loop(self) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(self._report_now.wait(), self.config.report_interval_s)
-            except TimeoutError:
-                pass
-            self._report_now.clear()
-            await self.publish_report()
+        self.reports.soon()

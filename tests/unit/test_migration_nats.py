@@ -194,7 +194,7 @@ async def test_report_carries_the_kv_address_and_reserved_blocks(llumlets, clien
     async with asyncio.timeout(5):
         while not b.engine.num_reserved_blocks():
             await asyncio.sleep(0.005)
-    dst_report, src_report = b.current_load(), a.current_load()
+    dst_report, src_report = b.reports.current_load(), a.reports.current_load()
     assert dst_report.kv_address == b.migration.kv_address and ":" in dst_report.kv_address
     assert dst_report.reserved_blocks >= 1200 // 16 and dst_report.num_migrating == 1
     assert src_report.num_migrating == 1

@@ -1,0 +1,111 @@
+"""The llumlet's load reports, what the schedulers know of it: what its engine holds, how it
+serves, whether it drains. One goes out every `report_interval_s`, and sooner when something
+changed (`soon`: a request came, went or migrated; or a step moved the free blocks by
+`report_change_fraction` of them). A report is rebuilt each time: none is buffered while NATS is
+away. The last one built also answers `/ready` (`services.llumlet.readiness`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Protocol
+
+from nats.aio.client import Client
+from nats.errors import OutboundBufferLimitError
+
+from services.llumlet.config import LlumletConfig
+from services.llumlet.engine import Engine
+from services.llumlet.metrics import LlumletMetrics
+from services.llumlet.migration.runtime import LlumletMigration
+from services.llumlet.served import ServedTally
+from shared import subjects
+from shared.engine_model.load_report import aggregate_views, build_load_report
+from shared.messages import InstanceRole, LoadReport, encode
+
+
+class ReportedLlumlet(Protocol):
+    """The llumlet's surface a report is built from (`Llumlet`; no import of it: no cycle)."""
+
+    instance_id: str
+    role: InstanceRole
+    config: LlumletConfig
+    engine: Engine
+    draining: bool
+    served: ServedTally
+    migration: LlumletMigration | None
+    metrics: LlumletMetrics | None
+    nc: Client | None
+
+
+class LoadReporter:
+    def __init__(self, llumlet: ReportedLlumlet) -> None:
+        self.llumlet = llumlet
+        self.last: LoadReport | None = None  # the last one built (sent or not)
+        self._seq = 0
+        self._now = asyncio.Event()
+
+    def current_load(self) -> LoadReport:
+        self._seq += 1
+        llumlet = self.llumlet
+        engine, served, migration = llumlet.engine, llumlet.served, llumlet.migration
+        return build_load_report(
+            instance_id=llumlet.instance_id,
+            seq=self._seq,
+            sent_at=time.time(),
+            requests=aggregate_views(engine.request_views()),
+            num_blocks_total=engine.num_blocks_total,
+            num_blocks_free=engine.num_free_blocks(),
+            block_size=engine.block_size,
+            num_preemptions_total=engine.num_preemptions_total(),
+            headroom_blocks=llumlet.config.policy.headroom_blocks,
+            draining=llumlet.draining,
+            reserved_blocks=migration.reserved_blocks if migration is not None else 0,
+            committed_blocks=engine.num_committed_blocks(),
+            num_migrating=migration.num_migrating if migration is not None else 0,
+            kv_address=migration.kv_address if migration is not None else "",
+            max_model_len=engine.max_model_len,
+            model=engine.model_name,
+            engine=engine.kind,
+            num_finished_total=served.num_finished,
+            finished_output_tokens_total=served.finished_output_tokens,
+            finished_output_histogram=served.output_histogram,
+            num_accepted_total=served.num_accepted,
+            step_time_s=served.step_time_s,
+            step_decode_batch=served.decode_batch,
+            step_decode_context=served.decode_context,
+            role=llumlet.role,
+            migration_candidate_hashes=migration.candidate_hashes() if migration is not None else (),
+        )
+
+    async def publish(self) -> None:
+        report = self.current_load()
+        self.last = report
+        self.llumlet.metrics.observe_report(report)
+        nc = self.llumlet.nc
+        if not nc.is_connected:
+            return  # a report is rebuilt every interval: not worth buffering while NATS is away
+        try:
+            await nc.publish(subjects.load_report(self.llumlet.instance_id), encode(report))
+        except OutboundBufferLimitError:
+            pass  # as above: the next one will do
+
+    def soon(self) -> None:
+        """Publish a load report now rather than at the next interval."""
+        self._now.set()
+
+    def soon_if_blocks_moved(self) -> None:
+        """After a step: report now if the free blocks moved by `report_change_fraction` of them
+        since the last report."""
+        engine = self.llumlet.engine
+        threshold = max(1, int(engine.num_blocks_total * self.llumlet.config.report_change_fraction))
+        if self.last is None or abs(self.last.num_blocks_free - engine.num_free_blocks()) >= threshold:
+            self._now.set()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._now.wait(), self.llumlet.config.report_interval_s)
+            except TimeoutError:
+                pass
+            self._now.clear()
+            await self.publish()
