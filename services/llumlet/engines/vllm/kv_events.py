@@ -9,7 +9,7 @@ its place on the scheduler (in process, the one object the step calls).
 Hashes: with `prefix_caching_hash_algo="sha256_cbor"` vLLM's block hash is the digest
 `shared.prefix_hash` computes, so the gateway's chain and these events name the same blocks.
 vLLM sends it as an int of the digest's last 8 bytes (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`, on by
-default) or as the raw digest; either becomes the 63-bit wire hash. The driver asks for raw
+default) or as the raw digest; either becomes the 63-bit wire hash. `startup.py` asks for raw
 digests (`RAW_DIGESTS_ENV`): a migration's destination needs them to find a block the source names
 by its wire hash (`prefix_pins.CachedDigests`, fed here too). Only the engine's own cache
 (medium GPU or unset: the CPU build says GPU too) counts: an offloading tier's blocks are not

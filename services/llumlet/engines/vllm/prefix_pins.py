@@ -4,9 +4,9 @@ a moving request its prefix cache holds already, found from the wire hashes the 
 vLLM keys its prefix cache by the full 32-byte digest (`sha256_cbor`: the gateway's chain); the
 wire carries only its 63-bit form (`shared.prefix_hash.wire_hash`), which cannot be turned back.
 `CachedDigests` keeps wire hash -> digest for what the cache holds, fed from vLLM's own KV events
-with raw digests (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`, set by the driver before the engine
-is built): a stored block adds its digest, a removed one drops it unless another block still
-caches the same digest, a cleared cache empties it. A digest found here is then looked up in the
+with raw digests (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`, set by `startup.py` before the
+engine is built): a stored block adds its digest, a removed one drops it unless another block
+still caches the same digest, a cleared cache empties it. A digest found here is then looked up in the
 block pool itself, so a stale entry costs a miss, never a wrong block. Engine thread only.
 """
 
