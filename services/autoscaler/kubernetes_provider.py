@@ -104,8 +104,10 @@ class KubernetesProvider:
         log.info("scaled %s in: pod %s goes", self.settings.deployment, instance_id)
 
     def managed(self) -> set[str]:
-        """Pods of the Deployment that are not being deleted."""
-        return {pod.metadata.name for pod in self._pods() if pod.metadata.deletion_timestamp is None}
+        """Pods of the Deployment that are not being deleted, nor marked to go by a stop (this
+        process's or, before a restart, an earlier one's) that the controller has not acted on yet."""
+        return {pod.metadata.name for pod in self._pods() if pod.metadata.deletion_timestamp is None
+                and (pod.metadata.annotations or {}).get(DELETION_COST) != LOWEST_DELETION_COST}
 
     def stop_all(self) -> None:
         """Nothing: the llumlets belong to the Deployment, not to this autoscaler process."""

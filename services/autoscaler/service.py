@@ -21,6 +21,7 @@ from shared.instance_table import InstanceTable
 from shared.messages import (
     Ack,
     DrainOrder,
+    DrainSource,
     InstanceRole,
     LoadReport,
     ScalingAction,
@@ -48,6 +49,9 @@ class Autoscaler:
         self.nc: Client | None = None
         self._starting: dict[str, float] = {}  # started, not yet reporting → start time
         self._draining: set[str] = set()
+        # Stopped here: reports may go on a moment (a pod's preStop), so never adopted nor stopped
+        # twice. One id a scale-in over the process's life: not worth expiring.
+        self._stopped: set[str] = set()
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -96,6 +100,7 @@ class Autoscaler:
 
     async def tick(self) -> None:
         await self._forget_failed_starts()
+        await self._adopt_earlier_drains()
         await self._stop_drained()
         loads = [l for l in self.table.live() if l.instance_id not in self._draining]
         if not self.config.disaggregated:
@@ -132,11 +137,27 @@ class Autoscaler:
 
     async def _drain(self, instance_id: str) -> None:
         try:
-            reply = await self.nc.request(subjects.llumlet(instance_id, "drain"), encode(DrainOrder(drain=True)), timeout=2.0)
+            order = DrainOrder(drain=True, by=DrainSource.AUTOSCALER)
+            reply = await self.nc.request(subjects.llumlet(instance_id, "drain"), encode(order), timeout=2.0)
             decode(reply.data, Ack)
         except (NoRespondersError, TimeoutError) as exc:
             log.warning("drain order to %s not acknowledged (%s); stopping it when it stops reporting", instance_id, exc)
         self._draining.add(instance_id)
+
+    async def _adopt_earlier_drains(self) -> None:
+        """An instance that reports an autoscaler's drain this one did not order was drained by an
+        autoscaler before a restart (the draining set lives in memory): finish the job, stop it once
+        empty. Operator drains (a preStop, `corral drain`) are left alone: their pod is going anyway."""
+        unknown = [l.instance_id for l in self.table.live() if l.drained_by is DrainSource.AUTOSCALER
+                   and l.instance_id not in self._draining and l.instance_id not in self._stopped]
+        if not unknown:
+            return
+        managed = await asyncio.to_thread(self.provider.managed)
+        for instance_id in unknown:
+            if instance_id in managed:
+                log.info("instance %s was drained by an autoscaler before this one started: stopping it once empty",
+                         instance_id)
+                self._draining.add(instance_id)
 
     async def _stop_drained(self) -> None:
         for instance_id in list(self._draining):
@@ -148,6 +169,7 @@ class Autoscaler:
                 self._roles.pop(instance_id, None)
                 self.table.remove(instance_id)
                 await asyncio.to_thread(self.provider.stop_instance, instance_id)
+                self._stopped.add(instance_id)
                 await self._event(ScalingAction.STOPPED, instance_id, None)
 
     async def _forget_failed_starts(self) -> None:

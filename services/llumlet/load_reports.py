@@ -20,7 +20,7 @@ from services.llumlet.migration.runtime import LlumletMigration
 from services.llumlet.served import ServedTally
 from shared import subjects
 from shared.engine_model.load_report import aggregate_views, build_load_report
-from shared.messages import InstanceRole, LoadReport, encode
+from shared.messages import DrainSource, InstanceRole, LoadReport, encode
 
 
 class ReportedLlumlet(Protocol):
@@ -31,6 +31,7 @@ class ReportedLlumlet(Protocol):
     config: LlumletConfig
     engine: Engine
     draining: bool
+    drained_by: DrainSource | None
     served: ServedTally
     migration: LlumletMigration | None
     metrics: LlumletMetrics | None
@@ -59,6 +60,7 @@ class LoadReporter:
             num_preemptions_total=engine.num_preemptions_total(),
             headroom_blocks=llumlet.config.policy.headroom_blocks,
             draining=llumlet.draining,
+            drained_by=llumlet.drained_by,
             reserved_blocks=migration.reserved_blocks if migration is not None else 0,
             committed_blocks=engine.num_committed_blocks(),
             num_migrating=migration.num_migrating if migration is not None else 0,

@@ -33,6 +33,7 @@ from shared.messages import (
     AbortRequest,
     Ack,
     DrainOrder,
+    DrainSource,
     FinishReason,
     GatewayHeartbeat,
     GenerateRequest,
@@ -60,6 +61,7 @@ class Llumlet:
         self.role = config.role
         self.nc: Client | None = None
         self.draining = False
+        self.drained_by: DrainSource | None = None  # who made it drain, reported while it does
         self.leaving = False  # stopping: new requests are refused (DRAINING) so the gateway tries another
         self.routes = OutputRoutes()  # where each request's output goes
         self.gateways = GatewayWatch()  # a gateway gone silent: its requests have no reader
@@ -194,6 +196,7 @@ class Llumlet:
         if self.nc is None or self.nc.is_closed or self.metrics is None:
             return
         self.draining = self.leaving = True
+        self.drained_by = self.drained_by or DrainSource.STOPPING  # an autoscaler's drain stays its
         try:
             await self.reports.publish()
             await flush_in_order(self.nc, timeout_s=1)
@@ -288,7 +291,8 @@ class Llumlet:
                 await msg.respond(encode(Ack(ok=False, error="bad drain order", reason=Refusal.INVALID)))
             return
         self.draining = order.drain
-        log.info("llumlet %s draining=%s", self.instance_id, self.draining)
+        self.drained_by = order.by if order.drain else None
+        log.info("llumlet %s draining=%s (by %s)", self.instance_id, self.draining, order.by.value)
         self.report_soon()
         if msg.reply:
             await msg.respond(encode(Ack(ok=True)))

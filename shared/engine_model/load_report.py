@@ -13,7 +13,7 @@ from typing import Protocol
 
 from shared.engine_model.block_manager import blocks_for_tokens
 from shared.engine_model.views import RequestPhase, RequestView
-from shared.messages import MAX_RUNNING_OUTPUTS, InstanceRole, LoadReport, PriorityLoad
+from shared.messages import MAX_RUNNING_OUTPUTS, DrainSource, InstanceRole, LoadReport, PriorityLoad
 from shared.policy.freeness import QueueDemand, freeness
 
 
@@ -120,6 +120,7 @@ def build_load_report(
     num_preemptions_total: int,
     headroom_blocks: Mapping[int, int] | None,
     draining: bool = False,
+    drained_by: DrainSource | None = None,
     reserved_blocks: int = 0,
     committed_blocks: int = 0,
     num_migrating: int = 0,
@@ -157,6 +158,7 @@ def build_load_report(
         reserved_blocks=reserved_blocks,
         committed_blocks=committed_blocks,
         draining=draining,
+        drained_by=drained_by if draining else None,
         kv_address=kv_address,
         max_model_len=max_model_len,
         model=model,

@@ -14,6 +14,7 @@ __all__ = [
     "PriorityLoad",
     "MAX_RUNNING_OUTPUTS",
     "MAX_OUTPUT_LENGTH_BINS",
+    "DrainSource",
     "InstanceRole",
     "LoadReport",
     "MAX_BLOCK_HASHES",
@@ -42,6 +43,16 @@ MAX_RUNNING_OUTPUTS = 1024  # a load report lists at most this many running requ
 
 
 MAX_OUTPUT_LENGTH_BINS = 64  # bins of a load report's served-output histogram (admission uses 34)
+
+
+class DrainSource(enum.StrEnum):
+    """Who made an instance drain: an operator's tool (`corral drain`, a preStop), the autoscaler
+    (it stops the instance once empty, and a restarted autoscaler picks up where it left off), or
+    the instance's own stop (SIGTERM)."""
+
+    OPERATOR = "operator"
+    AUTOSCALER = "autoscaler"
+    STOPPING = "stopping"
 
 
 class InstanceRole(enum.StrEnum):
@@ -78,6 +89,7 @@ class LoadReport(Struct):
     # fits, chunked prefill allocates it chunk by chunk. Spoken for, though still free.
     committed_blocks: Count = 0
     draining: bool = False
+    drained_by: DrainSource | None = None  # set while draining
     kv_address: Annotated[str, Meta(max_length=256)] = ""
     max_model_len: Count = 0
     model: str = ""

@@ -10,7 +10,7 @@ from msgspec import Meta
 
 from shared.messages.wire import Count, InstanceId, RequestId, Seconds, Struct, TokenIds
 from shared.messages.streams import GenerateRequest, MAX_TAIL_LOGPROBS, TokenLogprob
-from shared.messages.load import BlockHash, MAX_PREALLOC_HASHES
+from shared.messages.load import BlockHash, DrainSource, MAX_PREALLOC_HASHES
 
 __all__ = [
     "MigrateOrder",
@@ -55,6 +55,7 @@ class HandoffAnswer(Struct):
 
 class DrainOrder(Struct):
     drain: bool = True
+    by: DrainSource = DrainSource.OPERATOR  # reported back while draining (LoadReport.drained_by)
 
 
 class ScalingAction(str, enum.Enum):

@@ -52,6 +52,14 @@ def test_scale_in_removes_the_drained_pod_not_the_one_the_controller_would_pick(
         assert api.replicas == 2
 
 
+def test_a_pod_marked_to_go_is_not_managed_before_the_controller_deletes_it():
+    with KubeApiStandIn(replicas=3) as api:
+        marked = min(api.live_pods(), key=lambda p: p.created).name
+        api.pods[marked].annotations[DELETION_COST] = str(-(2**31))  # an earlier autoscaler's stop, mid-way
+        managed = provider_for(api).managed()  # a restarted autoscaler's provider
+        assert marked not in managed and len(managed) == 2
+
+
 def test_a_concurrent_replica_change_is_read_again_not_overwritten():
     with KubeApiStandIn(replicas=2) as api:
         provider = provider_for(api)

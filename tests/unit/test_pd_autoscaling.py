@@ -10,9 +10,10 @@ import pytest
 
 from services.autoscaler.config import add_arguments, config_from_args
 from services.autoscaler.service import Autoscaler
-from shared.messages import Ack, InstanceRole, encode
+from shared.messages import InstanceRole
 from shared.policy.config import ScalingConfig
 from shared.policy.scaling import PrefillBand, ScaleAction, ScalingState, pool_scaling_decision, queued_prefill_tokens
+from tests.unit.autoscaler_fakes import FakeBus, FakeProvider
 from tests.unit.policy_helpers import make_load
 
 SCALING = ScalingConfig(scale_out_below=2.0, scale_in_above=40.0, sustain_s=5.0, cooldown_s=0.0, min_instances=1,
@@ -64,38 +65,6 @@ def test_a_short_prefill_queue_is_inside_the_band():
 def test_an_empty_pool_starts_an_instance():
     decision, _ = pool_scaling_decision(InstanceRole.PREFILL, [decode("d", 40)], ScalingState(), SCALING, BAND, 0.0)
     assert decision.action is ScaleAction.OUT
-
-
-class FakeProvider:
-    def __init__(self) -> None:
-        self.started: list[tuple[str, InstanceRole | None]] = []
-        self.stopped: list[str] = []
-
-    def start_instance(self, role=None) -> str:
-        instance_id = f"auto-{len(self.started)}"
-        self.started.append((instance_id, role))
-        return instance_id
-
-    def stop_instance(self, instance_id: str) -> None:
-        self.stopped.append(instance_id)
-
-    def managed(self) -> set[str]:
-        return {iid for iid, _ in self.started} - set(self.stopped)
-
-    def stop_all(self) -> None: ...
-
-
-class FakeBus:
-    def __init__(self) -> None:
-        self.published: list[str] = []
-        self.requests: list[str] = []
-
-    async def publish(self, subject: str, data: bytes) -> None:
-        self.published.append(subject)
-
-    async def request(self, subject: str, data: bytes, timeout: float):
-        self.requests.append(subject)
-        return type("Reply", (), {"data": encode(Ack(ok=True))})()
 
 
 def autoscaler_args(*argv: str):
