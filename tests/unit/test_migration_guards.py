@@ -13,11 +13,12 @@ import pytest
 
 from services.llumlet.engines.sim.engine import SimEngine
 from services.llumlet.migration.copier import BlockCopier
-from services.llumlet.migration.destination import IncomingMigrations, IntakeLoad, guard_refusal
+from services.llumlet.migration.destination import IncomingMigrations
 from services.llumlet.migration.kv_receiver import KVReceiver
 from services.llumlet.migration.kv_sender import KVSenderPool
 from services.llumlet.migration.kv_wire import AckStatus, FrameHeader
-from services.llumlet.migration.ops import LivePhase, MigrationSnapshot
+from services.llumlet.migration.leases import guard_refusal
+from services.llumlet.migration.ops import IntakeLoad, LivePhase, MigrationSnapshot
 from services.llumlet.migration.protocol import MigrationLimits, MigrationStatus, PreAllocGrant, new_migration_id
 from services.llumlet.migration.source import MigrationCoordinator
 from shared.messages import Ack, MigrateOrder, MigrationAbort, MigrationCommit, PreAlloc

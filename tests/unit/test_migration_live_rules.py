@@ -9,7 +9,8 @@ import contextlib
 
 from services.llumlet.engines.sim.engine import SimEngine
 from services.llumlet.migration.departures import Departures
-from services.llumlet.migration.destination import IntakeLoad, guard_refusal
+from services.llumlet.migration.leases import guard_refusal
+from services.llumlet.migration.ops import IntakeLoad
 from services.llumlet.migration.protocol import MigrationLimits
 from services.llumlet.migration.source import MigrationCoordinator
 from shared.messages import MigrateOrder

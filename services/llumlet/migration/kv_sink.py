@@ -1,5 +1,5 @@
 """What the KV receiver hands frames to: the destination's side of a frame (the incoming-migration
-registry, `destination.py`, implements it; tests implement it over a plain pool)."""
+registry, `destination.py` over `leases.py`, implements it; tests implement it over a plain pool)."""
 
 from __future__ import annotations
 

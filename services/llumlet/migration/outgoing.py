@@ -1,5 +1,5 @@
 """The source's record of one outgoing migration: its stages, timings and how it ended (the
-coordinator in `source.py` drives it; stats, benchmarks and tests read it)."""
+stage driver in `source_stages.py` drives it; stats, benchmarks and tests read it)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ from services.llumlet.migration.kv_receiver import KVReceiver
 from services.llumlet.migration.kv_sender import KVSenderPool
 from services.llumlet.migration.ops import MigratableEngine
 from services.llumlet.migration.protocol import MigrationLimits
-from services.llumlet.migration.source import MigrationCoordinator, SourceHooks
+from services.llumlet.migration.source import MigrationCoordinator
+from services.llumlet.migration.source_stages import SourceHooks
 from shared import subjects
 from shared.messages import (
     MAX_CANDIDATE_HASHES,
