@@ -151,7 +151,8 @@ class Handoffs:
         free = [i for i in targets if i.migrations_in < model.max_per_instance]
         loads = [self.sim.report_of(i, fresh=True) for i in free]
         blocks = src.scheduler.block_manager.num_blocks_of(request_id)
-        dst = handoff_destination(self.sim.report_of(src, fresh=True), loads, blocks, self.guard, self.headroom)
+        dst = handoff_destination(self.sim.report_of(src, fresh=True), loads, blocks, self.guard, self.headroom,
+                                  request.prompt_len + request.max_tokens)
         if dst is None:
             if len(free) < len(targets):
                 return False  # a busy destination may have room once its migration ends

@@ -60,7 +60,8 @@ class InstanceRoles:
         source = self.table.get(query.instance_id)
         if source is None:
             return HandoffAnswer(reason=UNKNOWN_SOURCE)
-        dst = handoff_destination(source, live, query.num_blocks, self.guard, self.headroom_blocks)
+        dst = handoff_destination(source, live, query.num_blocks, self.guard, self.headroom_blocks,
+                                  query.max_num_tokens)
         if dst is None:
             return HandoffAnswer(reason=NO_ROOM)
         self.table.replace_load(account_handoff(self.table.get(dst), query.num_blocks))

@@ -125,7 +125,8 @@ class PrefillHandoff:
         expected = LivePhase.SUSPENDED if suspended else LivePhase.RUNNING
         if snapshot is None or snapshot.phase is not expected:
             return HandoffOutcome.GONE
-        answer = await self._ask(HandoffQuery(self.instance_id, request_id, snapshot.num_blocks))
+        answer = await self._ask(HandoffQuery(self.instance_id, request_id, snapshot.num_blocks,
+                                              snapshot.max_num_tokens))
         if answer is None or answer.dst_instance_id is None:
             await self._back_in_batch(request_id, suspended)
             if answer is None:

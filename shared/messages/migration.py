@@ -43,6 +43,7 @@ class HandoffQuery(Struct):
     instance_id: InstanceId
     request_id: RequestId
     num_blocks: Count  # the request's KV blocks, the room the destination needs
+    max_num_tokens: Count = 0  # the longest it can grow (prompt + max_tokens): the context it needs; 0: not said
 
 
 class HandoffAnswer(Struct):

@@ -67,24 +67,35 @@ def may_take_handoff(load: LoadReport, request_blocks: int, guard: MigrationGuar
     )
 
 
+def holds_context(load: LoadReport, num_tokens: int) -> bool:
+    """The instance's context fits a sequence of `num_tokens` (an instance or a request that
+    says nothing, 0, fits)."""
+    return load.max_model_len == 0 or num_tokens <= load.max_model_len
+
+
 def handoff_destination(
     source: LoadReport,
     loads: Sequence[LoadReport],
     request_blocks: int,
     guard: MigrationGuard,
     headroom_blocks: Mapping[int, int],
+    request_max_tokens: int = 0,
 ) -> str | None:
     """Where a request that just finished its prefill on `source` decodes: the freest decode
-    instance that may take its `request_blocks`, else the freest such mixed instance; None: it
-    stays on `source` (degrades to mixed).
+    instance that may take its `request_blocks` and whose context holds the `request_max_tokens`
+    it may grow to (0: not checked), else the freest such mixed instance; None: it stays on
+    `source` (degrades to mixed).
 
     The guard's per-request limits (residence, return) and its freeness gap are not applied: a
     hand-off moves a request because of the instance's role, not to balance load, and a request
     at its first token has just arrived. Ties go to the smaller instance id (deterministic)."""
+    # It can grow no longer than its source's context either (an engine stops it there).
+    need = min(request_max_tokens, source.max_model_len) if source.max_model_len else request_max_tokens
     for role in HANDOFF_ROLES:
         eligible = [
             l for l in loads
             if l.role is role and l.instance_id != source.instance_id and may_take_handoff(l, request_blocks, guard)
+            and holds_context(l, need)
         ]
         if eligible:
             best = min(eligible, key=lambda l: (-freeness(l, headroom_blocks, QueueDemand.HEAD), l.instance_id))

@@ -162,9 +162,10 @@ def test_no_room_is_asked_about_again_then_the_request_stays(monkeypatch, no_roo
     calls: list[float] = []
     real = handoff_module.handoff_destination
 
-    def no_room_at_first(source, loads, request_blocks, guard, headroom):
+    def no_room_at_first(source, loads, request_blocks, guard, headroom, request_max_tokens=0):
         calls.append(sim.now)
-        return None if len(calls) <= no_room_answers else real(source, loads, request_blocks, guard, headroom)
+        return None if len(calls) <= no_room_answers else real(source, loads, request_blocks, guard, headroom,
+                                                                request_max_tokens)
 
     monkeypatch.setattr(handoff_module, "handoff_destination", no_room_at_first)
     config = small(num_instances=2, num_prefill=1, num_decode=1, step_mode="v1", num_blocks=400)

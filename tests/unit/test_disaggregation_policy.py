@@ -138,3 +138,18 @@ def test_rebalancing_never_moves_a_request_into_a_prefill_instance():
     # no prefill instance: exactly the ordinary pairing
     loads = [load("m1", M, running={0: (10, 100)}), idle_mixed]
     assert rebalancing_pairs(loads, config, GUARD) == pair_migrations(loads, config, GUARD)
+
+
+def test_a_decode_instance_whose_context_is_too_short_is_passed_over():
+    source = msgspec.structs.replace(load("p", P), max_model_len=8192)
+    short = msgspec.structs.replace(load("d1", D), max_model_len=2048)
+    long = msgspec.structs.replace(load("d2", D, running={0: (1, 40)}), max_model_len=8192)  # busier, but fits
+    loads = [source, short, long]
+    assert handoff_destination(source, loads, 5, GUARD, NO_HEADROOM, request_max_tokens=3000) == "d2"
+    assert handoff_destination(source, loads, 5, GUARD, NO_HEADROOM, request_max_tokens=2000) == "d1"
+    assert handoff_destination(source, loads, 5, GUARD, NO_HEADROOM) == "d1"  # a length not said: not checked
+    # The source's own context bounds it: a request allowed 100k tokens still stops at 2,048 there.
+    short_source = msgspec.structs.replace(source, max_model_len=2048)
+    assert handoff_destination(short_source, [short_source, short, long], 5, GUARD, NO_HEADROOM,
+                               request_max_tokens=100_000) == "d1"
+    assert handoff_destination(source, [source, short], 5, GUARD, NO_HEADROOM, request_max_tokens=3000) is None

@@ -67,6 +67,7 @@ async def test_the_stage_limit_forces_the_last_stage(make_harness) -> None:
 async def test_a_blocking_copy_reserves_before_the_suspend(make_harness) -> None:
     h = await make_harness(MigrationLimits(stage_limit=1))
     await h.decoding("r", prompt=100, max_tokens=200)
+    assert h.src_ops.migration_snapshot("r").max_num_tokens == 300  # what a hand-off's destination must hold
     phases = []
 
     async def record_phase(msg: PreAlloc) -> None:

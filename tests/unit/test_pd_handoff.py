@@ -77,7 +77,7 @@ class FakeSource:
 
     def snapshot(self, request_id):
         phase = self.phases.get(request_id, self.phase)
-        return None if phase is None else MigrationSnapshot(phase, 100, 0, 7)
+        return None if phase is None else MigrationSnapshot(phase, 100, 0, 7, max_num_tokens=300)
 
     async def suspend(self, request_id):
         self.suspended.append(request_id)
@@ -109,7 +109,7 @@ async def run_until_done(handoff: PrefillHandoff, *request_ids: str) -> None:
 async def test_the_request_moves_to_the_destination_the_scheduler_names_then():
     source = FakeSource([HandoffAnswer(dst_instance_id="d1")], [MigrationStatus.FINISHED])
     assert await source.handoff().hand_off("r1") is HandoffOutcome.HANDED_OFF
-    assert source.asked == [HandoffQuery("p0", "r1", 7)]  # its blocks at hand-off time
+    assert source.asked == [HandoffQuery("p0", "r1", 7, 300)]  # its blocks at hand-off time, and its length
     assert source.migrated == [("r1", "d1")]  # that request, not one the pair loop would pick
 
 
@@ -250,6 +250,14 @@ def test_no_room_on_any_decode_instance_keeps_it_on_the_prefill_instance():
     roles = roles_over(p, full)
     assert roles.handoff(HandoffQuery("p", "r", 10)) == HandoffAnswer(reason=NO_ROOM)
     assert roles.handoff(HandoffQuery("ghost", "r", 1)) == HandoffAnswer(reason=UNKNOWN_SOURCE)
+
+
+def test_the_handoff_skips_a_decode_instance_whose_context_the_request_would_outgrow():
+    p = msgspec.structs.replace(role(make_load("p"), InstanceRole.PREFILL), max_model_len=8192)
+    short = msgspec.structs.replace(role(make_load("d-short"), InstanceRole.DECODE), max_model_len=1024)
+    roles = roles_over(p, short)
+    assert roles.handoff(HandoffQuery("p", "r", 10, max_num_tokens=4000)) == HandoffAnswer(reason=NO_ROOM)
+    assert roles.handoff(HandoffQuery("p", "r", 10, max_num_tokens=1000)).dst_instance_id == "d-short"
 
 
 def test_account_handoff_never_goes_below_zero_free():

@@ -191,6 +191,7 @@ async def _self_check(model_dir: str) -> dict:
         """Two stages into a lease on the same engine, then commit there."""
         lease = f"lease-{request_id}"
         await step_until(lambda: len(tokens[request_id]) >= 20)
+        assert ops.migration_snapshot(request_id).max_num_tokens == len(prompt) + output_len
         full = ops.migration_snapshot(request_id).num_computed_tokens // block_size
         await copier.scatter(await ops.reserve_blocks(lease, full),
                              await copier.gather(ops.block_ids_of(request_id)[:full], 0))

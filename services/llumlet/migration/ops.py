@@ -42,6 +42,7 @@ class MigrationSnapshot:
     num_computed_tokens: int
     num_preemptions: int
     num_blocks: int
+    max_num_tokens: int = 0  # the longest it can grow: prompt + max_tokens (0: not known)
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,8 @@ class SimMigration:
         if request is None:
             return None
         blocks = self._scheduler.block_manager.num_blocks_of(request_id)
-        return MigrationSnapshot(_PHASES[request.status], request.num_computed_tokens, request.num_preemptions, blocks)
+        return MigrationSnapshot(_PHASES[request.status], request.num_computed_tokens, request.num_preemptions, blocks,
+                                 max_num_tokens=request.prompt_len + request.max_tokens)
 
     def block_ids_of(self, request_id: str) -> list[int]:
         return self._scheduler.block_ids_of(request_id)

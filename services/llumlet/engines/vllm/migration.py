@@ -133,12 +133,15 @@ class VllmMigration:
             suspended = tracked.suspended if tracked is not None else None
         if tracked is None:
             return None
+        order = tracked.request  # (a resumed request's prompt holds its output so far, its max_tokens the rest)
+        most = len(order.prompt_token_ids) + order.sampling.max_tokens if order is not None else 0
         if suspended is not None:
             return MigrationSnapshot(LivePhase.SUSPENDED, suspended.num_computed_tokens, suspended.num_preemptions,
-                                     len(suspended.block_ids))
+                                     len(suspended.block_ids), most)
         if view is None or view.queued:  # not in vLLM yet, or waiting / preempted
-            return MigrationSnapshot(LivePhase.QUEUED, 0, view.num_preemptions if view else 0, 0)
-        return MigrationSnapshot(LivePhase.RUNNING, view.num_computed_tokens, view.num_preemptions, len(view.block_ids))
+            return MigrationSnapshot(LivePhase.QUEUED, 0, view.num_preemptions if view else 0, 0, most)
+        return MigrationSnapshot(LivePhase.RUNNING, view.num_computed_tokens, view.num_preemptions, len(view.block_ids),
+                                 most)
 
     def prefix_block_hashes(self, request_id: str) -> Sequence[int]:
         """vLLM's hashes of the request's full blocks (prompt and output so far: a destination
