@@ -25,11 +25,12 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.llumlet.engines import model_vocabulary
 from services.tools.make_model import ensure_tiny_model
 from shared.embedded_nats import start_nats
-from tests.support.cluster import Cluster
+from tests.support.cluster import Cluster, free_port
 
 INSTANCES = 2
 
@@ -68,8 +69,9 @@ def run_policy(policy: str, schedule: list[tuple[list[int], float]], model_dir: 
     cluster.log_dir.mkdir(parents=True, exist_ok=True)
     admission = () if policy == "none" else (
         "--admission", policy, "--slo-ttft-s", str(args.slo_ttft_s), "--slo-tbt-s", str(args.slo_tbt_s))
+    metrics_port = free_port()
     try:
-        cluster.start_scheduler(*admission)
+        cluster.start_scheduler(*admission, "--metrics-port", str(metrics_port))
         for i in range(INSTANCES):
             cluster.start_llumlet(f"{policy}-{i}", "--max-model-len", "8192")
         cluster.start_gateway()
@@ -84,6 +86,7 @@ def run_policy(policy: str, schedule: list[tuple[list[int], float]], model_dir: 
                                               for p, t in schedule))
 
         results = asyncio.run(drive())
+        reasons = rejection_reasons(metrics_port)
     finally:
         cluster.stop()
         nats.stop()
@@ -100,7 +103,17 @@ def run_policy(policy: str, schedule: list[tuple[list[int], float]], model_dir: 
         "refusals_with_retry_headers": sum(bool(r["retry_after"] and r["retry_after_ms"]) for r in refused),
         "ttft_p50_s": quantile(ttfts, 0.5), "ttft_p99_s": quantile(ttfts, 0.99),
         "admitted_within_ttft_slo": sum(t <= args.slo_ttft_s for t in ttfts),
+        "rejections_by_reason": reasons,
+        "admitted_per_burst": [sum(r["status"] == 200 for r in results[b * args.burst_size:(b + 1) * args.burst_size])
+                               for b in range(args.bursts)],
     }
+
+
+def rejection_reasons(port: int) -> dict[str, float]:
+    """The scheduler's `corral:scheduler_admission_rejections_total` by reason (nonzero ones)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return {s.labels["reason"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "corral:scheduler_admission_rejections_total" and s.value}
 
 
 def square_wave(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], float]]:
@@ -143,7 +156,8 @@ def main() -> None:
         print(f"{r['policy']:13} {r['admitted']:>8} {r['refused']:>5} {len(r['failed']):>5}  "
               f"{ms(r['refusal_p50_s']):>13} {ms(r['refusal_p90_s']):>5} {ms(r['refusal_p99_s']):>5} "
               f"{ms(r['refusal_max_s']):>5} {r['refusals_within_100ms']:>8} {r['refusals_with_retry_headers']:>8}  "
-              f"{ms(r['ttft_p50_s']):>8} {ms(r['ttft_p99_s']):>6} {r['admitted_within_ttft_slo']:>4}/{r['admitted']}")
+              f"{ms(r['ttft_p50_s']):>8} {ms(r['ttft_p99_s']):>6} {r['admitted_within_ttft_slo']:>4}/{r['admitted']}"
+              f"   per burst {r['admitted_per_burst']}, refused by {r['rejections_by_reason'] or '-'}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))

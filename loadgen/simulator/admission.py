@@ -67,12 +67,16 @@ class SimAdmission:
             est.observe(request.num_output_tokens)
 
     def observe_step(self, instance_id: str, step) -> None:
-        """After each engine step (a `SchedulerOutput`): its time over its decode-only time."""
+        """After each engine step (a `SchedulerOutput`): its time over its decode-only time. An
+        instance left with nothing to run forgets it, as a live llumlet does (`ServedTally.went_idle`)."""
         if step.decode_batch_size:
             decode = self._model.decode_ms(step.decode_batch_size, step.decode_context_tokens) / 1e3
             ratio = self._model.step_time_of(step) / decode
             old = self._inflation.get(instance_id, 1.0)
             self._inflation[instance_id] = old + INFLATION_WEIGHT * (ratio - old)
+        scheduler = self._instances[instance_id].scheduler
+        if not scheduler.running and not scheduler.waiting:
+            self._inflation.pop(instance_id, None)
 
     def decide(self, loads: Sequence[LoadReport], prompt_tokens: int, priority: int,
                fleet: Sequence[LoadReport] = ()) -> AdmissionDecision:

@@ -51,6 +51,14 @@ class ServedTally:
         if decoded:
             self._average(max(0.0, ended - started), decoded, context)
 
+    def went_idle(self) -> None:
+        """Nothing left to run: the pace described a batch that is gone (its prefills mixed in),
+        and kept, it would price the next request's empty batch by it. With no step to update it,
+        a pace slowed by a burst's prefills would refuse every later request on TBT for good (the
+        benchmark `admission_live` found 0 admitted after a first burst). The first decoding step
+        after this sets it again."""
+        self.step_time_s = self.decode_batch = self.decode_context = 0.0
+
     def _average(self, step_s: float, batch: int, context: int) -> None:
         if self.decode_batch == 0.0:  # the first decoding step sets the averages
             self.step_time_s, self.decode_batch, self.decode_context = step_s, float(batch), float(context)

@@ -305,6 +305,7 @@ class Llumlet:
                 await self.output.wait_for_bus()  # pause output rather than pile it up
                 continue
             if not self.engine.has_work():
+                self.served.went_idle()
                 self._work.clear()
                 await self._work.wait()
                 continue

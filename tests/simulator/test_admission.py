@@ -78,3 +78,20 @@ def test_a_priority_slo_flag_reaches_the_simulated_admission():
                  "--slo-ttft-s", "2", "--slo-tbt-s", "0.1", "--slo-priority", "high:0.5:0.05")
     slo = cli.build_config(args).admission.slo
     assert slo.slo_for(-1) == Slo(0.5, 0.05) and slo.slo_for(0) == Slo(2, 0.1)
+
+
+def test_a_burst_does_not_leave_its_pace_behind_to_refuse_the_next_one():
+    """As the live benchmark `admission_live` found: a burst of long prompts slows the steps that
+    mix prefill in; once the instances are idle that pace must not price the next burst's empty
+    batches, or nothing is ever admitted again (no step runs to update it)."""
+    from tests.simulator.helpers import workload_of
+
+    slo = SloConfig(Slo(ttft_s=1.0, tbt_s=0.038))  # room for the first burst, not at its leftover pace
+    burst = [(0.01 * i, 1000, 32, 0) for i in range(20)]
+    later = [(30.0 + 0.01 * i, 1000, 32, 0) for i in range(20)]
+    config = SimConfig(num_instances=2, admission=AdmissionModel(AdmissionPolicy.PREDICTED, slo))
+    result = ClusterSimulator(config, get_policy("corral"), workload_of(burst + later)).run()
+    admitted = [int(r.request_id.removeprefix("r")) for r in result.finished]
+    first, second = [i for i in admitted if i < 20], [i for i in admitted if i >= 20]
+    assert first and len(second) == len(first)  # the same room again
+    assert len(result.rejected) == 40 - len(admitted)

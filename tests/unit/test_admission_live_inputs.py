@@ -59,6 +59,42 @@ def test_the_step_pace_averages_decoding_steps_only():
     assert tally.decode_batch == 2.0
 
 
+def test_an_idle_tally_forgets_its_pace_so_a_slow_burst_does_not_refuse_for_good():
+    tally = ServedTally()
+    decoding = [StepOutput("a", 5, [1], num_prompt_tokens=100), StepOutput("p", 0, [1], num_prompt_tokens=900)]
+    tally.step_done(0.0, 0.3, decoding)  # a step slowed by a prefill mixed in
+    assert tally.step_time_s == pytest.approx(0.3)
+    tally.went_idle()
+    assert (tally.step_time_s, tally.decode_batch, tally.decode_context) == (0.0, 0.0, 0.0)
+    tally.step_done(1.0, 1.02, [StepOutput("b", 3, [1], num_prompt_tokens=50)])  # the next decoding step sets it
+    assert tally.step_time_s == pytest.approx(0.02) and tally.decode_batch == 1.0
+
+
+async def test_a_llumlet_that_ran_out_of_work_reports_no_pace(nats_url):
+    import asyncio
+    import uuid
+
+    from services.llumlet.config import LlumletConfig
+    from services.llumlet.engines.sim.engine import SimEngine
+    from services.llumlet.service import Llumlet
+    from tests.unit.migration_helpers import gen, sim_config
+
+    llumlet = Llumlet(LlumletConfig(f"idle-{uuid.uuid4().hex[:6]}", nats_url, report_interval_s=0.05),
+                      SimEngine(sim_config(time_scale=0.01)))
+    await llumlet.start()
+    try:
+        llumlet.engine.add_request(gen("r", prompt=40, max_tokens=8))
+        llumlet.wake_engine()
+        async with asyncio.timeout(10):
+            while llumlet.served.num_finished == 0:
+                await asyncio.sleep(0.01)
+            while llumlet.reports.current_load().step_time_s != 0.0:  # the loop has seen it idle
+                await asyncio.sleep(0.01)
+        assert not llumlet.engine.has_work()
+    finally:
+        await llumlet.stop()
+
+
 def test_the_report_carries_the_tally():
     tally = ServedTally()
     tally.step_done(0.0, 0.03, [StepOutput("a", 3, [1], num_prompt_tokens=20),
