@@ -75,4 +75,6 @@ def test_a_burst_on_a_vllm_instance_is_admitted_as_it_fits(cluster):
     assert last.num_finished_total == len(served)
     assert last.finished_output_tokens_total == len(served) * MAX_TOKENS
     assert any(report.running_output_tokens and max(report.running_output_tokens) > 0 for report in reports)
-    assert last.step_time_s > 0 and last.step_decode_batch >= 1 and last.step_decode_context >= PROMPT_TOKENS
+    # The pace is reported while the instance decodes (an idle one forgets it: ServedTally.went_idle).
+    assert any(r.step_time_s > 0 and r.step_decode_batch >= 1 and r.step_decode_context >= PROMPT_TOKENS
+               for r in reports)
