@@ -27,19 +27,13 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.pd_live import quantile
 from services.llumlet.engines import model_vocabulary
 from services.tools.make_model import ensure_tiny_model
 from shared.embedded_nats import start_nats
 from tests.support.cluster import Cluster, free_port
 
 INSTANCES = 2
-
-
-def quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, at: float) -> dict:

@@ -49,9 +49,6 @@ class Autoscaler:
         self.nc: Client | None = None
         self._starting: dict[str, float] = {}  # started, not yet reporting → start time
         self._draining: set[str] = set()
-        # Stopped here: reports may go on a moment (a pod's preStop), so never adopted nor stopped
-        # twice. One id a scale-in over the process's life: not worth expiring.
-        self._stopped: set[str] = set()
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -147,9 +144,11 @@ class Autoscaler:
     async def _adopt_earlier_drains(self) -> None:
         """An instance that reports an autoscaler's drain this one did not order was drained by an
         autoscaler before a restart (the draining set lives in memory): finish the job, stop it once
-        empty. Operator drains (a preStop, `corral drain`) are left alone: their pod is going anyway."""
-        unknown = [l.instance_id for l in self.table.live() if l.drained_by is DrainSource.AUTOSCALER
-                   and l.instance_id not in self._draining and l.instance_id not in self._stopped]
+        empty. Operator drains (a preStop, `corral drain`) are left alone: their pod is going anyway.
+        Only instances the provider still manages: one already stopped (its last reports may linger
+        a moment) is not stopped twice."""
+        unknown = [l.instance_id for l in self.table.live()
+                   if l.drained_by is DrainSource.AUTOSCALER and l.instance_id not in self._draining]
         if not unknown:
             return
         managed = await asyncio.to_thread(self.provider.managed)
@@ -169,7 +168,6 @@ class Autoscaler:
                 self._roles.pop(instance_id, None)
                 self.table.remove(instance_id)
                 await asyncio.to_thread(self.provider.stop_instance, instance_id)
-                self._stopped.add(instance_id)
                 await self._event(ScalingAction.STOPPED, instance_id, None)
 
     async def _forget_failed_starts(self) -> None:

@@ -16,6 +16,7 @@ from loadgen.simulator.slo import per_second, slo_metrics
 from loadgen.simulator.workload import WorkloadSpec, build_workload
 from shared.policy.admission import AdmissionPolicy, Slo, SloConfig
 from shared.policy.baselines import get_policy
+from tests.simulator.helpers import workload_of
 
 SLO = SloConfig(Slo(ttft_s=3.0, tbt_s=0.08))
 
@@ -84,8 +85,6 @@ def test_a_burst_does_not_leave_its_pace_behind_to_refuse_the_next_one():
     """As the live benchmark `admission_live` found: a burst of long prompts slows the steps that
     mix prefill in; once the instances are idle that pace must not price the next burst's empty
     batches, or nothing is ever admitted again (no step runs to update it)."""
-    from tests.simulator.helpers import workload_of
-
     slo = SloConfig(Slo(ttft_s=1.0, tbt_s=0.038))  # room for the first burst, not at its leftover pace
     burst = [(0.01 * i, 1000, 32, 0) for i in range(20)]
     later = [(30.0 + 0.01 * i, 1000, 32, 0) for i in range(20)]

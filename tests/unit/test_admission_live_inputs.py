@@ -5,7 +5,9 @@ measures."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+import uuid
 from types import SimpleNamespace
 
 import msgspec
@@ -21,6 +23,9 @@ from services.global_scheduler.admission import AdmissionSettings
 from services.global_scheduler.config import SchedulerConfig
 from services.global_scheduler.service import GlobalScheduler
 from services.global_scheduler.unreported import FORGET_AFTER_S, Unreported, UnreportedDispatches
+from services.llumlet.config import LlumletConfig
+from services.llumlet.engines.sim.engine import SimEngine
+from services.llumlet.service import Llumlet
 from services.llumlet.served import STEP_WEIGHT, ServedTally
 from shared.engine_model.latency import LatencyModel
 from shared.engine_model.load_report import aggregate_views, build_load_report
@@ -28,6 +33,7 @@ from shared.engine_model.views import StepOutput
 from shared.messages import DispatchReply, DispatchRequest, FinishReason, LoadReport, Refusal, TokenChunk, decode, encode
 from shared.metrics_server import render
 from shared.policy.admission import AdmissionPolicy, Slo, SloConfig, output_length_bin
+from tests.unit.migration_helpers import gen, sim_config
 from tests.unit.policy_helpers import make_load
 
 
@@ -71,14 +77,6 @@ def test_an_idle_tally_forgets_its_pace_so_a_slow_burst_does_not_refuse_for_good
 
 
 async def test_a_llumlet_that_ran_out_of_work_reports_no_pace(nats_url):
-    import asyncio
-    import uuid
-
-    from services.llumlet.config import LlumletConfig
-    from services.llumlet.engines.sim.engine import SimEngine
-    from services.llumlet.service import Llumlet
-    from tests.unit.migration_helpers import gen, sim_config
-
     llumlet = Llumlet(LlumletConfig(f"idle-{uuid.uuid4().hex[:6]}", nats_url, report_interval_s=0.05),
                       SimEngine(sim_config(time_scale=0.01)))
     await llumlet.start()
