@@ -19,6 +19,8 @@ Every process's CPU share is printed, the impersonators' and the clients' too: t
 cores are shared, so a slow figure may be the load generator's, not the control plane's.
 
     .venv/bin/python -m benchmarks.control_plane --instances 16 100 1000 --seconds 5
+    .venv/bin/python -m benchmarks.control_plane --instances 1000 --scheduler-replicas 1 2 3 \
+        --report-heartbeat-s 0 0.25 --drift-share 0.2     (the scale-out curve; reports only on change)
 
 Writes results/control_plane.json (or --out).
 """
@@ -42,10 +44,11 @@ from benchmarks.control_plane_cluster import ROOT, in_child, Cluster, Fleet, Win
 # ------------------------------------------------------------------------------- the cluster
 
 
-def measure(n: int, args: argparse.Namespace, model_dir: str, log_dir: Path, scheduler: str, root: Path) -> dict:
-    cluster = Cluster(model_dir, log_dir, args.scheduler_arg, root, args.scheduler_replicas)
+def measure(n: int, replicas: int, heartbeat_s: float, args: argparse.Namespace, model_dir: str, log_dir: Path,
+            scheduler: str, root: Path) -> dict:
+    cluster = Cluster(model_dir, log_dir, args.scheduler_arg, root, replicas)
     processes = args.impersonators or (1 if n <= 200 else 2)
-    fleet = Fleet(cluster.nats_url, n, processes, args.step_s)
+    fleet = Fleet(cluster.nats_url, n, processes, args.step_s, heartbeat_s, args.drift_share)
     fleet.set_batching(scheduler == "current")  # this tree's llumlets batch a step's chunks per gateway; older ones did not
     try:
         time.sleep(2.0)  # every instance reported; the scheduler's table is full
@@ -78,7 +81,9 @@ def measure(n: int, args: argparse.Namespace, model_dir: str, log_dir: Path, sch
     tokens_per_s = tokens / stream["seconds"]
     return {
         "scheduler": scheduler,
-        "scheduler_replicas": args.scheduler_replicas,
+        "scheduler_replicas": replicas,
+        "report_heartbeat_s": heartbeat_s,
+        "drift_share": args.drift_share,
         "instances": n,
         "impersonator_processes": processes,
         "reports_per_s_published": reports_per_s,
@@ -146,16 +151,18 @@ def measure_fan_in(args: argparse.Namespace, model_dir: str, log_dir: Path) -> l
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'scheduler':>10} {'N':>5} {'rep/s pub':>9} {'rep/s sch':>9} {'disp/s':>7} {'P50 ms':>7} {'P99 ms':>7} "
+    print(f"{'scheduler':>10} {'N':>5} {'repl':>4} {'beat s':>6} {'rep/s pub':>9} {'rep/s sch':>9} {'disp/s':>7} {'P50 ms':>7} {'P99 ms':>7} "
           f"{'sched cpu':>9} {'msg/req':>8} {'gw us/tok':>9} {'gw idle':>7} {'imp cpu':>7} {'client':>6}")
     for r in rows:
         d, share = r["dispatch"], r["cpu_share_per_s"]["dispatching"]
-        print(f"{r['scheduler']:>10} {r['instances']:>5} {r['reports_per_s_published']:>9.0f} {r['reports_per_s_delivered_to_scheduler']:>9.0f} "
+        print(f"{r['scheduler']:>10} {r['instances']:>5} {r['scheduler_replicas']:>4} {r['report_heartbeat_s']:>6.2f} "
+              f"{r['reports_per_s_published']:>9.0f} {r['reports_per_s_delivered_to_scheduler']:>9.0f} "
               f"{d['achieved_per_s']:>7.0f} {d['p50_ms']:>7.3f} {d['p99_ms']:>7.3f} "
               f"{r['scheduler_cpu_per_s']['dispatching']:>9.2f} "
               f"{r['nats_messages_per_streamed_request']['in']:>8.1f} {r['gateway']['cpu_us_per_token']:>9.0f} "
               f"{r['gateway']['cpu_per_s_idle']:>7.2f} {share['impersonators']:>7.2f} {share['client']:>6.2f}")
-    print("rep/s pub: reports the impersonators published; rep/s sch: delivered to the scheduler; sched cpu: "
+    print("repl: scheduler replicas (a queue group); beat s: reports only on change with this heartbeat (0: every "
+          "50 ms); rep/s pub: reports the impersonators published; rep/s sch: delivered to the scheduler; sched cpu: "
           "scheduler CPU s/s while dispatching; msg/req: NATS messages published per streamed request (reports "
           "excluded); gw us/tok: gateway CPU per streamed token; gw idle: gateway CPU s/s from reports alone; "
           "imp cpu / client: the load generators' CPU s/s during the dispatch phase")
@@ -174,9 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scheduler-root", action="append", default=[], metavar="LABEL=DIR",
                         help="also run the scheduler from DIR (e.g. `git archive <commit> | tar -x -C DIR`), "
                              "side by side with this tree's (labelled 'current')")
-    parser.add_argument("--scheduler-replicas", type=int, default=1,
-                        help="scheduler processes (a queue group on the dispatch subject, each with the full table); "
-                             "their CPU is summed")
+    parser.add_argument("--scheduler-replicas", type=int, nargs="+", default=[1],
+                        help="scheduler processes (a queue group on the dispatch subject, each with the full table; "
+                             "their CPU is summed); several values: a row each (the scale-out curve)")
+    parser.add_argument("--report-heartbeat-s", type=float, nargs="+", default=[0.0],
+                        help="the fleet's reports only on change with this heartbeat (the llumlets' "
+                             "--report-heartbeat-s; 0: every 50 ms, 20 reports/s an instance); several: a row each")
+    parser.add_argument("--drift-share", type=float, default=1.0,
+                        help="the share of instances whose load moves in each 50 ms (with a heartbeat, the rest "
+                             "send nothing new until their own requests come and go)")
     parser.add_argument("--fan-in-streams", type=int, default=0,
                         help="also measure token fan-in at this many concurrent streams, batching off then on")
     parser.add_argument("--fan-in-instances", type=int, default=16)
@@ -196,11 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         make_tiny_model(model_dir, seed=0)
         roots = [tuple(item.split("=", 1)) for item in args.scheduler_root] + [("current", str(ROOT))]
         for n in args.instances:
-            for label, root in roots:  # (the scheduler from the tree given runs from it; the rest from here)
-                log_dir = Path(tmp) / f"logs-{label}-{n}"
-                log_dir.mkdir()
-                rows.append(measure(n, args, str(model_dir), log_dir, label, Path(root)))
-                print(json.dumps(rows[-1]), file=sys.stderr)
+            for replicas in args.scheduler_replicas:
+                for heartbeat_s in args.report_heartbeat_s:
+                    for label, root in roots:  # (the scheduler from the tree given runs from it; the rest from here)
+                        log_dir = Path(tmp) / f"logs-{label}-{n}-{replicas}-{heartbeat_s}"
+                        log_dir.mkdir()
+                        rows.append(measure(n, replicas, heartbeat_s, args, str(model_dir), log_dir, label, Path(root)))
+                        print(json.dumps(rows[-1]), file=sys.stderr)
         print_table(rows)
         fan_in_logs = Path(args.log_dir or tmp)
         fan_in_logs.mkdir(parents=True, exist_ok=True)

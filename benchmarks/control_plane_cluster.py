@@ -212,13 +212,14 @@ class Cluster:
 class Fleet:
     """N impersonated llumlets over `processes` processes."""
 
-    def __init__(self, nats_url: str, n: int, processes: int, step_s: float) -> None:
+    def __init__(self, nats_url: str, n: int, processes: int, step_s: float, heartbeat_s: float = 0.0,
+                 drift_share: float = 1.0) -> None:
         ids = [f"fake-{i:05d}" for i in range(n)]
         self.stop_event = mp.Event()
         self.counters = [mp.Array("d", NUM_COUNTERS, lock=False) for _ in range(processes)]
         self.children = [mp.Process(target=run_impersonator,
                                     args=(nats_url, ids[k::processes], 0.05, step_s, self.counters[k],
-                                          self.stop_event, k), daemon=True)
+                                          self.stop_event, k, heartbeat_s, drift_share), daemon=True)
                          for k in range(processes)]
         for child in self.children:
             child.start()

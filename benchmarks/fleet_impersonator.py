@@ -1,8 +1,10 @@
 """N fake llumlets in one process, for the control-plane benchmark (benchmarks/control_plane.py).
 
-Each fake instance publishes a load report every `report_interval_s` on its real subject, built
-by the real builder (`shared.engine_model.load_report.build_load_report`) from request counts
-that drift like a busy instance's, and answers generate orders on its real subject: an Ack, then
+Each fake instance builds a load report every `report_interval_s`, with the real builder
+(`shared.engine_model.load_report.build_load_report`) from request counts that drift like a busy
+instance's (a `drift_share` of the instances each interval), and publishes it on its real subject
+by the llumlets' rule (`shared.engine_model.report_cadence`: with `heartbeat_s` > 0 only what says
+something new, and a heartbeat); it answers generate orders on its real subject: an Ack, then
 one `TokenChunk` per engine step (`step_s`) to the gateway's output subject until the request's
 `max_tokens`. Nothing of an engine runs: what is measured is the control plane around it.
 
@@ -20,7 +22,9 @@ import nats
 
 from shared import subjects
 from shared.engine_model.load_report import RequestAggregates, build_load_report
-from shared.messages import Ack, FinishReason, GenerateRequest, PriorityLoad, TokenChunk, TokenChunkBatch, decode, encode
+from shared.engine_model.report_cadence import report_due
+from shared.messages import (Ack, FinishReason, GenerateRequest, LoadReport, PriorityLoad, TokenChunk, TokenChunkBatch,
+                             decode, encode)
 from shared.policy.config import PolicyConfig
 
 # Counter slots in the shared array the parent reads.
@@ -53,6 +57,8 @@ class _FakeInstance:
     used_blocks: int = 0
     preemptions: int = 0
     streams: list[_Stream] = field(default_factory=list)
+    last_sent: LoadReport | None = None
+    last_sent_at: float = 0.0  # monotonic
 
     def drift(self) -> None:
         """A random walk of a loaded instance's queue, so reports (and dispatch scores) change."""
@@ -63,7 +69,8 @@ class _FakeInstance:
         if rng.random() < 0.001:
             self.preemptions += 1
 
-    def report(self, headroom: dict[int, int]) -> bytes:
+    def report(self, headroom: dict[int, int], heartbeat_s: float) -> bytes | None:
+        """The report to publish now, or None when the llumlets' rule would skip it."""
         self.seq += 1
         running = self.num_running + len(self.streams)
         demand = self.num_waiting * 20
@@ -73,20 +80,28 @@ class _FakeInstance:
             by_priority=[PriorityLoad(priority=0, num_running=running, running_blocks=self.used_blocks,
                                       num_waiting=self.num_waiting, waiting_demand_blocks=demand)],
         )
-        return encode(build_load_report(
+        report = build_load_report(
             instance_id=self.instance_id, seq=self.seq, sent_at=time.time(), requests=requests,
             num_blocks_total=BLOCKS_TOTAL, num_blocks_free=BLOCKS_TOTAL - self.used_blocks, block_size=BLOCK_SIZE,
             num_preemptions_total=self.preemptions, headroom_blocks=headroom, kv_address="127.0.0.1:1",
             max_model_len=4096, model="fake", engine="impersonated",
-        ))
+        )
+        now = time.monotonic()
+        if not report_due(self.last_sent, report, now - self.last_sent_at, heartbeat_s):
+            return None
+        self.last_sent, self.last_sent_at = report, now
+        return encode(report)
 
 
 class Impersonator:
     def __init__(self, nats_url: str, instance_ids: list[str], report_interval_s: float, step_s: float,
-                 counters, seed: int) -> None:
+                 counters, seed: int, heartbeat_s: float = 0.0, drift_share: float = 1.0) -> None:
         self.nats_url = nats_url
         self.instances = {iid: _FakeInstance(iid, random.Random(seed * 7919 + i)) for i, iid in enumerate(instance_ids)}
         self.report_interval_s = report_interval_s
+        self.heartbeat_s = heartbeat_s
+        self.drift_share = drift_share
+        self.rng = random.Random(seed)
         self.step_s = step_s
         self.counters = counters
         self.headroom = dict(PolicyConfig().headroom_blocks)
@@ -114,10 +129,15 @@ class Impersonator:
         k = 0
         while True:
             started = time.perf_counter()
+            published = 0
             for instance in fleet[k::slices]:
-                instance.drift()
-                await self.nc.publish(subjects.load_report(instance.instance_id), instance.report(self.headroom))
-            self.counters[REPORTS] += len(fleet[k::slices])
+                if self.drift_share >= 1.0 or self.rng.random() < self.drift_share:
+                    instance.drift()
+                report = instance.report(self.headroom, self.heartbeat_s)
+                if report is not None:
+                    await self.nc.publish(subjects.load_report(instance.instance_id), report)
+                    published += 1
+            self.counters[REPORTS] += published
             self.busy_s += time.perf_counter() - started
             k = (k + 1) % slices
             due += tick
@@ -173,8 +193,9 @@ class Impersonator:
 
 
 def run_impersonator(nats_url: str, instance_ids: list[str], report_interval_s: float, step_s: float,
-                     counters, stop, seed: int) -> None:
+                     counters, stop, seed: int, heartbeat_s: float = 0.0, drift_share: float = 1.0) -> None:
     import uvloop
 
-    impersonator = Impersonator(nats_url, instance_ids, report_interval_s, step_s, counters, seed)
+    impersonator = Impersonator(nats_url, instance_ids, report_interval_s, step_s, counters, seed, heartbeat_s,
+                                drift_share)
     uvloop.run(impersonator.run(stop))

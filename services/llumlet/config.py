@@ -11,6 +11,7 @@ from shared import subjects
 from shared.config import add_nats_argument, env, short_id
 from shared.engine_model.config import QUEUE_POLICIES, STEP_MODES, SchedulerConfig
 from shared.engine_model.latency import SIMPLE_MODELS
+from shared.engine_model.report_cadence import DEFAULT_HEARTBEAT_S
 from shared.messages import InstanceRole
 from shared.policy.config import PolicyConfig
 
@@ -31,6 +32,8 @@ class LlumletConfig:
     model_dir: str | None = None
     max_model_len: int = 2048
     report_interval_s: float = 0.05
+    # A report that says nothing new is sent only this long after the last one (0: every one).
+    report_heartbeat_s: float = DEFAULT_HEARTBEAT_S
     # SIGTERM: requests migrate out (or finish) for up to this long; what is left then is handed
     # to the gateways to resume elsewhere by recompute.
     stop_grace_s: float = 10.0
@@ -74,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local model directory (env CORRAL_MODEL_DIR)")
     parser.add_argument("--max-model-len", type=int, default=env("MAX_MODEL_LEN", 2048))
     parser.add_argument("--report-interval-s", type=float, default=env("REPORT_INTERVAL_S", 0.05))
+    parser.add_argument("--report-heartbeat-s", type=float, default=env("REPORT_HEARTBEAT_S", DEFAULT_HEARTBEAT_S),
+                        help="a report that says nothing new goes out only this long after the last one sent "
+                             "(0: every report goes out); under the gateways' 0.8 s death limit")
     parser.add_argument("--stop-grace-s", type=float, default=env("STOP_GRACE_S", 10.0),
                         help="on SIGTERM, migrate requests out (or let them finish) for up to this long, "
                              "then hand the rest to the gateways to resume elsewhere (0: at once)")
@@ -169,6 +175,7 @@ def config_from_args(args: argparse.Namespace) -> LlumletConfig:
         model_dir=args.model_dir,
         max_model_len=args.max_model_len,
         report_interval_s=args.report_interval_s,
+        report_heartbeat_s=_heartbeat(args.report_heartbeat_s, args.report_interval_s),
         stop_grace_s=args.stop_grace_s,
         metrics_port=args.metrics_port,
         seed=args.seed,
@@ -190,6 +197,13 @@ def _role(value: str) -> InstanceRole:
         return InstanceRole(value)
     except ValueError:
         raise SystemExit(f"bad role {value!r}: one of {', '.join(r.value for r in InstanceRole)}") from None
+
+
+def _heartbeat(heartbeat_s: float, interval_s: float) -> float:
+    if heartbeat_s != 0 and not interval_s <= heartbeat_s <= 0.5:
+        raise SystemExit(f"--report-heartbeat-s must be 0 or between --report-interval-s ({interval_s}) and 0.5 s "
+                         f"(the gateways take an instance silent for 0.8 s for dead), got {heartbeat_s}")
+    return heartbeat_s
 
 
 def _positive(flag: str, value: int) -> int:

@@ -1,8 +1,10 @@
 """The llumlet's load reports, what the schedulers know of it: what its engine holds, how it
-serves, whether it drains. One goes out every `report_interval_s`, and sooner when something
+serves, whether it drains. One is built every `report_interval_s`, and sooner when something
 changed (`soon`: a request came, went or migrated; or a step moved the free blocks by
-`report_change_fraction` of them). A report is rebuilt each time: none is buffered while NATS is
-away. The last one built also answers `/ready` (`services.llumlet.readiness`)."""
+`report_change_fraction` of them); it goes out when it says something new, or as a heartbeat
+(`report_heartbeat_s`; `shared.engine_model.report_cadence`). A report is rebuilt each time: none
+is buffered while NATS is away. The last one built also answers `/ready`
+(`services.llumlet.readiness`)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from services.llumlet.migration.runtime import LlumletMigration
 from services.llumlet.served import ServedTally
 from shared import subjects
 from shared.engine_model.load_report import aggregate_views, build_load_report
+from shared.engine_model.report_cadence import report_due
 from shared.messages import DrainSource, InstanceRole, LoadReport, encode
 
 
@@ -42,6 +45,9 @@ class LoadReporter:
     def __init__(self, llumlet: ReportedLlumlet) -> None:
         self.llumlet = llumlet
         self.last: LoadReport | None = None  # the last one built (sent or not)
+        self.last_sent: LoadReport | None = None
+        self._last_sent_at = 0.0  # monotonic
+        self.num_skipped = 0  # built, and not sent: they said nothing new
         self._seq = 0
         self._now = asyncio.Event()
 
@@ -86,10 +92,15 @@ class LoadReporter:
         nc = self.llumlet.nc
         if not nc.is_connected:
             return  # a report is rebuilt every interval: not worth buffering while NATS is away
+        now = time.monotonic()
+        if not report_due(self.last_sent, report, now - self._last_sent_at, self.llumlet.config.report_heartbeat_s):
+            self.num_skipped += 1
+            return
         try:
             await nc.publish(subjects.load_report(self.llumlet.instance_id), encode(report))
         except OutboundBufferLimitError:
-            pass  # as above: the next one will do
+            return  # as above: the next one will do
+        self.last_sent, self._last_sent_at = report, now
 
     def soon(self) -> None:
         """Publish a load report now rather than at the next interval."""

@@ -39,9 +39,14 @@ class NatsObserver:
         self.generate_orders[msg.subject.split(".")[2]] += 1
 
     async def wait_for(self, predicate, timeout_s: float = 10.0) -> bool:
+        """`predicate(latest)` may index an instance not heard from yet (a KeyError: not yet): an
+        idle llumlet reports only as a heartbeat, every 0.25 s (`--report-heartbeat-s`)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if predicate(self.latest):
-                return True
+            try:
+                if predicate(self.latest):
+                    return True
+            except KeyError:
+                pass
             await asyncio.sleep(0.05)
         return False

@@ -1,0 +1,88 @@
+"""Load reports only on change, with a heartbeat (issue 17 §3): the rule, and a live llumlet's
+reports as a subscriber on its real subject sees them."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+import uuid
+
+import nats
+import pytest
+
+from services.llumlet.config import LlumletConfig, add_arguments, config_from_args
+from services.llumlet.engines.sim.engine import SimEngine
+from services.llumlet.service import Llumlet
+from shared import subjects
+from shared.engine_model.load_report import aggregate_views, build_load_report
+from shared.engine_model.report_cadence import report_due, says_the_same
+from shared.messages import LoadReport, decode
+from tests.unit.migration_helpers import gen, sim_config
+
+
+def report(seq: int = 1, sent_at: float = 100.0, free: int = 10, accepted: int = 0) -> LoadReport:
+    return build_load_report(instance_id="i", seq=seq, sent_at=sent_at, requests=aggregate_views([]),
+                             num_blocks_total=10, num_blocks_free=free, block_size=16, num_preemptions_total=0,
+                             headroom_blocks=None, num_accepted_total=accepted)
+
+
+def test_a_report_that_differs_only_in_its_number_and_time_says_the_same():
+    assert says_the_same(report(1, 100.0), report(2, 100.05))
+    assert not says_the_same(report(1), report(2, free=9))
+    assert not says_the_same(report(1), report(2, accepted=1))
+
+
+def test_a_report_goes_out_when_it_says_something_new_or_as_the_heartbeat():
+    last = report(1)
+    assert report_due(None, report(2), 0.0, 0.25)  # the first one
+    assert not report_due(last, report(2), 0.05, 0.25)  # the same, within the heartbeat
+    assert report_due(last, report(2, free=9), 0.05, 0.25)  # something new: at once
+    assert report_due(last, report(2), 0.25, 0.25)  # the same, but the receivers need a sign of life
+    assert report_due(last, report(2), 0.0, 0.0)  # heartbeat 0: every report, as before
+
+
+@pytest.mark.parametrize("value", ["0.01", "0.9"])
+def test_a_heartbeat_that_receivers_would_take_for_death_or_faster_than_reports_is_refused(value):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--report-interval-s", "0.05", "--report-heartbeat-s", value])
+    with pytest.raises(SystemExit, match="--report-heartbeat-s"):
+        config_from_args(args)
+
+
+async def test_an_idle_llumlet_beats_and_a_busy_one_reports_its_changes(nats_url):
+    instance_id = f"beat-{uuid.uuid4().hex[:6]}"
+    llumlet = Llumlet(LlumletConfig(instance_id, nats_url, report_interval_s=0.02, report_heartbeat_s=0.2),
+                      SimEngine(sim_config(time_scale=0.02)))
+    nc = await nats.connect(nats_url)
+    arrivals: list[tuple[float, LoadReport]] = []
+
+    async def on_report(msg):
+        arrivals.append((time.monotonic(), decode(msg.data, LoadReport)))
+
+    await nc.subscribe(subjects.load_report(instance_id), cb=on_report)
+    await llumlet.start()
+    try:
+        await asyncio.sleep(1.0)  # idle: a heartbeat every 0.2 s, not a report every 0.02 s
+        idle = [at for at, _ in arrivals]
+        assert 3 <= len(idle) <= 8, idle
+        gaps = [b - a for a, b in zip(idle[1:], idle[2:])]
+        assert min(gaps) >= 0.15 and max(gaps) < 0.5, gaps
+        assert llumlet.reports.num_skipped > 20
+
+        arrivals.clear()
+        llumlet.engine.add_request(gen("r", prompt=40, max_tokens=30))
+        llumlet.wake_engine()
+        async with asyncio.timeout(10):
+            while llumlet.served.num_finished == 0:
+                await asyncio.sleep(0.01)
+        busy = [load for _, load in arrivals]
+        assert any(load.num_running == 1 for load in busy)
+        # While it decodes each report says something new: more of them than heartbeats would give.
+        span = arrivals[-1][0] - arrivals[0][0]
+        assert len(busy) > span / 0.2 + 2, (len(busy), span)
+        assert all(not says_the_same(a, b) for a, b in zip(busy, busy[1:]) if b.sent_at - a.sent_at < 0.15)
+    finally:
+        await llumlet.stop()
+        await nc.close()
