@@ -19,8 +19,11 @@ the SLO. Two workloads per seed:
 
 Per run: goodput (requests meeting both SLOs per second of the arrival window), rejected share
 (and of high priority), wasted prefill (prompt tokens of accepted requests that then missed the
-SLO, over all prompt tokens prefilled), accepted P99 TTFT/TBT, and the coefficient of variation
-of accepted requests per second (oscillation shows as a high CV at a steady offered load). A
+SLO, over all prompt tokens prefilled), accepted P99 TTFT/TBT, the coefficient of variation
+of accepted requests per second (oscillation shows as a high CV at a steady offered load), the
+most an accepted request's TTFT exceeded the SLO by, and the TTFT prediction error (accepted
+requests' TTFT less admission's prediction on their instance, P50 and P99: what an accepted
+request's SLO miss is to be judged against). A
 PNG per workload (seed 0) plots accepted and rejected per second for each policy.
 """
 
@@ -132,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
           f"SLO TTFT {args.slo_ttft_s:g} s, TBT {args.slo_tbt_s * 1e3:g} ms (normal priority keeps "
           f"{slo.reserve:.0%} in reserve)")
     header = (f"{'workload':<16} {'seed':>4} {'admission':<13} {'goodput':>9} {'rejected':>8} {'high rej':>8} "
-              f"{'wasted pf':>9} {'P99 TTFT':>9} {'P99 TBT':>8} {'acc/s CV':>8}")
+              f"{'wasted pf':>9} {'P99 TTFT':>9} {'P99 TBT':>8} {'acc/s CV':>8} {'worst miss':>10} {'err P50':>8} "
+              f"{'err P99':>8}")
     print(header)
     document = {"settings": {**vars(args), "saturating_rate": saturation, "dataset": args.dataset}, "runs": []}
     out = Path(args.out)
@@ -149,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:<16} {seed:>4} {policy:<13} {m['goodput_rps']:>7.2f}/s {m['rejected_share']:>8.1%} "
                       f"{m['high_rejected_share']:>8.1%} {m['wasted_prefill_share']:>9.1%} "
                       f"{m['accepted_ttft_p99_s']:>8.2f}s {m['accepted_tbt_p99_s'] * 1e3:>6.0f}ms "
-                      f"{m['accepted_per_s_cv']:>8.2f}", flush=True)
+                      f"{m['accepted_per_s_cv']:>8.2f} {max(m['worst_ttft_miss_s'], 0.0):>9.2f}s "
+                      f"{m['ttft_prediction_error_p50_s']:>+7.2f}s {m['ttft_prediction_error_p99_s']:>+7.2f}s", flush=True)
                 document["runs"].append({"workload": name, "seed": seed, "admission": policy, **m})
             if seed == seeds[0]:
                 png = out.with_name(f"{out.stem}_{name.replace(' ', '_')}.png")  # (beside its JSON, by its name)

@@ -61,6 +61,8 @@ class SimResult:
     num_preemptions: int
     dispatches: list[DispatchRecord] = field(default_factory=list)  # when record_dispatches
     handoffs: HandoffStats | None = None  # P/D hand-offs, when the cluster has roles
+    # Admission's predicted TTFT on the instance each admitted request went to (request id -> s).
+    predicted_ttft_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def instance_seconds(self) -> float:
@@ -83,6 +85,8 @@ class ClusterSimulator:
         self.serving: list[SimInstance] = []  # live and draining, in launch order
         self.labels: dict[str, int] = {}
         self.placed_at: dict[str, float] = {}  # request id -> when it reached its current instance
+        self.predicted_ttft_s: dict[str, float] = {}  # admission's, on the instance chosen
+        self._predictions: dict[str, float] = {}  # the last admission decision's, per instance
         self.finished: list[SimRequest] = []
         self.rejected: list[DispatchRecord] = []
         self.dispatches: list[DispatchRecord] | None = [] if record_dispatches else None
@@ -252,6 +256,8 @@ class ClusterSimulator:
             self.done = len(self.finished) + len(self.rejected) == len(self.workload.arrivals)
             return
         instance = self.instances[decision.instance_id]
+        if decision.instance_id in self._predictions:
+            self.predicted_ttft_s[request_id] = self._predictions[decision.instance_id]
         if self._fresh_reports:
             instance.report = account_dispatch(instance.report, message)
             if self.indexed is not None:
@@ -275,6 +281,7 @@ class ClusterSimulator:
             loads = dispatch_pool(loads)
         if self.admission is not None:  # early rejection: before any prefill is spent
             admitted = self.admission.decide(loads, arrival.prompt_len, priority, fleet)
+            self._predictions = {p.instance_id: p.ttft_s for p in admitted.predictions}
             if not admitted.accepted:
                 return DispatchDecision(None, f"overloaded:{admitted.rejected.value}", Refusal.OVERLOADED)
             loads = [load for load in loads if load.instance_id in admitted.admitted]
@@ -326,6 +333,7 @@ class ClusterSimulator:
             num_preemptions=sum(i.scheduler.num_preemptions_total for i in self.instances.values()),
             dispatches=self.dispatches or [],
             handoffs=self.handoffs.stats if self.handoffs is not None else None,
+            predicted_ttft_s=self.predicted_ttft_s,
         )
 
     def _stall_report(self) -> str:

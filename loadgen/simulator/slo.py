@@ -5,6 +5,9 @@ A request meets the SLO when its TTFT and its TBT (mean time per output token af
 as `metrics.RequestLatencies` measures decode) are both within its priority's targets. Rejected
 requests are counted apart and never enter the latency figures. Wasted prefill: prompt tokens
 prefilled for accepted requests that then missed the SLO (work spent on an answer that failed).
+TTFT prediction error: an accepted request's TTFT less the TTFT admission predicted on the
+instance it went to (positive: later than predicted), the figure an accepted request's SLO miss
+is judged against (the live gateway exports the same: `corral:gateway_ttft_prediction_error_seconds`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ class SloMetrics:
     accepted_ttft_p99_s: float
     accepted_tbt_p99_s: float
     makespan_s: float
+    ttft_prediction_error_p50_s: float = 0.0  # over accepted requests with a prediction (admission on)
+    ttft_prediction_error_p99_s: float = 0.0
+    worst_ttft_miss_s: float = 0.0  # the most an accepted request's TTFT exceeded its target by
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -37,7 +43,8 @@ class SloMetrics:
 
 def slo_metrics(result: SimResult, slo: SloConfig) -> SloMetrics:
     met = wasted = prefilled = 0
-    ttfts, tbts = [], []
+    ttfts, tbts, errors = [], [], []
+    worst_miss = 0.0
     for r in result.finished:
         assert r.first_token_time is not None and r.finished_time is not None, r.request_id
         target = slo.slo_for(result.labels[r.request_id])
@@ -45,6 +52,9 @@ def slo_metrics(result: SimResult, slo: SloConfig) -> SloMetrics:
         tbt = (r.finished_time - r.first_token_time) / (r.num_output_tokens - 1) if r.num_output_tokens > 1 else 0.0
         ttfts.append(ttft)
         tbts.append(tbt)
+        worst_miss = max(worst_miss, ttft - target.ttft_s)
+        if (predicted := result.predicted_ttft_s.get(r.request_id)) is not None:
+            errors.append(ttft - predicted)
         prefilled += r.prompt_len
         if ttft <= target.ttft_s and tbt <= target.tbt_s:
             met += 1
@@ -67,6 +77,9 @@ def slo_metrics(result: SimResult, slo: SloConfig) -> SloMetrics:
         accepted_ttft_p99_s=float(np.percentile(ttfts, 99)) if ttfts else 0.0,
         accepted_tbt_p99_s=float(np.percentile(tbts, 99)) if tbts else 0.0,
         makespan_s=makespan,
+        ttft_prediction_error_p50_s=float(np.percentile(errors, 50)) if errors else 0.0,
+        ttft_prediction_error_p99_s=float(np.percentile(errors, 99)) if errors else 0.0,
+        worst_ttft_miss_s=worst_miss,
     )
 
 

@@ -36,6 +36,13 @@ def test_overload_without_admission_misses_the_slo_and_with_it_rejects_early():
     assert m_pred.wasted_prefill_share < m_none.wasted_prefill_share
     # The prediction's error bounds how far past the target an accepted request lands.
     assert m_pred.accepted_ttft_p99_s <= SLO.default.ttft_s + 1.0
+    assert set(predicted.predicted_ttft_s) == {r.request_id for r in predicted.finished}  # one per admitted
+    assert not none.predicted_ttft_s and m_none.ttft_prediction_error_p99_s == 0.0
+    errors = sorted(r.first_token_time - r.arrival_time - predicted.predicted_ttft_s[r.request_id]
+                    for r in predicted.finished)
+    assert m_pred.ttft_prediction_error_p50_s == pytest.approx(errors[len(errors) // 2], abs=0.5)
+    # Each was admitted on a prediction within its SLO: it misses by at most its own prediction's error.
+    assert m_pred.worst_ttft_miss_s <= errors[-1] + 1e-9
     assert all(r.rejected.startswith("overloaded:") for r in predicted.rejected)
     accepted, rejected = per_second(predicted)
     assert sum(accepted) == m_pred.accepted and sum(rejected) == m_pred.rejected
