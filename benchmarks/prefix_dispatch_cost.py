@@ -5,8 +5,10 @@
 
 Each instance's index entry holds a random share of 20 shared system-prompt chains (plus its
 own blocks, 851 in all: an A10's KV cache); each decision is one request of `--prompt-blocks`
-blocks extending a random system prompt, through `choose_by_predicted_ttft` (and, for scale,
-freeness-only `choose_instance`) on load reports of every instance. Prints the mean and P99
+blocks extending a random system prompt, through `choose_by_predicted_ttft` (the scan), through
+the scheduler's `PrefixDispatchIndex` (the same answer, asserted: it predicts the holders and the
+shortest queues only) and, for scale, freeness-only `choose_instance`, on load reports of every
+instance. Prints the mean and P99
 decision time; CPU time on a shared machine is noisy, compare the rows of one run.
 """
 
@@ -25,6 +27,7 @@ from shared.messages import DispatchRequest, KvCacheEvents
 from shared.policy.config import PolicyConfig
 from shared.policy.dispatch import choose_instance
 from shared.policy.prefix_dispatch import PrefixContext, choose_by_predicted_ttft
+from shared.policy.prefix_dispatch_index import PrefixDispatchIndex
 from shared.prefix_index import GlobalPrefixIndex
 from tests.unit.policy_helpers import make_load
 
@@ -48,7 +51,10 @@ def run(num_instances: int, decisions: int, prompt_blocks: int, seed: int = 0) -
                                waiting=[rng.randrange(1, 60) for _ in range(rng.randrange(0, 4))]))
     context = PrefixContext(index, lambda tokens: tokens * 1e-4)
     config = PolicyConfig(headroom_blocks={})
-    timings: dict[str, list[float]] = {"predicted-ttft": [], "freeness-only": []}
+    indexed = PrefixDispatchIndex(config, context)
+    for load in loads:
+        indexed.put(load)
+    timings: dict[str, list[float]] = {"predicted-ttft": [], "predicted-ttft-index": [], "freeness-only": []}
     for i in range(decisions):
         chain = rng.choice(systems)[: rng.randrange(prompt_blocks // 2, prompt_blocks)]
         request = DispatchRequest(f"r{i}", len(chain) * BLOCK + 7, 64, block_hashes=chain, prefix_block_size=BLOCK)
@@ -57,9 +63,13 @@ def run(num_instances: int, decisions: int, prompt_blocks: int, seed: int = 0) -
         t1 = time.perf_counter()
         baseline = choose_instance(loads, request, config)
         t2 = time.perf_counter()
+        from_index = indexed.choose(request)
+        t3 = time.perf_counter()
         assert decision.instance_id is not None and baseline.instance_id is not None, (decision, baseline)
+        assert from_index == decision, (from_index, decision)
         timings["predicted-ttft"].append(t1 - t0)
         timings["freeness-only"].append(t2 - t1)
+        timings["predicted-ttft-index"].append(t3 - t2)
     return {"instances": num_instances, "prompt_blocks": prompt_blocks, **{
         name: {"mean_ms": float(np.mean(v)) * 1e3, "p99_ms": float(np.percentile(v, 99)) * 1e3}
         for name, v in timings.items()}}
@@ -77,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         row = run(n, args.decisions, args.prompt_blocks)
         rows.append(row)
         print(f"{n:5d} instances: predicted-ttft mean {row['predicted-ttft']['mean_ms']:.3f} ms "
-              f"P99 {row['predicted-ttft']['p99_ms']:.3f} ms | freeness-only mean "
+              f"P99 {row['predicted-ttft']['p99_ms']:.3f} ms | its index mean "
+              f"{row['predicted-ttft-index']['mean_ms']:.3f} ms P99 {row['predicted-ttft-index']['p99_ms']:.3f} ms | "
+              f"freeness-only mean "
               f"{row['freeness-only']['mean_ms']:.3f} ms P99 {row['freeness-only']['p99_ms']:.3f} ms", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

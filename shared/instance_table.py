@@ -27,13 +27,13 @@ class LoadListener(Protocol):
 class InstanceTable:
     """Instances that stop reporting for `timeout_s` drop out; the table holds no per-request state.
 
-    `listener` sees every load stored and every instance dropped. Expiry costs O(instances
-    dropped), not a scan: entries are also kept in the order they were last seen."""
+    `listener` (and any added later) sees every load stored and every instance dropped. Expiry
+    costs O(instances dropped), not a scan: entries are also kept in the order they were last seen."""
 
     def __init__(self, timeout_s: float, clock=time.monotonic, listener: LoadListener | None = None) -> None:
         self.timeout_s = timeout_s
         self._clock = clock
-        self._listener = listener
+        self._listeners: list[LoadListener] = [listener] if listener is not None else []
         self._entries: dict[str, _Entry] = {}  # in order of arrival: the order `live()` lists them
         self._by_seen: OrderedDict[str, None] = OrderedDict()  # least recently seen first
 
@@ -45,17 +45,23 @@ class InstanceTable:
         self._entries[report.instance_id] = _Entry(report, self._clock())
         self._by_seen[report.instance_id] = None
         self._by_seen.move_to_end(report.instance_id)
-        if self._listener is not None:
-            self._listener.put(report)
+        for listener in self._listeners:
+            listener.put(report)
         return True
+
+    def add_listener(self, listener: LoadListener) -> None:
+        """Kept in step from now on, starting with every load held."""
+        self._listeners.append(listener)
+        for entry in self._entries.values():
+            listener.put(entry.report)
 
     def replace_load(self, report: LoadReport) -> None:
         """Local bookkeeping between reports (a dispatch we just made), keeping the seq."""
         entry = self._entries.get(report.instance_id)
         if entry is not None:
             entry.report = report
-            if self._listener is not None:
-                self._listener.put(report)
+            for listener in self._listeners:
+                listener.put(report)
 
     def expire(self) -> list[str]:
         now = self._clock()
@@ -71,8 +77,8 @@ class InstanceTable:
     def remove(self, instance_id: str) -> None:
         if self._entries.pop(instance_id, None) is not None:
             del self._by_seen[instance_id]
-            if self._listener is not None:
-                self._listener.remove(instance_id)
+            for listener in self._listeners:
+                listener.remove(instance_id)
 
     def live(self) -> list[LoadReport]:
         self.expire()

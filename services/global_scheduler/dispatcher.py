@@ -4,8 +4,10 @@
 `DispatchIndex`. Every other name of `shared.policy.baselines.POLICIES` runs the simulator's own
 function (`baselines.dispatch`) over the load table, the prefix-aware ones (`corral-prefix`,
 `prefix-only`, `kv-cost`) with the prefix index the llumlets' KV events keep
-(`prefix_tracker`) and the latency model's prefill time. Only the dispatch rule is taken from the
-name: migration stays as `--enable-migration` says.
+(`prefix_tracker`) and the latency model's prefill time; `corral-prefix` from a
+`PrefixDispatchIndex` the load table keeps in step (the same answers, without predicting every
+instance per request). Only the dispatch rule is taken from the name: migration stays as
+`--enable-migration` says.
 
 Prefix decisions are counted by reason: `cache_hit` (sent where the longest cached prefix is),
 `load_over_cache` (a longer prefix is cached elsewhere, but the queue and room there lost),
@@ -19,11 +21,13 @@ from collections.abc import Callable, Sequence
 from prometheus_client import CollectorRegistry, Counter
 
 from shared.engine_model.latency import LatencyModel
+from shared.instance_table import InstanceTable
 from shared.messages import DispatchRequest, LoadReport
-from shared.policy.baselines import POLICIES, dispatch, get_policy
+from shared.policy.baselines import POLICIES, DispatchRule, dispatch, get_policy
 from shared.policy.config import PolicyConfig
 from shared.policy.dispatch import DispatchDecision
 from shared.policy.prefix_dispatch import PrefixContext, PrefixIndex, matched_blocks
+from shared.policy.prefix_dispatch_index import PrefixDispatchIndex
 
 DEFAULT_POLICY = "corral"
 DISPATCH_POLICY_NAMES = tuple(POLICIES)
@@ -32,13 +36,18 @@ PREFIX_REASONS = ("cache_hit", "load_over_cache", "no_cache_hit")
 
 class NamedDispatch:
     def __init__(self, name: str, base: PolicyConfig, loads: Callable[[], Sequence[LoadReport]],
-                 index: PrefixIndex, gpu: str, registry: CollectorRegistry) -> None:
+                 index: PrefixIndex, gpu: str, registry: CollectorRegistry, table: InstanceTable | None = None) -> None:
         self.policy = get_policy(name)
         self.config = self.policy.policy_config(base)
         self._loads = loads
         self._turn = 0
         model = LatencyModel(gpu)
         self.prefix = PrefixContext(index, prefill_s=lambda n: model.prefill_ms(n) / 1e3 if n > 0 else 0.0)
+        # corral-prefix from loads kept by queued prefill, in step with `table` (without one: the scan).
+        self.ttft_index: PrefixDispatchIndex | None = None
+        if table is not None and self.policy.dispatch is DispatchRule.PREDICTED_TTFT:
+            self.ttft_index = PrefixDispatchIndex(self.config, self.prefix)
+            table.add_listener(self.ttft_index)
         self.prefix_decisions = Counter("corral:scheduler_prefix_dispatch_decisions",
                                         "Prefix-aware dispatch decisions by reason (cache_hit, load_over_cache, "
                                         "no_cache_hit)", ["reason"], registry=registry)
@@ -46,7 +55,10 @@ class NamedDispatch:
             self.prefix_decisions.labels(reason)
 
     def choose(self, request: DispatchRequest) -> DispatchDecision:
-        decision = dispatch(self.policy, self._loads(), request, self.config, self._turn, self.prefix)
+        if self.ttft_index is not None:  # = dispatch(...) over self._loads()
+            decision = self.ttft_index.choose(request)
+        else:
+            decision = dispatch(self.policy, self._loads(), request, self.config, self._turn, self.prefix)
         self._turn += 1
         if decision.instance_id is not None and self.policy.dispatch.uses_prefix_index:
             self.prefix_decisions.labels(self.reason(request, decision.instance_id)).inc()

@@ -64,7 +64,8 @@ class GlobalScheduler:
         # The llumlets' prefix caches (their KV events); dispatch by a policy named other than corral.
         self.prefixes = PrefixTracker(lambda: (load.instance_id for load in self.table.live()), self.metrics.registry)
         self.named_dispatch = (NamedDispatch(config.dispatch_policy, config.policy, self.table.live,
-                                             self.prefixes.index, config.dispatch_gpu, self.metrics.registry)
+                                             self.prefixes.index, config.dispatch_gpu, self.metrics.registry,
+                                             table=self.table)
                                if config.dispatch_policy != DEFAULT_POLICY else None)
 
     def _standing_pairs(self) -> int:

@@ -83,21 +83,37 @@ def choose_by_predicted_ttft(
     if isinstance(live, DispatchDecision):
         return live
     matched = matched_blocks(request, context.index)
-    ranked = []
-    for load in live:
-        score = dispatch_score(load, config.headroom_blocks)
-        uncached_blocks = blocks_for_tokens(request.num_prompt_tokens + 1 - cached_tokens(load, request, matched),
-                                            load.block_size)
-        # Room after the queue and this request's new blocks: the freeness rule.
-        has_room = score >= 0 and _free_after_queue(load) >= uncached_blocks
-        ranked.append((not has_room, predicted_ttft_s(load, request, context, matched), -score, load.instance_id))
+    return pick_predicted([ttft_rank(load, request, config, context, matched) for load in live], request, config,
+                          context)
+
+
+# (no room for it, predicted TTFT, -dispatch score, instance id): ascending = better.
+TtftRank = tuple[bool, float, float, str]
+
+
+def ttft_rank(load: LoadReport, request: DispatchRequest, config: PolicyConfig, context: PrefixContext,
+              matched: Mapping[str, int]) -> TtftRank:
+    score = dispatch_score(load, config.headroom_blocks)
+    uncached_blocks = blocks_for_tokens(request.num_prompt_tokens + 1 - cached_tokens(load, request, matched),
+                                        load.block_size)
+    # Room after the queue and this request's new blocks: the freeness rule.
+    has_room = score >= 0 and _free_after_queue(load) >= uncached_blocks
+    return (not has_room, predicted_ttft_s(load, request, context, matched), -score, load.instance_id)
+
+
+def pick_predicted(ranked: list[TtftRank], request: DispatchRequest, config: PolicyConfig,
+                   context: PrefixContext) -> DispatchDecision:
+    """The choice among ranked instances: the best class (room first), its lowest prediction, and
+    near-equal predictions (`ttft_tie_s`) broken by freeness, then by the request's hash. Needs
+    every instance of the best class within the tie band; the others may be left out."""
     ranked.sort()
     first_no_room, best_ttft, _, _ = ranked[0]
     tied = [iid for no_room, ttft, _, iid in ranked
             if no_room == first_no_room and ttft <= best_ttft + context.ttft_tie_s]
     if len(tied) > 1:  # near-equal predictions: the freer instance, then the request's hash
-        best_score = min(neg for no_room, ttft, neg, iid in ranked if iid in tied)
-        tied = [iid for no_room, ttft, neg, iid in ranked if iid in tied and neg <= best_score + config.tie_epsilon]
+        band = set(tied)
+        best_score = min(neg for no_room, ttft, neg, iid in ranked if iid in band)
+        tied = [iid for no_room, ttft, neg, iid in ranked if iid in band and neg <= best_score + config.tie_epsilon]
     return DispatchDecision(pick_tied(tied, request))
 
 

@@ -56,3 +56,29 @@ def test_round_robin_by_name_takes_the_instances_in_turn():
 def test_an_unknown_policy_name_is_refused():
     with pytest.raises(ValueError):
         NamedDispatch("fastest", PolicyConfig(), list, GlobalPrefixIndex(), "A10", CollectorRegistry())
+
+
+def test_corral_prefix_on_a_load_table_answers_as_the_scan_over_it():
+    import random
+
+    from shared.instance_table import InstanceTable
+
+    rng = random.Random(3)
+    now = [0.0]
+    table = InstanceTable(timeout_s=3.0, clock=lambda: now[0])
+    index = GlobalPrefixIndex()
+    for k in range(8):
+        index.restore(KvCacheSnapshot(f"i{k}", 0, 16, CHAIN[: rng.randint(0, 20)]))
+    indexed = NamedDispatch("corral-prefix", PolicyConfig(), table.live, index, "A10", CollectorRegistry(), table=table)
+    scan = NamedDispatch("corral-prefix", PolicyConfig(), table.live, index, "A10", CollectorRegistry())
+    assert indexed.ttft_index is not None and scan.ttft_index is None
+    for step in range(300):
+        now[0] += rng.choice([0.0, 0.1, 1.0])
+        table.update(make_load(f"i{rng.randint(0, 9)}", total=400, running={0: (2, rng.randint(0, 300))},
+                               waiting=[rng.choice([5, 21, 60]) for _ in range(rng.randint(0, 3))]))
+        table.expire()
+        req = request(f"r{step}", hashes=CHAIN[: rng.randint(0, 20)])
+        decision = indexed.choose(req)
+        assert decision == scan.choose(req)
+        if decision.instance_id is not None:
+            table.replace_load(account_dispatch(table.get(decision.instance_id), req))
