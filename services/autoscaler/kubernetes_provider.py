@@ -72,7 +72,7 @@ class KubernetesProvider:
 
     def start_instance(self, role=None) -> str:
         if role is not None:  # (refused at start-up: provider_from_args)
-            raise ProviderError("one Deployment holds one role: prefill/decode pools are not supported here")
+            raise ProviderError("one Deployment holds one role: prefill/decode pools are KubernetesPools")
         before = {pod.metadata.name for pod in self._pods()}
         self._change_replicas(+1)
         deadline = time.monotonic() + self.settings.pod_appear_timeout_s
@@ -108,6 +108,11 @@ class KubernetesProvider:
         process's or, before a restart, an earlier one's) that the controller has not acted on yet."""
         return {pod.metadata.name for pod in self._pods() if pod.metadata.deletion_timestamp is None
                 and (pod.metadata.annotations or {}).get(DELETION_COST) != LOWEST_DELETION_COST}
+
+    def managed_in(self, role=None) -> set[str]:
+        if role is not None:
+            raise ProviderError("one Deployment holds one role: prefill/decode pools are KubernetesPools")
+        return self.managed()
 
     def stop_all(self) -> None:
         """Nothing: the llumlets belong to the Deployment, not to this autoscaler process."""

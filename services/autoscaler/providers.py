@@ -33,6 +33,9 @@ class InstanceProvider(Protocol):
     def managed(self) -> set[str]:
         """Instances this provider started and has not stopped."""
 
+    def managed_in(self, role: InstanceRole | None) -> set[str]:
+        """Those of `managed` in one prefill/decode pool (None: without pools)."""
+
     def stop_all(self) -> None: ...
 
 
@@ -43,9 +46,11 @@ class LocalProcessProvider:
         self.prefix = prefix
         self._ids = itertools.count()
         self._processes: dict[str, subprocess.Popen] = {}
+        self._roles: dict[str, InstanceRole | None] = {}
 
     def start_instance(self, role: InstanceRole | None = None) -> str:
         instance_id = f"{self.prefix}-{next(self._ids)}"
+        self._roles[instance_id] = role
         argv = [sys.executable, "-m", "services.cli", "llumlet", "--nats-url", self.nats_url,
                 "--instance-id", instance_id, *self.llumlet_args, *(["--role", role.value] if role else [])]
         self._processes[instance_id] = subprocess.Popen(argv, preexec_fn=die_with_parent, start_new_session=True)
@@ -71,6 +76,9 @@ class LocalProcessProvider:
                 del self._processes[instance_id]
         return set(self._processes)
 
+    def managed_in(self, role: InstanceRole | None) -> set[str]:
+        return {instance_id for instance_id in self.managed() if self._roles.get(instance_id) is role}
+
     def stop_all(self) -> None:
         for instance_id in list(self._processes):
             self.stop_instance(instance_id)
@@ -83,6 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--k8s-namespace", default=env("K8S_NAMESPACE", None),
                        help="the Deployment's namespace (default: this pod's, from the service account)")
     group.add_argument("--k8s-deployment", default=env("K8S_DEPLOYMENT", "corral-llumlet"))
+    group.add_argument("--k8s-prefill-deployment", default=env("K8S_PREFILL_DEPLOYMENT", "corral-llumlet-prefill"),
+                       help="with prefill/decode pools (--initial-prefill/--initial-decode): the prefill pool's Deployment")
+    group.add_argument("--k8s-decode-deployment", default=env("K8S_DECODE_DEPLOYMENT", "corral-llumlet-decode"),
+                       help="with prefill/decode pools: the decode pool's Deployment")
     group.add_argument("--k8s-api-url", default=env("K8S_API_URL", None),
                        help="API server URL (default: in-cluster configuration, else ~/.kube/config)")
 
@@ -90,12 +102,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def provider_from_args(args: argparse.Namespace, config) -> InstanceProvider:
     if args.provider == "local":
         return LocalProcessProvider(config.nats_url, config.llumlet_args, config.instance_prefix)
-    if config.disaggregated:
-        raise SystemExit("autoscaler: prefill/decode pools need the local provider (the Kubernetes provider "
-                         "scales one Deployment; a Deployment per role is not supported yet)")
     from services.autoscaler.kubernetes_provider import KubernetesProvider, KubernetesSettings
 
     namespace = args.k8s_namespace or _service_account_namespace()
+    if config.disaggregated:  # a Deployment per pool
+        from services.autoscaler.kubernetes_pools import KubernetesPools
+
+        if args.k8s_prefill_deployment == args.k8s_decode_deployment:
+            raise SystemExit("autoscaler: the prefill and decode pools need a Deployment each")
+        return KubernetesPools({
+            InstanceRole.PREFILL: KubernetesProvider(KubernetesSettings(namespace, args.k8s_prefill_deployment,
+                                                                        args.k8s_api_url)),
+            InstanceRole.DECODE: KubernetesProvider(KubernetesSettings(namespace, args.k8s_decode_deployment,
+                                                                       args.k8s_api_url)),
+        })
     return KubernetesProvider(KubernetesSettings(namespace, args.k8s_deployment, args.k8s_api_url))
 
 

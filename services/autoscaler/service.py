@@ -17,6 +17,7 @@ from nats.errors import NoRespondersError
 from services.autoscaler.config import AutoscalerConfig
 from services.autoscaler.providers import InstanceProvider, ProviderError
 from shared import subjects
+from shared.engine_model.report_cadence import RECEIVER_WARM_UP_S
 from shared.instance_table import InstanceTable
 from shared.messages import (
     Ack,
@@ -54,11 +55,12 @@ class Autoscaler:
     async def start(self) -> None:
         self.nc = await connect(self.config.nats_url, "autoscaler")
         await self.nc.subscribe(subjects.LOAD_REPORTS_ALL, cb=self._on_report)
+        # Instances the provider already has count (a Kubernetes Deployment's pods outlive us).
         if self.config.disaggregated:
             for role, count in zip(POOLS, (self.config.initial_prefill, self.config.initial_decode)):
-                for _ in range(count):
+                for _ in range(count - len(await asyncio.to_thread(self.provider.managed_in, role))):
                     await self._start_one(role)
-        else:  # Instances the provider already has count (a Kubernetes Deployment's pods outlive us).
+        else:
             for _ in range(self.config.initial_instances - len(await asyncio.to_thread(self.provider.managed))):
                 await self._start_one()
         self._task = asyncio.create_task(self._loop(), name="autoscaler-loop")
@@ -88,6 +90,9 @@ class Autoscaler:
         return instance_id
 
     async def _loop(self) -> None:
+        # Not before every live instance has reported once (idle ones beat every 0.25 s): on the
+        # empty table of its first moments it would start instances the fleet already has.
+        await asyncio.sleep(max(0.0, RECEIVER_WARM_UP_S - self.config.tick_s))
         while True:
             await asyncio.sleep(self.config.tick_s)
             try:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
+import time
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -19,6 +21,7 @@ from services.global_scheduler.dispatcher import DEFAULT_POLICY, NamedDispatch
 from services.global_scheduler.prefix_tracker import PrefixTracker
 from services.global_scheduler.roles import InstanceRoles
 from shared import bus_guard, subjects, tracing
+from shared.engine_model.report_cadence import RECEIVER_WARM_UP_S
 from shared.instance_table import InstanceTable
 from shared.messages import (
     DispatchReply,
@@ -54,6 +57,8 @@ class GlobalScheduler:
         self.nc: Client | None = None
         self.dispatch_nc: Client | None = None  # dispatch and hand-off queries, apart from the reports
         self._reports_since_yield = 0
+        self._heard_a_report = asyncio.Event()
+        self._reports_subscribed_at: float | None = None  # monotonic
         self._tasks: list[asyncio.Task] = []
         self.migration_loop: MigrationLoop | None = None
         self.leadership = Leadership(config.scheduler_id, config.leader_lease_s)
@@ -80,6 +85,7 @@ class GlobalScheduler:
         # instances: P99 30 ms against 6 ms apart, benchmarks/control_plane.py).
         self.dispatch_nc = await connect(self.config.nats_url, "global-scheduler-dispatch")
         await self.nc.subscribe(subjects.LOAD_REPORTS_ALL, cb=self._on_report)
+        self._reports_subscribed_at = time.monotonic()
         await self.dispatch_nc.subscribe(subjects.DISPATCH, queue=subjects.SCHEDULER_QUEUE, cb=self._on_dispatch)
         await self.dispatch_nc.subscribe(subjects.HANDOFF, queue=subjects.SCHEDULER_QUEUE, cb=self._on_handoff)
         await self.nc.subscribe(subjects.SCHEDULER_HEARTBEAT, cb=self._on_peer_heartbeat)
@@ -125,10 +131,22 @@ class GlobalScheduler:
         report = decode_or_drop(msg.data, LoadReport, log, "load report", msg.subject)
         if report is None:
             return
+        self._heard_a_report.set()
         if self.table.get(report.instance_id) is None:
             log.info("instance %s joined (%s, %d blocks)", report.instance_id, report.engine, report.num_blocks_total)
         self.table.update(report)
         self.roles.saw(report)
+
+    async def _until_an_instance_reported(self) -> None:
+        """Just started, no report yet: idle instances beat every 0.25 s, so an empty table may only
+        mean they have not spoken since we subscribed. Wait for one (up to the warm-up) rather
+        than refuse with "no instance"."""
+        if self._heard_a_report.is_set() or self._reports_subscribed_at is None:
+            return
+        left = RECEIVER_WARM_UP_S - (time.monotonic() - self._reports_subscribed_at)
+        if left > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._heard_a_report.wait(), left)
 
     def decide(self, request: DispatchRequest) -> DispatchReply:
         predicted: dict[str, float] = {}  # admission's TTFT on each admitted instance
@@ -164,6 +182,7 @@ class GlobalScheduler:
                 span.set_status(Status(StatusCode.ERROR, str(exc)))
                 await msg.respond(encode(DispatchReply(rejected=str(exc), reason=Refusal.INVALID)))
                 return
+            await self._until_an_instance_reported()
             reply = self.decide(request)
             if span.is_recording():
                 span.set_attributes({"corral.request_id": request.request_id,

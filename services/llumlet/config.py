@@ -11,7 +11,7 @@ from shared import subjects
 from shared.config import add_nats_argument, env, short_id
 from shared.engine_model.config import QUEUE_POLICIES, STEP_MODES, SchedulerConfig
 from shared.engine_model.latency import SIMPLE_MODELS
-from shared.engine_model.report_cadence import DEFAULT_HEARTBEAT_S
+from shared.engine_model.report_cadence import DEFAULT_HEARTBEAT_S, MAX_HEARTBEAT_S
 from shared.messages import InstanceRole
 from shared.policy.config import PolicyConfig
 
@@ -200,8 +200,9 @@ def _role(value: str) -> InstanceRole:
 
 
 def _heartbeat(heartbeat_s: float, interval_s: float) -> float:
-    if heartbeat_s != 0 and not interval_s <= heartbeat_s <= 0.5:
-        raise SystemExit(f"--report-heartbeat-s must be 0 or between --report-interval-s ({interval_s}) and 0.5 s "
+    if heartbeat_s != 0 and not interval_s <= heartbeat_s <= MAX_HEARTBEAT_S:
+        raise SystemExit(f"--report-heartbeat-s must be 0 or between --report-interval-s ({interval_s}) and "
+                         f"{MAX_HEARTBEAT_S} s "
                          f"(the gateways take an instance silent for 0.8 s for dead), got {heartbeat_s}")
     return heartbeat_s
 

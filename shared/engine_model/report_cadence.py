@@ -16,6 +16,10 @@ from msgspec.structs import replace
 from shared.messages import LoadReport
 
 DEFAULT_HEARTBEAT_S = 0.25  # a fifth of the gateways' 0.8 s death limit: four lost beats in a row before it
+MAX_HEARTBEAT_S = 0.5  # the most `--report-heartbeat-s` may be
+# A receiver that has just subscribed (a scheduler, an autoscaler starting) has heard every live
+# instance once this long has passed: before, an empty or partial table says nothing of the fleet.
+RECEIVER_WARM_UP_S = MAX_HEARTBEAT_S + 0.1
 
 
 def says_the_same(last_sent: LoadReport, report: LoadReport) -> bool:

@@ -52,28 +52,44 @@ class FakePod:
         }
 
 
+@dataclass
+class FakeDeployment:
+    """A Deployment's scale subresource and its ReplicaSet controller's bookkeeping."""
+
+    name: str
+    labels: dict[str, str]  # its pods', and its selector
+    replicas: int = 0
+    resource_version: int = 1
+    deleted: list[str] = field(default_factory=list)  # pod names, in the order the controller deleted them
+    replica_history: list[int] = field(default_factory=list)
+    conflicts_to_inject: int = 0  # answer this many scale patches with 409 as if another writer won
+    names: itertools.count = field(default_factory=itertools.count)
+
+
 class KubeApiStandIn:
-    """One namespace, one Deployment (its scale subresource) and its pods."""
+    """One namespace, its llumlet Deployment(s) (their scale subresources) and their pods.
+
+    `deployment` is the one the attributes below speak of (`replicas`, `deleted`, ...); `more`
+    adds Deployments (name -> replicas) whose pods carry a label of their own, so that each
+    Deployment's selector matches its pods only (prefill/decode pools)."""
 
     def __init__(self, namespace: str = "corral", deployment: str = "corral-llumlet", replicas: int = 2,
-                 pod_creation_delay_s: float = 0.0, kubelet: Kubelet | None = None) -> None:
+                 pod_creation_delay_s: float = 0.0, kubelet: Kubelet | None = None,
+                 more: dict[str, int] | None = None) -> None:
         self.namespace, self.deployment = namespace, deployment
-        self.labels = {"app.kubernetes.io/name": "corral-llumlet"}
-        self.replicas = 0
-        self.resource_version = 1
+        base = {"app.kubernetes.io/name": "corral-llumlet"}
+        self.deployments = {name: FakeDeployment(name, {**base, "app.kubernetes.io/component": name} if more else base)
+                            for name in (deployment, *(more or {}))}
         self.pod_creation_delay_s = pod_creation_delay_s
         self.kubelet = kubelet
         self.pods: dict[str, FakePod] = {}
-        self.deleted: list[str] = []  # pod names, in the order the controller deleted them
-        self.replica_history: list[int] = []
         self.requests: list[tuple[str, str, str]] = []  # (method, path, content type)
-        self.conflicts_to_inject = 0  # answer this many scale patches with 409 as if another writer won
-        self._names = itertools.count()
         self._lock = threading.RLock()
-        self._set_replicas(replicas, delay=False)
+        for name, count in {deployment: replicas, **(more or {})}.items():
+            self._set_replicas(self.deployments[name], count, delay=False)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        prefix = f"/apis/apps/v1/namespaces/{namespace}/deployments/{deployment}/scale"
+        prefix = f"/apis/apps/v1/namespaces/{namespace}/deployments/{{deployment}}/scale"
         app = Starlette(routes=[
             Route(prefix, self._get_scale, methods=["GET"]),
             Route(prefix, self._patch_scale, methods=["PATCH"]),
@@ -83,6 +99,31 @@ class KubeApiStandIn:
         app.add_middleware(_Recorder, requests=self.requests)
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    # The first Deployment's state, as the single-Deployment tests read it.
+    @property
+    def primary(self) -> FakeDeployment:
+        return self.deployments[self.deployment]
+
+    @property
+    def replicas(self) -> int:
+        return self.primary.replicas
+
+    @property
+    def deleted(self) -> list[str]:
+        return self.primary.deleted
+
+    @property
+    def replica_history(self) -> list[int]:
+        return self.primary.replica_history
+
+    @property
+    def conflicts_to_inject(self) -> int:
+        return self.primary.conflicts_to_inject
+
+    @conflicts_to_inject.setter
+    def conflicts_to_inject(self, value: int) -> None:
+        self.primary.conflicts_to_inject = value
 
     def __enter__(self) -> KubeApiStandIn:
         self._thread.start()
@@ -99,50 +140,57 @@ class KubeApiStandIn:
 
     # -- the ReplicaSet controller ---------------------------------------------------------------
 
-    def live_pods(self) -> list[FakePod]:
-        return [pod for pod in self.pods.values() if pod.deleted_at is None]
+    def live_pods(self, deployment: str | None = None) -> list[FakePod]:
+        labels = self.deployments[deployment or self.deployment].labels
+        return [pod for pod in self.pods.values() if pod.deleted_at is None and pod.labels == labels]
 
-    def _set_replicas(self, replicas: int, delay: bool = True) -> None:
-        self.replicas = replicas
-        self.replica_history.append(replicas)
-        live = self.live_pods()
+    def _set_replicas(self, deployment: FakeDeployment, replicas: int, delay: bool = True) -> None:
+        deployment.replicas = replicas
+        deployment.replica_history.append(replicas)
+        live = self.live_pods(deployment.name)
         for _ in range(replicas - len(live)):
-            name = f"{self.deployment}-7d9f8b-{next(self._names):05d}"
+            name = f"{deployment.name}-7d9f8b-{next(deployment.names):05d}"
             if delay and self.pod_creation_delay_s > 0:
-                threading.Timer(self.pod_creation_delay_s, self._create, (name,)).start()
+                threading.Timer(self.pod_creation_delay_s, self._create, (name, deployment.labels)).start()
             else:
-                self._create(name)
+                self._create(name, deployment.labels)
         # Who goes: not ready first, then the lowest deletion cost, then the newest.
         ranked = sorted(live, key=lambda p: (self._ready(p), p.deletion_cost(), -p.created))
         for pod in ranked[: max(0, len(live) - replicas)]:
             pod.deleted_at = time.time()
-            self.deleted.append(pod.name)
+            deployment.deleted.append(pod.name)
             if self.kubelet is not None:
                 threading.Thread(target=self.kubelet.stop, args=(pod.name,), daemon=True).start()
 
     def _ready(self, pod: FakePod) -> bool:
         return self.kubelet.ready(pod.name) if self.kubelet is not None else pod.ready
 
-    def _create(self, name: str) -> None:
+    def _create(self, name: str, labels: dict[str, str]) -> None:
         with self._lock:
-            self.pods[name] = FakePod(name, dict(self.labels), time.time())
+            self.pods[name] = FakePod(name, dict(labels), time.time())
             if self.kubelet is not None:
                 self.kubelet.start(name)
 
     # -- endpoints -------------------------------------------------------------------------------
 
-    def _scale_json(self) -> dict:
+    def _scale_json(self, deployment: FakeDeployment) -> dict:
         return {
             "kind": "Scale", "apiVersion": "autoscaling/v1",
-            "metadata": {"name": self.deployment, "namespace": self.namespace, "uid": "uid-deploy",
-                         "resourceVersion": str(self.resource_version), "creationTimestamp": _timestamp(0)},
-            "spec": {"replicas": self.replicas},
-            "status": {"replicas": len(self.live_pods()), "selector": _selector(self.labels)},
+            "metadata": {"name": deployment.name, "namespace": self.namespace, "uid": f"uid-{deployment.name}",
+                         "resourceVersion": str(deployment.resource_version), "creationTimestamp": _timestamp(0)},
+            "spec": {"replicas": deployment.replicas},
+            "status": {"replicas": len(self.live_pods(deployment.name)), "selector": _selector(deployment.labels)},
         }
+
+    def _deployment_of(self, request: Request) -> FakeDeployment | None:
+        return self.deployments.get(request.path_params["deployment"])
 
     async def _get_scale(self, request: Request) -> JSONResponse:
         with self._lock:
-            return JSONResponse(self._scale_json())
+            deployment = self._deployment_of(request)
+            if deployment is None:
+                return _not_found_deployment(request)
+            return JSONResponse(self._scale_json(deployment))
 
     async def _patch_scale(self, request: Request) -> JSONResponse:
         if request.headers.get("content-type") not in PATCH_TYPES:
@@ -150,19 +198,22 @@ class KubeApiStandIn:
                                                         f"accepted media types include: {', '.join(PATCH_TYPES)}")
         patch = json.loads(await request.body())
         with self._lock:
+            deployment = self._deployment_of(request)
+            if deployment is None:
+                return _not_found_deployment(request)
             wanted_version = patch.get("metadata", {}).get("resourceVersion")
-            if self.conflicts_to_inject > 0:
-                self.conflicts_to_inject -= 1
-                self.resource_version += 1  # another writer got there first
-            if wanted_version is not None and wanted_version != str(self.resource_version):
+            if deployment.conflicts_to_inject > 0:
+                deployment.conflicts_to_inject -= 1
+                deployment.resource_version += 1  # another writer got there first
+            if wanted_version is not None and wanted_version != str(deployment.resource_version):
                 return _status(409, "Conflict", 'Operation cannot be fulfilled on deployments.apps '
-                                                f'"{self.deployment}": the object has been modified')
+                                                f'"{deployment.name}": the object has been modified')
             replicas = patch.get("spec", {}).get("replicas")
             if not isinstance(replicas, int) or replicas < 0:
                 return _status(422, "Invalid", "spec.replicas: must be a non-negative integer")
-            self.resource_version += 1
-            self._set_replicas(replicas)
-            return JSONResponse(self._scale_json())
+            deployment.resource_version += 1
+            self._set_replicas(deployment, replicas)
+            return JSONResponse(self._scale_json(deployment))
 
     async def _list_pods(self, request: Request) -> JSONResponse:
         wanted = _parse_selector(request.query_params.get("labelSelector", ""))
@@ -170,7 +221,7 @@ class KubeApiStandIn:
             items = [pod.to_json(self.namespace) for pod in self.pods.values()
                      if all(pod.labels.get(k) == v for k, v in wanted.items())]
         return JSONResponse({"kind": "PodList", "apiVersion": "v1",
-                             "metadata": {"resourceVersion": str(self.resource_version)}, "items": items})
+                             "metadata": {"resourceVersion": str(self.primary.resource_version)}, "items": items})
 
     async def _patch_pod(self, request: Request) -> JSONResponse:
         if request.headers.get("content-type") not in PATCH_TYPES:
@@ -218,6 +269,10 @@ def _status(code: int, reason: str, message: str) -> JSONResponse:
     body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
             "reason": reason, "code": code}
     return JSONResponse(body, status_code=code)
+
+
+def _not_found_deployment(request: Request) -> JSONResponse:
+    return _status(404, "NotFound", f'deployments.apps "{request.path_params["deployment"]}" not found')
 
 
 def _selector(labels: dict[str, str]) -> str:

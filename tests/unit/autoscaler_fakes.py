@@ -21,6 +21,9 @@ class FakeProvider:
     def managed(self) -> set[str]:
         return {iid for iid, _ in self.started} - set(self.stopped)
 
+    def managed_in(self, role) -> set[str]:
+        return {iid for iid, r in self.started if r is role} - set(self.stopped)
+
     def stop_all(self) -> None: ...
 
 

@@ -86,3 +86,27 @@ async def test_an_idle_llumlet_beats_and_a_busy_one_reports_its_changes(nats_url
     finally:
         await llumlet.stop()
         await nc.close()
+
+
+async def test_a_scheduler_just_started_waits_for_an_idle_instances_beat_rather_than_refuse(nats_url):
+    from services.global_scheduler.config import SchedulerConfig
+    from services.global_scheduler.service import GlobalScheduler
+    from shared.messages import DispatchReply, DispatchRequest, encode
+
+    instance_id = f"quiet-{uuid.uuid4().hex[:6]}"
+    llumlet = Llumlet(LlumletConfig(instance_id, nats_url, report_interval_s=0.02, report_heartbeat_s=0.5),
+                      SimEngine(sim_config(time_scale=0.02)))
+    await llumlet.start()
+    await asyncio.sleep(0.1)  # its first report went before the scheduler was there; the next is a beat away
+    scheduler = GlobalScheduler(SchedulerConfig(nats_url=nats_url))
+    nc = await nats.connect(nats_url)
+    try:
+        await scheduler.start()
+        assert len(scheduler.table) == 0
+        reply = decode((await nc.request(subjects.DISPATCH, encode(DispatchRequest("r", 10, 4)), timeout=5)).data,
+                       DispatchReply)
+        assert reply.instance_id == instance_id, reply
+    finally:
+        await nc.close()
+        await scheduler.stop()
+        await llumlet.stop()
