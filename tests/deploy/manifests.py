@@ -32,6 +32,14 @@ def find(docs: list[dict], kind: str, name: str) -> dict:
     return matches[0]
 
 
+def llumlet_deployments(docs: list[dict]) -> list[dict]:
+    """The llumlet Deployments: `corral-llumlet`, or one per prefill/decode pool (cpu-sim-pd)."""
+    found = [d for d in docs if d["kind"] == "Deployment"
+             and d["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/name") == "corral-llumlet"]
+    assert found, "no llumlet Deployment"
+    return found
+
+
 def containers(doc: dict) -> list[dict]:
     return doc["spec"]["template"]["spec"]["containers"]
 

@@ -16,6 +16,7 @@ from tests.deploy.manifests import (
     OVERLAYS,
     containers,
     find,
+    llumlet_deployments,
     parse_corral,
     render_overlay,
 )
@@ -32,8 +33,8 @@ def rendered(request) -> tuple[str, list[dict]]:
     return request.param, render_overlay(request.param)
 
 
-def test_the_three_overlays_exist():
-    assert set(OVERLAYS) == {"cpu-sim", "cpu-vllm", "gpu"}
+def test_the_overlays_exist():
+    assert set(OVERLAYS) == {"cpu-sim", "cpu-vllm", "gpu", "cpu-sim-pd"}
 
 
 def test_every_rendered_object_validates_against_the_kubernetes_schemas(rendered):
@@ -43,7 +44,7 @@ def test_every_rendered_object_validates_against_the_kubernetes_schemas(rendered
     for doc in docs:
         kubernetes_validate.validate(doc, version, strict=True)
     # The validator does reject what is wrong (a misspelt field), so passing means something.
-    broken = copy.deepcopy(find(docs, "Deployment", "corral-llumlet"))
+    broken = copy.deepcopy(llumlet_deployments(docs)[0])
     broken["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, version, strict=True)
@@ -76,21 +77,26 @@ def test_every_corral_container_runs_a_corral_entry_point_that_parses(rendered):
 
 def test_engine_per_overlay(rendered):
     name, docs = rendered
-    llumlet = containers(find(docs, "Deployment", "corral-llumlet"))[0]
-    args = parse_corral(llumlet["args"])
-    resources = llumlet["resources"]
-    if name == "gpu":
-        assert args.engine == "vllm" and llumlet["image"] == "corral-cuda:latest" and args.vllm_kv_cache_gib == 16
-        assert resources["limits"]["nvidia.com/gpu"] == "1"
-        assert find(docs, "ConfigMap", "corral-env")["data"]["CORRAL_MODEL_DIR"] == "/models/served"
-    else:
-        assert args.engine == ("sim" if name == "cpu-sim" else "vllm") and llumlet["image"] == "corral:latest"
-        assert "nvidia.com/gpu" not in str(resources)
+    for deployment in llumlet_deployments(docs):
+        llumlet = containers(deployment)[0]
+        args = parse_corral(llumlet["args"])
+        resources = llumlet["resources"]
+        if name == "gpu":
+            assert args.engine == "vllm" and llumlet["image"] == "corral-cuda:latest" and args.vllm_kv_cache_gib == 16
+            assert resources["limits"]["nvidia.com/gpu"] == "1"
+            assert find(docs, "ConfigMap", "corral-env")["data"]["CORRAL_MODEL_DIR"] == "/models/served"
+        else:
+            assert args.engine == ("vllm" if name == "cpu-vllm" else "sim") and llumlet["image"] == "corral:latest"
+            assert "nvidia.com/gpu" not in str(resources)
 
 
-def test_llumlet_probes_drain_and_grace_period_fit_together(rendered):
+@pytest.mark.parametrize("pool", [0, 1])
+def test_llumlet_probes_drain_and_grace_period_fit_together(rendered, pool):
     _, docs = rendered
-    deployment = find(docs, "Deployment", "corral-llumlet")
+    deployments = llumlet_deployments(docs)
+    if pool >= len(deployments):
+        return  # (one llumlet Deployment in this overlay)
+    deployment = deployments[pool]
     pod = deployment["spec"]["template"]
     llumlet = pod["spec"]["containers"][0]
     args = parse_corral(llumlet["args"])
@@ -107,7 +113,7 @@ def test_llumlet_probes_drain_and_grace_period_fit_together(rendered):
     assert drain.command == "drain" and drain.instance_id is None  # from the environment in the pod
     # The drain's own deadline (plus its NATS allowance) ends before the kubelet's SIGKILL.
     assert drain.timeout_s + 5 + 30 <= pod["spec"]["terminationGracePeriodSeconds"]
-    pdb = find(docs, "PodDisruptionBudget", "corral-llumlet")
+    pdb = find(docs, "PodDisruptionBudget", deployment["metadata"]["name"])
     assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
 
 
@@ -184,8 +190,48 @@ def test_autoscaler_role_grants_what_the_provider_uses_and_nothing_else():
     assert used == granted
     scale_rule = next(r for r in role["rules"] if r["resources"] == ["deployments/scale"])
     assert scale_rule["resourceNames"] == [args.k8s_deployment]
-    llumlets = [d for d in yaml.safe_load_all((KUBERNETES / "base" / "llumlet.yaml").read_text()) if d]
+    llumlets = [d for d in yaml.safe_load_all((KUBERNETES / "base" / "llumlet" / "llumlet.yaml").read_text()) if d]
     find(llumlets, "Deployment", args.k8s_deployment)
+
+
+def test_the_pools_overlays_role_grants_what_the_pools_provider_uses_and_nothing_else():
+    """cpu-sim-pd: the autoscaler scales both pools' Deployments, and its Role names both."""
+    pytest.importorskip("kubernetes")
+    from services.autoscaler.kubernetes_pools import KubernetesPools
+    from services.autoscaler.kubernetes_provider import KubernetesProvider, KubernetesSettings
+    from shared.messages import InstanceRole
+    from tests.deploy.kube_api_standin import KubeApiStandIn
+
+    docs = render_overlay("cpu-sim-pd")
+    role = find(docs, "Role", "corral-autoscaler")
+    args = parse_corral(containers(find(docs, "Deployment", "corral-autoscaler"))[0]["args"])
+    assert args.provider == "kubernetes" and args.initial_prefill >= 1 and args.initial_decode >= 1
+    names = {InstanceRole.PREFILL: args.k8s_prefill_deployment, InstanceRole.DECODE: args.k8s_decode_deployment}
+    granted = {(group, resource, verb, name) for rule in role["rules"] for group in rule["apiGroups"]
+               for resource in rule["resources"] for verb in rule["verbs"] for name in rule.get("resourceNames", ["*"])}
+    with KubeApiStandIn(deployment=names[InstanceRole.PREFILL], replicas=1,
+                        more={names[InstanceRole.DECODE]: 1}) as api:
+        pools = KubernetesPools({role: KubernetesProvider(KubernetesSettings(api.namespace, name, api.url))
+                                 for role, name in names.items()})
+        for pool in names:
+            pools.stop_instance(pools.start_instance(pool))
+        pools.managed()
+        used = {(*_rbac_of(method, path), _name_of(path)) for method, path, _ in api.requests}
+    assert used == granted
+    # Each pool's Deployment: its role, a selector of its own, no replica count of its own.
+    for pool, name in names.items():
+        deployment = find(docs, "Deployment", name)
+        env = {e["name"]: e.get("value") for e in containers(deployment)[0]["env"]}
+        assert env["CORRAL_ROLE"] == pool.value and "replicas" not in deployment["spec"]
+    selectors = [find(docs, "Deployment", name)["spec"]["selector"]["matchLabels"] for name in names.values()]
+    assert selectors[0] != selectors[1] and {d["metadata"]["name"] for d in llumlet_deployments(docs)} == set(
+        names.values())
+
+
+def _name_of(path: str) -> str:
+    """The object a scale call names (RBAC's resourceNames); '*' for the pod calls, granted on all pods."""
+    parts = path.strip("/").split("/")
+    return parts[6] if "deployments" in parts else "*"
 
 
 def _rbac_of(method: str, path: str) -> tuple[str, str, str]:
@@ -212,9 +258,12 @@ def test_nats_and_the_kv_port_admit_only_corral_pods(rendered):
             labels = doc["spec"]["template"]["metadata"]["labels"]
             assert admitted.items() <= labels.items(), doc["metadata"]["name"]
     kv_policy = find(docs, "NetworkPolicy", "corral-llumlet-kv")
-    llumlet = find(docs, "Deployment", "corral-llumlet")
     rules = {tuple(p["port"] for p in rule["ports"]): rule.get("from") for rule in kv_policy["spec"]["ingress"]}
-    assert rules[("kv",)] == [{"podSelector": {"matchLabels": llumlet["spec"]["selector"]["matchLabels"]}}]
+    every_llumlet = {"app.kubernetes.io/name": "corral-llumlet"}  # (both pools: P/D hand-offs cross them)
+    assert rules[("kv",)] == [{"podSelector": {"matchLabels": every_llumlet}}]
+    assert kv_policy["spec"]["podSelector"]["matchLabels"] == every_llumlet
+    for llumlet in llumlet_deployments(docs):
+        assert every_llumlet.items() <= llumlet["spec"]["selector"]["matchLabels"].items()
     assert rules[("metrics",)] is None  # Prometheus and probes from anywhere
 
 
@@ -224,6 +273,11 @@ def test_llumlet_count_is_the_autoscalers_not_the_manifests(rendered):
     its initial count."""
     _, docs = rendered
     autoscaler = parse_corral(containers(find(docs, "Deployment", "corral-autoscaler"))[0]["args"])
-    scaled = find(docs, "Deployment", autoscaler.k8s_deployment)
-    assert "replicas" not in scaled["spec"]
-    assert 1 <= autoscaler.min_instances <= autoscaler.initial_instances <= autoscaler.max_instances
+    if autoscaler.initial_prefill:  # prefill/decode pools: a Deployment each
+        scaled = [find(docs, "Deployment", autoscaler.k8s_prefill_deployment),
+                  find(docs, "Deployment", autoscaler.k8s_decode_deployment)]
+        initial = [autoscaler.initial_prefill, autoscaler.initial_decode]
+    else:
+        scaled, initial = [find(docs, "Deployment", autoscaler.k8s_deployment)], [autoscaler.initial_instances]
+    assert all("replicas" not in deployment["spec"] for deployment in scaled)
+    assert all(1 <= autoscaler.min_instances <= count <= autoscaler.max_instances for count in initial)
