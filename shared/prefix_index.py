@@ -17,6 +17,9 @@ from collections.abc import Iterable, Sequence
 from shared.messages import KvCacheEvents, KvCacheSnapshot
 
 
+_NONE: frozenset[str] = frozenset()
+
+
 class GlobalPrefixIndex:
     def __init__(self) -> None:
         self._held: dict[str, set[int]] = {}  # instance -> block hashes it holds
@@ -44,13 +47,16 @@ class GlobalPrefixIndex:
             return {}
         alive = set(self._holders.get(block_hashes[0], ()))
         matched: dict[str, int] = {}
-        depth = 0
+        depth, length, holders = 0, len(block_hashes), self._holders
         while alive:
             depth += 1
-            nxt = self._holders.get(block_hashes[depth], set()) if depth < len(block_hashes) else set()
-            for instance_id in alive - nxt:
+            nxt = holders.get(block_hashes[depth], _NONE) if depth < length else _NONE
+            if alive <= nxt:  # every one still holds it (the usual case): no set built
+                continue
+            lost = alive - nxt
+            for instance_id in lost:
                 matched[instance_id] = depth
-            alive &= nxt
+            alive -= lost
         return matched
 
     def in_sync(self, instance_id: str) -> bool:
