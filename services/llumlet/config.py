@@ -175,7 +175,7 @@ def config_from_args(args: argparse.Namespace) -> LlumletConfig:
         model_dir=args.model_dir,
         max_model_len=args.max_model_len,
         report_interval_s=args.report_interval_s,
-        report_heartbeat_s=_heartbeat(args.report_heartbeat_s, args.report_interval_s),
+        report_heartbeat_s=_heartbeat(args.report_heartbeat_s),
         stop_grace_s=args.stop_grace_s,
         metrics_port=args.metrics_port,
         seed=args.seed,
@@ -199,11 +199,11 @@ def _role(value: str) -> InstanceRole:
         raise SystemExit(f"bad role {value!r}: one of {', '.join(r.value for r in InstanceRole)}") from None
 
 
-def _heartbeat(heartbeat_s: float, interval_s: float) -> float:
-    if heartbeat_s != 0 and not interval_s <= heartbeat_s <= MAX_HEARTBEAT_S:
-        raise SystemExit(f"--report-heartbeat-s must be 0 or between --report-interval-s ({interval_s}) and "
-                         f"{MAX_HEARTBEAT_S} s "
-                         f"(the gateways take an instance silent for 0.8 s for dead), got {heartbeat_s}")
+def _heartbeat(heartbeat_s: float) -> float:
+    """At or under --report-interval-s it sends every report, as 0 does."""
+    if not 0 <= heartbeat_s <= MAX_HEARTBEAT_S:
+        raise SystemExit(f"--report-heartbeat-s must be between 0 and {MAX_HEARTBEAT_S} s (the gateways take an "
+                         f"instance silent for 0.8 s for dead), got {heartbeat_s}")
     return heartbeat_s
 
 

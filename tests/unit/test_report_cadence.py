@@ -42,13 +42,22 @@ def test_a_report_goes_out_when_it_says_something_new_or_as_the_heartbeat():
     assert report_due(last, report(2), 0.0, 0.0)  # heartbeat 0: every report, as before
 
 
-@pytest.mark.parametrize("value", ["0.01", "0.9"])
-def test_a_heartbeat_that_receivers_would_take_for_death_or_faster_than_reports_is_refused(value):
+def parse(*argv: str):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--report-interval-s", "0.05", "--report-heartbeat-s", value])
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("value", ["-1", "0.9", "nan"])
+def test_a_heartbeat_that_receivers_would_take_for_death_is_refused(value):
     with pytest.raises(SystemExit, match="--report-heartbeat-s"):
-        config_from_args(args)
+        config_from_args(parse("--report-heartbeat-s", value))
+
+
+def test_a_report_interval_longer_than_the_heartbeat_is_taken():
+    """Every report then goes out (they are a beat apart already)."""
+    config = config_from_args(parse("--report-interval-s", "0.4"))
+    assert (config.report_interval_s, config.report_heartbeat_s) == (0.4, 0.25)
 
 
 async def test_an_idle_llumlet_beats_and_a_busy_one_reports_its_changes(nats_url):
