@@ -119,3 +119,29 @@ async def test_a_scheduler_just_started_waits_for_an_idle_instances_beat_rather_
         await nc.close()
         await scheduler.stop()
         await llumlet.stop()
+
+
+async def test_an_autoscaler_just_started_does_not_act_before_the_instances_have_beaten(nats_url, monkeypatch):
+    """Its first tick waits out the heartbeat: on an empty table it would start instances the fleet has."""
+    from services.autoscaler.config import AutoscalerConfig
+    from services.autoscaler.service import Autoscaler
+    from shared.engine_model.report_cadence import RECEIVER_WARM_UP_S
+    from tests.unit.autoscaler_fakes import FakeProvider
+
+    provider = FakeProvider()
+    provider.started.append(("already-there", None))  # a pod that outlived an earlier autoscaler
+    scaler = Autoscaler(AutoscalerConfig(nats_url=nats_url, tick_s=0.05), provider)
+    ticks: list[float] = []
+
+    async def tick() -> None:
+        ticks.append(time.monotonic())
+
+    monkeypatch.setattr(scaler, "tick", tick)
+    started = time.monotonic()
+    await scaler.start()
+    try:
+        await asyncio.sleep(RECEIVER_WARM_UP_S + 0.2)
+        assert ticks and ticks[0] - started >= RECEIVER_WARM_UP_S - 0.01, (ticks[:1], started)
+        assert provider.started == [("already-there", None)]  # it counted the one it found
+    finally:
+        await scaler.stop()
