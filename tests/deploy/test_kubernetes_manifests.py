@@ -90,13 +90,13 @@ def test_engine_per_overlay(rendered):
             assert "nvidia.com/gpu" not in str(resources)
 
 
-@pytest.mark.parametrize("pool", [0, 1])
-def test_llumlet_probes_drain_and_grace_period_fit_together(rendered, pool):
+def test_llumlet_probes_drain_and_grace_period_fit_together(rendered):
     _, docs = rendered
-    deployments = llumlet_deployments(docs)
-    if pool >= len(deployments):
-        return  # (one llumlet Deployment in this overlay)
-    deployment = deployments[pool]
+    for deployment in llumlet_deployments(docs):  # (one, or a prefill and a decode pool)
+        _check_llumlet_pod(docs, deployment)
+
+
+def _check_llumlet_pod(docs: list[dict], deployment: dict) -> None:
     pod = deployment["spec"]["template"]
     llumlet = pod["spec"]["containers"][0]
     args = parse_corral(llumlet["args"])
