@@ -5,7 +5,7 @@ scale in by marking the drained pod with the lowest pod-deletion cost first).
 The autoscaler names a role when it starts an instance and only an instance id when it stops one:
 the pool a pod belongs to is remembered from its start, or from the pools' pod lists (`managed`,
 which the autoscaler reads before it drains a victim, also after a restart). The Role needs the
-same grants as for one Deployment, for both (deploy/kubernetes/overlays/cpu-sim-pd).
+same grants as for one Deployment, for both (deploy/kubernetes/components/pd-pools, in the -pd overlays).
 """
 
 from __future__ import annotations

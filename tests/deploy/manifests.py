@@ -33,7 +33,7 @@ def find(docs: list[dict], kind: str, name: str) -> dict:
 
 
 def llumlet_deployments(docs: list[dict]) -> list[dict]:
-    """The llumlet Deployments: `corral-llumlet`, or one per prefill/decode pool (cpu-sim-pd)."""
+    """The llumlet Deployments: `corral-llumlet`, or one per prefill/decode pool (the -pd overlays)."""
     found = [d for d in docs if d["kind"] == "Deployment"
              and d["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/name") == "corral-llumlet"]
     assert found, "no llumlet Deployment"

@@ -34,7 +34,25 @@ def rendered(request) -> tuple[str, list[dict]]:
 
 
 def test_the_overlays_exist():
-    assert set(OVERLAYS) == {"cpu-sim", "cpu-vllm", "gpu", "cpu-sim-pd"}
+    assert set(OVERLAYS) == {"cpu-sim", "cpu-vllm", "gpu", "cpu-sim-pd", "cpu-vllm-pd", "gpu-pd"}
+
+
+PD_OVERLAYS = [name for name in OVERLAYS if name.endswith("-pd")]
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+
+
+def test_every_object_lands_in_corrals_namespace_with_what_its_pods_claim(rendered):
+    """Components add objects of their own (pools, the model's volume claim): the overlay's
+    namespace must reach them, or a pod would claim a volume in a namespace it is not in."""
+    _, docs = rendered
+    namespaced = [d for d in docs if d["kind"] not in CLUSTER_SCOPED]
+    assert {d["metadata"].get("namespace") for d in namespaced} == {"corral"}
+    for doc in docs:
+        if doc["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        for volume in doc["spec"]["template"]["spec"].get("volumes", []):
+            if "persistentVolumeClaim" in volume:
+                find(docs, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
 
 
 def test_every_rendered_object_validates_against_the_kubernetes_schemas(rendered):
@@ -81,12 +99,12 @@ def test_engine_per_overlay(rendered):
         llumlet = containers(deployment)[0]
         args = parse_corral(llumlet["args"])
         resources = llumlet["resources"]
-        if name == "gpu":
+        if name.startswith("gpu"):
             assert args.engine == "vllm" and llumlet["image"] == "corral-cuda:latest" and args.vllm_kv_cache_gib == 16
             assert resources["limits"]["nvidia.com/gpu"] == "1"
             assert find(docs, "ConfigMap", "corral-env")["data"]["CORRAL_MODEL_DIR"] == "/models/served"
         else:
-            assert args.engine == ("vllm" if name == "cpu-vllm" else "sim") and llumlet["image"] == "corral:latest"
+            assert args.engine == ("vllm" if name.startswith("cpu-vllm") else "sim") and llumlet["image"] == "corral:latest"
             assert "nvidia.com/gpu" not in str(resources)
 
 
@@ -194,15 +212,16 @@ def test_autoscaler_role_grants_what_the_provider_uses_and_nothing_else():
     find(llumlets, "Deployment", args.k8s_deployment)
 
 
-def test_the_pools_overlays_role_grants_what_the_pools_provider_uses_and_nothing_else():
-    """cpu-sim-pd: the autoscaler scales both pools' Deployments, and its Role names both."""
+@pytest.mark.parametrize("overlay", PD_OVERLAYS)
+def test_the_pools_overlays_role_grants_what_the_pools_provider_uses_and_nothing_else(overlay):
+    """The -pd overlays: the autoscaler scales both pools' Deployments, and its Role names both."""
     pytest.importorskip("kubernetes")
     from services.autoscaler.kubernetes_pools import KubernetesPools
     from services.autoscaler.kubernetes_provider import KubernetesProvider, KubernetesSettings
     from shared.messages import InstanceRole
     from tests.deploy.kube_api_standin import KubeApiStandIn
 
-    docs = render_overlay("cpu-sim-pd")
+    docs = render_overlay(overlay)
     role = find(docs, "Role", "corral-autoscaler")
     args = parse_corral(containers(find(docs, "Deployment", "corral-autoscaler"))[0]["args"])
     assert args.provider == "kubernetes" and args.initial_prefill >= 1 and args.initial_decode >= 1
