@@ -4,7 +4,7 @@
         [--conversation-rates 1.5,2,2.5,3,3.5,4] [--system-prompt-rates 1,1.5,2,2.5]
         [--mooncake-rates 4,8,12,16] [--conversation-requests 600]
         [--policies round-robin,infaas++,llumnix-base,corral,prefix-only,kv-cost,corral-prefix]
-        [--workloads conversation,system-prompts,mooncake] [--gpu A10 --num-blocks 851]
+        [--workloads conversation,system-prompts,mooncake] [--gpu A10 --num-blocks 851] [--recompute-weight 1]
         [--out results/prefix_dispatch.json]
 
 16 × LLaMA-7B on A10 (851 blocks of 16 tokens, prompts cut to 8k; `--gpu A100 --num-blocks 7000`
@@ -47,6 +47,7 @@ from loadgen.simulator.config import SimConfig
 from loadgen.simulator.workload import WorkloadSpec, build_workload
 from benchmarks.migration_prefix import with_system_prompts
 from shared.policy.baselines import get_policy
+from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT, recompute_weight_arg
 from shared.prefix_hash import trace_block_hashes
 
 MOONCAKE = "/work/shared/data/traces/mooncake_synthetic_first400.jsonl"
@@ -96,9 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--slo-ttft-s", type=float, default=5.0)
     parser.add_argument("--slo-tbt-s", type=float, default=0.2)
+    parser.add_argument("--recompute-weight", type=recompute_weight_arg, default=DEFAULT_RECOMPUTE_WEIGHT,
+                        help="corral-prefix's charge for prefill done again away from a prefix's best holder "
+                             "(default %(default)s; 0: by the request's own predicted TTFT alone)")
     parser.add_argument("--out", default="results/prefix_dispatch.json")
     args = parser.parse_args(argv)
-    base = SimConfig(num_instances=args.instances, gpu=args.gpu)
+    base = SimConfig(num_instances=args.instances, gpu=args.gpu, prefix_recompute_weight=args.recompute_weight)
     config = replace(base, scheduler=replace(base.scheduler, enable_prefix_caching=True, num_blocks=args.num_blocks))
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]

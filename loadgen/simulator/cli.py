@@ -24,6 +24,7 @@ from shared.policy.baselines import POLICIES, POLICY_NAMES, PREFIX_POLICY_NAMES,
 from shared.policy.admission import ADMISSION_POLICY_NAMES, AdmissionPolicy, Slo, SloConfig, priority_slos
 from shared.policy.config import HIGH_PRIORITY, PolicyConfig, ScalingConfig
 from shared.policy.migration import DEFAULT_GUARD
+from shared.policy.prefix_dispatch import recompute_weight_arg
 
 _DESCRIPTION = "Simulate a cluster of LLM instances in virtual time and compare scheduling policies."
 _EPILOG = "policies:\n" + "".join(f"  {p.name:<13} {p.description}\n" for p in POLICIES.values()) + f"""
@@ -86,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--prefix-caching", action="store_true",
                          help="vLLM's automatic prefix caching in every instance: prompts with trace hash_ids "
                               "(mooncake:, conversation:) reuse cached prefix blocks")
+    cluster.add_argument("--prefix-recompute-weight", type=recompute_weight_arg,
+                         default=defaults_sim.prefix_recompute_weight, metavar="W",
+                         help="corral-prefix: prefill done again away from a prefix's best holder counts W times "
+                              "more (default %(default)s; 0: the request's own TTFT only)")
     cluster.add_argument("--max-model-len", type=int, default=engine.max_model_len,
                          help="longer prompts are cut to fit (a warning says how many)")
     cluster.add_argument("--max-num-batched-tokens", type=int, default=engine.max_num_batched_tokens, metavar="N",
@@ -230,6 +235,7 @@ def build_config(args: argparse.Namespace) -> SimConfig:
                                       max_num_batched_tokens=args.max_num_batched_tokens, step_mode=args.step_mode,
                                       enable_prefix_caching=args.prefix_caching),
             kv_bytes_per_token=args.kv_bytes_per_token,
+            prefix_recompute_weight=args.prefix_recompute_weight,
             report_interval_s=args.report_interval_s,
             migration_interval_s=args.migration_interval_s,
             policy=policy,

@@ -18,6 +18,7 @@ from shared.policy.migration import (
     MigrationGuard,
     StageRule,
 )
+from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT
 
 KV_BYTES_PER_TOKEN_LLAMA_7B = 2 * 32 * 4096 * 2  # K and V × layers × hidden × fp16 = 0.5 MiB
 
@@ -93,6 +94,9 @@ class SimConfig:
     # `num_decode` decode only, the rest (and any the autoscaler adds) are mixed. 0/0: all mixed.
     num_prefill: int = 0
     num_decode: int = 0
+    # corral-prefix's charge for prefill done again away from a prefix's best holder (as the
+    # scheduler's --prefix-recompute-weight).
+    prefix_recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT
 
     def __post_init__(self) -> None:
         if self.num_instances < 1:

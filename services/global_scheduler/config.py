@@ -15,6 +15,7 @@ from shared.engine_model.latency import SIMPLE_MODELS
 from shared.policy.admission import ADMISSION_POLICY_NAMES, AdmissionPolicy, Slo, SloConfig, priority_slos
 from shared.policy.config import PolicyConfig
 from shared.policy.migration import DEFAULT_GUARD, MigrationGuard
+from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT, recompute_weight_arg
 
 
 @dataclass
@@ -36,6 +37,7 @@ class SchedulerConfig:
     # llumlets' KV events and this latency profile's prefill time.
     dispatch_policy: str = "corral"
     dispatch_gpu: str = "A10"
+    prefix_recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT  # corral-prefix's (shared.policy.prefix_dispatch)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prefix caches; migration stays as --enable-migration says)")
     parser.add_argument("--dispatch-gpu", choices=sorted(SIMPLE_MODELS), default=env("DISPATCH_GPU", "A10"),
                         help="latency profile of the prefix-aware policies' prefill-time predictions")
+    parser.add_argument("--prefix-recompute-weight", type=recompute_weight_arg,
+                        default=env("PREFIX_RECOMPUTE_WEIGHT", str(DEFAULT_RECOMPUTE_WEIGHT)), metavar="W",
+                        help="corral-prefix: prefill done again away from a prefix's best holder counts W times "
+                             "more (default %(default)s; 0: the request's own TTFT only)")
     gate = parser.add_argument_group("admission control (429 when no instance can meet the SLO)")
     gate.add_argument("--admission", choices=ADMISSION_POLICY_NAMES, default=env("ADMISSION", "none"))
     gate.add_argument("--slo-ttft-s", type=float, default=env("SLO_TTFT_S", None), help="TTFT target")
@@ -99,6 +105,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         admission=admission_from_args(args),
         dispatch_policy=args.dispatch_policy,
         dispatch_gpu=args.dispatch_gpu,
+        prefix_recompute_weight=args.prefix_recompute_weight,
     )
 
 

@@ -70,7 +70,7 @@ class GlobalScheduler:
         self.prefixes = PrefixTracker(lambda: (load.instance_id for load in self.table.live()), self.metrics.registry)
         self.named_dispatch = (NamedDispatch(config.dispatch_policy, config.policy, self.table.live,
                                              self.prefixes.index, config.dispatch_gpu, self.metrics.registry,
-                                             table=self.table)
+                                             table=self.table, recompute_weight=config.prefix_recompute_weight)
                                if config.dispatch_policy != DEFAULT_POLICY else None)
 
     def _standing_pairs(self) -> int:

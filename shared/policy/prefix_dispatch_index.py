@@ -2,8 +2,9 @@
 answer of `prefix_dispatch.choose_by_predicted_ttft` from loads kept sorted by the prefill queued
 on them (issue 17 §3's "not a scan of every instance", for issue 18's rule).
 
-An instance holding none of the request's prefix is predicted `prefill_s(queued) +
-prefill_s(prompt)`: among those, the order is their queues' (`prefill_s` never decreases). So a
+An instance holding none of the request's prefix is ranked by `prefill_s(queued) +
+prefill_s(prompt)` plus a recompute charge that is the same for all of them: among those, the
+order is their queues' (`prefill_s` never decreases). So a
 decision ranks the holders the prefix index names (O(holders)), then walks the rest from the
 shortest queue and stops at the first predicted past the tie band of the best instance with room:
 nothing further can tie with it. Instances without room rank after any with room whatever their
@@ -20,7 +21,7 @@ from shared.messages import DispatchRequest, LoadReport
 from shared.policy.config import PolicyConfig
 from shared.policy.dispatch import DispatchDecision, dispatchable, fits_model
 from shared.policy.prefix_dispatch import (
-    PrefixContext, TtftRank, matched_blocks, pick_predicted, queued_prefill_tokens, ttft_rank,
+    PrefixContext, TtftRank, least_prefill_s, matched_blocks, pick_predicted, queued_prefill_tokens, ttft_rank,
 )
 
 
@@ -63,13 +64,14 @@ class PrefixDispatchIndex:
             return refusal
         draining = pool is self._draining
         matched = matched_blocks(request, self.context.index)
+        least_s = least_prefill_s(request, self.context, matched)
         holders = {iid for iid, blocks in matched.items() if blocks > 0}
         ranked: list[TtftRank] = []
         best_with_room = float("inf")
         for iid in holders:
             load = self._loads.get(iid)
             if load is not None and load.draining == draining and eligible(load):
-                rank = ttft_rank(load, request, self.config, self.context, matched)
+                rank = ttft_rank(load, request, self.config, self.context, matched, least_s)
                 ranked.append(rank)
                 if not rank[0]:
                     best_with_room = min(best_with_room, rank[1])
@@ -80,7 +82,7 @@ class PrefixDispatchIndex:
             load = self._loads[iid]
             if not eligible(load):
                 continue
-            rank = ttft_rank(load, request, self.config, self.context, matched)
+            rank = ttft_rank(load, request, self.config, self.context, matched, least_s)
             if rank[1] > best_with_room + tie_s:
                 break  # every later one is predicted later still: none ties with the best with room
             ranked.append(rank)

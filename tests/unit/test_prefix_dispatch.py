@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from shared.messages import DispatchRequest
 from shared.policy.config import PolicyConfig
 from shared.policy.dispatch import account_dispatch
@@ -13,7 +15,10 @@ from shared.policy.prefix_dispatch import (
     choose_longest_prefix,
     choose_min_kv_cost,
     kv_cost,
+    least_prefill_s,
+    matched_blocks,
     predicted_ttft_s,
+    ttft_rank,
 )
 from shared.prefix_hash import block_hashes
 from tests.unit.policy_helpers import make_load
@@ -49,8 +54,8 @@ def request(i: int, suffix_len: int = 32) -> DispatchRequest:
     return DispatchRequest(f"req-{i}", len(tokens), 16, block_hashes=block_hashes(tokens, BS), prefix_block_size=BS)
 
 
-def context(held: dict[str, set[int]]) -> PrefixContext:
-    return PrefixContext(DictIndex(held), prefill_s)
+def context(held: dict[str, set[int]], recompute_weight: float = 1.0) -> PrefixContext:
+    return PrefixContext(DictIndex(held), prefill_s, recompute_weight=recompute_weight)
 
 
 SYSTEM_HASHES = set(block_hashes(SYSTEM, BS))
@@ -70,6 +75,45 @@ def test_a_queue_ahead_outweighs_the_cached_prefix():
     ctx = context({"a": SYSTEM_HASHES})
     assert choose_by_predicted_ttft([cached, empty], request(1), CONFIG, ctx).instance_id == "b"
     assert choose_longest_prefix([cached, empty], request(1), CONFIG, ctx).instance_id == "a"  # affinity piles
+
+
+def test_prefill_done_again_elsewhere_is_charged_once_more_than_the_requests_own_ttft():
+    # The holder's queue (800 tokens, 80 ms) costs more than its cached prefix saves (640 tokens,
+    # 64 ms): on its own TTFT the request would go to the idle instance and compute the prefix
+    # again there, work that also delays whoever queues behind it. Charged once more, it stays.
+    holder = make_load("a", total=1000, waiting=[50])
+    idle = make_load("b", total=1000)
+    for weight, chosen in ((0.0, "b"), (1.0, "a")):
+        ctx = context({"a": SYSTEM_HASHES}, recompute_weight=weight)
+        assert choose_by_predicted_ttft([holder, idle], request(3), CONFIG, ctx).instance_id == chosen, weight
+    # A queue past the prefix's prefill counted twice (1,600 tokens) sends it away again.
+    busier = make_load("a", total=1000, waiting=[110])
+    assert choose_by_predicted_ttft([busier, idle], request(3), CONFIG, context({"a": SYSTEM_HASHES})).instance_id == "b"
+
+
+def test_the_charge_is_what_an_instance_computes_beyond_the_best_holder():
+    half = set(list(block_hashes(SYSTEM, BS))[:20])
+    ctx = context({"a": SYSTEM_HASHES, "b": half})
+    loads = {n: make_load(n, total=1000) for n in "abc"}
+    req = request(4)
+    matched = matched_blocks(req, ctx.index)
+    least = least_prefill_s(req, ctx, matched)
+    cost = {n: ttft_rank(load, req, CONFIG, ctx, matched, least)[1] for n, load in loads.items()}
+    own = {n: predicted_ttft_s(load, req, ctx) for n, load in loads.items()}
+    assert cost["a"] == own["a"]  # the best holder pays nothing more
+    assert abs((cost["b"] - own["b"]) - 320 * 1e-4) < 1e-9  # the 320 tokens it lacks, once more
+    assert abs((cost["c"] - own["c"]) - 640 * 1e-4) < 1e-9
+    # Without a cached prefix anywhere nobody is charged.
+    cold = request(5)
+    nothing = context({})
+    assert ttft_rank(loads["c"], cold, CONFIG, nothing, {}, least_prefill_s(cold, nothing, {}))[1] == \
+        predicted_ttft_s(loads["c"], cold, nothing)
+
+
+def test_a_recompute_weight_that_is_not_a_finite_non_negative_number_is_refused():
+    for bad in (-0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            context({}, recompute_weight=bad)
 
 
 def test_an_instance_without_room_loses_to_one_with_room_whatever_it_caches():
