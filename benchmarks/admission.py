@@ -121,13 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overloads", default="1.5,2")
     parser.add_argument("--slo-ttft-s", type=float, default=3.0)
     parser.add_argument("--slo-tbt-s", type=float, default=0.08)
+    parser.add_argument("--slo-reserve", type=float, default=SloConfig(Slo(1, 1)).reserve,
+                        help="share of the SLO normal priority may not use (its margin for prediction error)")
     parser.add_argument("--prefill", type=int, default=0, help="prefill-only instances (P/D; of --instances)")
     parser.add_argument("--decode", type=int, default=0, help="decode-only instances (P/D; of --instances)")
     parser.add_argument("--out", default="results/admission.json")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     overloads = [float(x) for x in args.overloads.split(",")]
-    slo = SloConfig(Slo(args.slo_ttft_s, args.slo_tbt_s))
+    slo = SloConfig(Slo(args.slo_ttft_s, args.slo_tbt_s), reserve=args.slo_reserve)
     config = SimConfig(num_instances=args.instances, num_prefill=args.prefill, num_decode=args.decode)
     saturation = saturating_rate(config, args.dataset, args.requests, seeds[0], slo)
     roles = f" (P/D {args.prefill}:{args.decode})" if config.disaggregated else ""
