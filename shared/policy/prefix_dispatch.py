@@ -83,8 +83,12 @@ def matched_blocks(request: DispatchRequest, index: PrefixIndex) -> Mapping[str,
 
 
 def cached_tokens(load: LoadReport, request: DispatchRequest, matched: Mapping[str, int]) -> int:
-    """Prompt tokens the instance holds in its cache (at most all but the last prompt token)."""
-    blocks = matched.get(load.instance_id, 0)
+    """Prompt tokens the instance holds in its cache."""
+    return _tokens_of(matched.get(load.instance_id, 0), request)
+
+
+def _tokens_of(blocks: int, request: DispatchRequest) -> int:
+    """Prompt tokens in that many matched blocks (at most all but the last prompt token)."""
     return min(blocks * request.prefix_block_size, max(request.num_prompt_tokens - 1, 0)) if blocks else 0
 
 
@@ -97,9 +101,7 @@ def queued_prefill_tokens(load: LoadReport) -> int:
 def least_prefill_s(request: DispatchRequest, context: PrefixContext, matched: Mapping[str, int]) -> float:
     """Prefill of the request's uncached suffix on the instance holding most of its prefix (once
     per decision: the recompute charge is measured from it)."""
-    best = max(matched.values(), default=0)
-    cached = min(best * request.prefix_block_size, max(request.num_prompt_tokens - 1, 0)) if best else 0
-    return context.prefill_s(request.num_prompt_tokens - cached)
+    return context.prefill_s(request.num_prompt_tokens - _tokens_of(max(matched.values(), default=0), request))
 
 
 def predicted_ttft_s(load: LoadReport, request: DispatchRequest, context: PrefixContext,
