@@ -54,11 +54,10 @@ class WatchedCluster(ClusterSimulator):
         if request_id not in self.predicted_ttft_s:
             return
         for instance in self.instances.values():
-            scheduler = instance.scheduler
-            queued = [r for r in (*scheduler.waiting, *scheduler.running) if r.request_id != request_id]
-            if len(queued) == len(scheduler.waiting) + len(scheduler.running):
+            held = [*instance.scheduler.waiting, *instance.scheduler.running]
+            if not any(r.request_id == request_id for r in held):
                 continue  # not this instance
-            ahead = sum(max(r.prompt_len - r.num_computed_tokens, 0) for r in queued)
+            ahead = sum(max(r.prompt_len - r.num_computed_tokens, 0) for r in held if r.request_id != request_id)
             step = instance.step
             self.at_admission[request_id] = AtAdmission(
                 instance.instance_id, queued_prefill_tokens(instance.report) if instance.report else 0, ahead,

@@ -46,8 +46,9 @@ from loadgen.simulator.cluster import ClusterSimulator
 from loadgen.simulator.config import SimConfig
 from loadgen.simulator.workload import WorkloadSpec, build_workload
 from benchmarks.migration_prefix import with_system_prompts
+from shared.config import non_negative_number
 from shared.policy.baselines import get_policy
-from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT, recompute_weight_arg
+from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT
 from shared.prefix_hash import trace_block_hashes
 
 MOONCAKE = "/work/shared/data/traces/mooncake_synthetic_first400.jsonl"
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--slo-ttft-s", type=float, default=5.0)
     parser.add_argument("--slo-tbt-s", type=float, default=0.2)
-    parser.add_argument("--recompute-weight", type=recompute_weight_arg, default=DEFAULT_RECOMPUTE_WEIGHT,
+    parser.add_argument("--recompute-weight", type=non_negative_number, default=DEFAULT_RECOMPUTE_WEIGHT,
                         help="corral-prefix's charge for prefill done again away from a prefix's best holder "
                              "(default %(default)s; 0: by the request's own predicted TTFT alone)")
     parser.add_argument("--out", default="results/prefix_dispatch.json")

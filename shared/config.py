@@ -7,6 +7,7 @@ helpers only spare each of them the env-parsing boilerplate.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import uuid
 
@@ -39,3 +40,14 @@ def add_nats_argument(parser: argparse.ArgumentParser) -> None:
 
 def short_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def non_negative_number(text: str) -> float:
+    """argparse type of a finite number >= 0: a clear message, not a traceback."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value

@@ -19,12 +19,12 @@ from loadgen.simulator.report import format_table, results_document, write_json,
 from loadgen.simulator.slo import SLO_HEADER, slo_metrics, slo_row
 from loadgen.simulator.sweep import run_sweep
 from loadgen.simulator.workload import Workload, WorkloadSpec
+from shared.config import non_negative_number
 from shared.engine_model.config import STEP_MODES, SchedulerConfig
 from shared.policy.baselines import POLICIES, POLICY_NAMES, PREFIX_POLICY_NAMES, SchedulingPolicy, get_policy
 from shared.policy.admission import ADMISSION_POLICY_NAMES, AdmissionPolicy, Slo, SloConfig, priority_slos
 from shared.policy.config import HIGH_PRIORITY, PolicyConfig, ScalingConfig
 from shared.policy.migration import DEFAULT_GUARD
-from shared.policy.prefix_dispatch import recompute_weight_arg
 
 _DESCRIPTION = "Simulate a cluster of LLM instances in virtual time and compare scheduling policies."
 _EPILOG = "policies:\n" + "".join(f"  {p.name:<13} {p.description}\n" for p in POLICIES.values()) + f"""
@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--prefix-caching", action="store_true",
                          help="vLLM's automatic prefix caching in every instance: prompts with trace hash_ids "
                               "(mooncake:, conversation:) reuse cached prefix blocks")
-    cluster.add_argument("--prefix-recompute-weight", type=recompute_weight_arg,
+    cluster.add_argument("--prefix-recompute-weight", type=non_negative_number,
                          default=defaults_sim.prefix_recompute_weight, metavar="W",
                          help="corral-prefix: prefill done again away from a prefix's best holder counts W times "
                               "more (default %(default)s; 0: the request's own TTFT only)")

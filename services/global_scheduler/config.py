@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from shared import subjects
 from services.global_scheduler.admission import AdmissionSettings
 from services.global_scheduler.dispatcher import DISPATCH_POLICY_NAMES
-from shared.config import add_nats_argument, env
+from shared.config import add_nats_argument, env, non_negative_number
 from shared.engine_model.latency import SIMPLE_MODELS
 from shared.policy.admission import ADMISSION_POLICY_NAMES, AdmissionPolicy, Slo, SloConfig, priority_slos
 from shared.policy.config import PolicyConfig
 from shared.policy.migration import DEFAULT_GUARD, MigrationGuard
-from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT, recompute_weight_arg
+from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT
 
 
 @dataclass
@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prefix caches; migration stays as --enable-migration says)")
     parser.add_argument("--dispatch-gpu", choices=sorted(SIMPLE_MODELS), default=env("DISPATCH_GPU", "A10"),
                         help="latency profile of the prefix-aware policies' prefill-time predictions")
-    parser.add_argument("--prefix-recompute-weight", type=recompute_weight_arg,
+    parser.add_argument("--prefix-recompute-weight", type=non_negative_number,
                         default=env("PREFIX_RECOMPUTE_WEIGHT", str(DEFAULT_RECOMPUTE_WEIGHT)), metavar="W",
                         help="corral-prefix: prefill done again away from a prefix's best holder counts W times "
                              "more (default %(default)s; 0: the request's own TTFT only)")

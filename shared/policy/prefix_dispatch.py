@@ -22,7 +22,6 @@ are in the request's own block size (`DispatchRequest.prefix_block_size`).
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -53,7 +52,8 @@ class PrefixContext:
     ttft_tie_s: float = 1e-3  # predictions this close are a tie, broken by freeness
     # corral-prefix: the prefill an instance would do beyond the best holder's, counted this many
     # times more (0: the request's own TTFT only). 1 on the simulated A100s' high-load sweep: hit
-    # rate and P99 TTFT closer to prefix-only's where it does not pile; 4 piled a live burst.
+    # rate and P99 TTFT closer to prefix-only's where it does not pile; 4 (in a first form of the
+    # charge) piled a live burst.
     recompute_weight: float = 1.0
 
     def __post_init__(self) -> None:
@@ -62,17 +62,6 @@ class PrefixContext:
 
 
 DEFAULT_RECOMPUTE_WEIGHT = PrefixContext.recompute_weight
-
-
-def recompute_weight_arg(text: str) -> float:
-    """argparse type of the CLIs' `--prefix-recompute-weight`: a clear message, not a traceback."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
 
 
 def matched_blocks(request: DispatchRequest, index: PrefixIndex) -> Mapping[str, int]:
@@ -108,8 +97,15 @@ def predicted_ttft_s(load: LoadReport, request: DispatchRequest, context: Prefix
                      matched: Mapping[str, int] | None = None) -> float:
     if matched is None:
         matched = matched_blocks(request, context.index)
+    queue_s, own_s = _prefill_terms_s(load, request, context, matched)
+    return queue_s + own_s
+
+
+def _prefill_terms_s(load: LoadReport, request: DispatchRequest, context: PrefixContext,
+                     matched: Mapping[str, int]) -> tuple[float, float]:
+    """(prefill queued ahead there, prefill of the request's uncached suffix there)."""
     uncached = request.num_prompt_tokens - cached_tokens(load, request, matched)
-    return context.prefill_s(queued_prefill_tokens(load)) + context.prefill_s(uncached)
+    return context.prefill_s(queued_prefill_tokens(load)), context.prefill_s(uncached)
 
 
 def choose_by_predicted_ttft(
@@ -135,9 +131,8 @@ def ttft_rank(load: LoadReport, request: DispatchRequest, config: PolicyConfig, 
     uncached = request.num_prompt_tokens - cached_tokens(load, request, matched)
     # Room after the queue and this request's new blocks: the freeness rule.
     has_room = score >= 0 and _free_after_queue(load) >= blocks_for_tokens(uncached + 1, load.block_size)
-    own_s = context.prefill_s(uncached)
-    cost = context.prefill_s(queued_prefill_tokens(load)) + own_s  # = predicted_ttft_s
-    cost += context.recompute_weight * max(0.0, own_s - least_prefill)
+    queue_s, own_s = _prefill_terms_s(load, request, context, matched)  # predicted TTFT = their sum
+    cost = queue_s + own_s + context.recompute_weight * max(0.0, own_s - least_prefill)
     return (not has_room, cost, -score, load.instance_id)
 
 

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from tests.deploy.manifests import KUBERNETES, OVERLAYS, containers, find
+from tests.deploy.manifests import KUBERNETES, OVERLAYS, containers, find, render_overlay
 from tests.support.cluster import REPO
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
@@ -85,14 +85,12 @@ def test_podmonitors_scrape_every_corral_service_on_a_port_its_pods_name(rendere
         for pod in matched:
             # The job is named as compose's Prometheus names it, so the dashboard's queries hold.
             assert pod["metadata"]["labels"][spec["jobLabel"]] in compose_jobs
-            named_ports = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+            ports = _named_ports(pod)
             for endpoint in spec["podMetricsEndpoints"]:
                 assert set(endpoint) <= ENDPOINT_FIELDS and endpoint["path"] == "/metrics"
-                assert endpoint["port"] in named_ports, (monitor["metadata"]["name"], named_ports)
+                assert endpoint["port"] in ports, (monitor["metadata"]["name"], ports)
                 # The annotation's port is the same one: either way Prometheus reads the same page.
-                annotated_port = int(pod["metadata"]["annotations"]["prometheus.io/port"])
-                ports = {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c["ports"]}
-                assert ports[endpoint["port"]] == annotated_port
+                assert ports[endpoint["port"]] == int(pod["metadata"]["annotations"]["prometheus.io/port"])
             covered.add(pod["metadata"]["labels"]["app.kubernetes.io/name"])
     assert covered == annotated  # every service the annotations scrape, the PodMonitors scrape
 
@@ -130,7 +128,7 @@ def test_traces_reach_jaeger_through_the_collector(rendered):
 
 def test_without_the_tracing_component_traces_go_to_the_operators_collector():
     for overlay in OVERLAYS:
-        docs = render_with_components(overlay, [])
+        docs = render_overlay(overlay)
         endpoint = find(docs, "ConfigMap", "corral-env")["data"]["OTEL_EXPORTER_OTLP_ENDPOINT"]
         assert endpoint == "http://otel-collector.observability:4318"
         assert not any(d["kind"] == "PodMonitor" for d in docs)
@@ -150,8 +148,12 @@ def _pod_behind(docs: list[dict], service_name: str, port: int) -> dict:
     return pods[0]
 
 
+def _named_ports(pod: dict) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+
+
 def _container_port(pod: dict, port: str | int) -> int:
-    ports = {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+    ports = _named_ports(pod)
     if isinstance(port, int):
         assert port in ports.values(), (port, ports)
         return port

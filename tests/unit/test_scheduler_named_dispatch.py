@@ -85,20 +85,21 @@ def test_corral_prefix_on_a_load_table_answers_as_the_scan_over_it():
 
 
 def test_the_schedulers_recompute_weight_flag_reaches_corral_prefix():
-    """`corral scheduler --prefix-recompute-weight W` is the weight its corral-prefix ranks by: with
-    0 a request leaves a holder whose queue outweighs its cached prefill; charged (the default),
-    the prefill it would do again elsewhere keeps it there."""
+    """`corral scheduler --dispatch-policy corral-prefix --prefix-recompute-weight W`: the scheduler
+    built from those flags decides by that weight. With 0 a request leaves a holder whose queue
+    outweighs its cached prefill; charged (the default), the prefill it would do again elsewhere
+    keeps it there."""
     from services.cli import build_parser
     from services.global_scheduler.config import config_from_args
+    from services.global_scheduler.service import GlobalScheduler
 
-    index = GlobalPrefixIndex()
-    index.restore(KvCacheSnapshot("b", 0, 16, CHAIN))
     chosen = {}
-    for argv in (["scheduler", "--prefix-recompute-weight", "0"], ["scheduler"]):
-        config = config_from_args(build_parser().parse_args(argv))
+    for weight in (["--prefix-recompute-weight", "0"], []):
+        args = build_parser().parse_args(["scheduler", "--dispatch-policy", "corral-prefix", *weight])
+        scheduler = GlobalScheduler(config_from_args(args))
+        scheduler.prefixes.index.restore(KvCacheSnapshot("b", 0, 16, CHAIN))
         # The holder's queue: 400 tokens (110 ms on A10), more than its 320 cached tokens save (82 ms).
-        loads = [make_load("a", total=400), make_load("b", total=400, waiting=[25])]
-        dispatch = NamedDispatch("corral-prefix", PolicyConfig(), lambda: loads, index, "A10", CollectorRegistry(),
-                                 recompute_weight=config.prefix_recompute_weight)
-        chosen[config.prefix_recompute_weight] = dispatch.choose(request("r")).instance_id
+        for load in (make_load("a", total=400), make_load("b", total=400, waiting=[25])):
+            scheduler.table.update(load)
+        chosen[scheduler.config.prefix_recompute_weight] = scheduler.decide(request("r")).instance_id
     assert chosen == {0.0: "a", 1.0: "b"}
