@@ -147,7 +147,8 @@ def start_destination(s: Settings, nats_url: str, log_path: Path, port_file: Pat
                                "--sim-block-size", str(s.block_size), "--max-model-len", str(s.max_model_len),
                                "--sim-gpu", s.gpu, "--sim-time-scale", "1",
                                "--sim-kv-bytes-per-token", str(s.kv_bytes_per_token),
-                               "--migration-hold-max-ms", str(1e3 * s.limits.hold_max_s)], port_file, log_path)
+                               "--migration-hold-max-ms", str(1e3 * s.limits.hold_max_s),
+                               "--migration-hold-step-share", str(s.limits.hold_step_share)], port_file, log_path)
 
 
 async def wait_for_destination(nc, timeout_s: float = 60.0) -> LoadReport:
@@ -356,6 +357,8 @@ def parse_args(argv: list[str] | None) -> Settings:
     parser.add_argument("--last-stage-blocks", type=int, default=defaults.last_stage_blocks)
     parser.add_argument("--hold-max-ms", type=float, default=1e3 * defaults.hold_max_s,
                         help="the destination holds a step this long for an imminent commit (0: off)")
+    parser.add_argument("--hold-step-share", type=float, default=defaults.hold_step_share,
+                        help="and at most this share of its typical step")
     parser.add_argument("--frame-mib", type=int, default=defaults.frame_bytes >> 20)
     args = parser.parse_args(argv)
     lengths = sorted(int(x) for x in args.lengths.split(","))
@@ -365,7 +368,8 @@ def parse_args(argv: list[str] | None) -> Settings:
         parser.error("--kv-bytes-per-token must be a positive multiple of 8")
     try:
         limits = MigrationLimits(stage_limit=args.stage_limit, last_stage_blocks=args.last_stage_blocks,
-                                 frame_bytes=args.frame_mib << 20, hold_max_s=args.hold_max_ms / 1e3)
+                                 frame_bytes=args.frame_mib << 20, hold_max_s=args.hold_max_ms / 1e3,
+                                 hold_step_share=args.hold_step_share)
     except ValueError as exc:
         parser.error(str(exc))
     return Settings(limits, lengths, args.kv_bytes_per_token, max(1, args.repeats), args.num_blocks, args.block_size,

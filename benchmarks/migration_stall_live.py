@@ -40,6 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.pd_live import quantile
 from services.llumlet.engines import model_vocabulary
+from services.llumlet.migration.protocol import MigrationLimits
 from services.tools.make_model import ensure_tiny_model
 from shared.embedded_nats import start_nats
 from shared import subjects
@@ -178,6 +179,8 @@ def main() -> None:
     parser.add_argument("--sim-time-scale", type=float, default=1.0)
     parser.add_argument("--hold-max-ms", type=float, default=0.0,
                         help="the llumlets' --migration-hold-max-ms (the destination's commit hold; 0: off, the default)")
+    parser.add_argument("--hold-step-share", type=float, default=MigrationLimits().hold_step_share,
+                        help="the llumlets' --migration-hold-step-share (the hold at most this share of a step)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("results/migration_stall_live.json"))
     args = parser.parse_args()
@@ -191,7 +194,7 @@ def main() -> None:
         cluster = Cluster(nats.url, model_dir, Path(tmp) / "logs")
         cluster.log_dir.mkdir(parents=True, exist_ok=True)
         sim = ("--sim-time-scale", str(args.sim_time_scale), "--max-model-len", "4096",
-               "--migration-hold-max-ms", str(args.hold_max_ms))
+               "--migration-hold-max-ms", str(args.hold_max_ms), "--migration-hold-step-share", str(args.hold_step_share))
         try:
             cluster.start_scheduler("--no-enable-migration")
             cluster.start_llumlet(SRC, *sim)

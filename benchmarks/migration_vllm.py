@@ -162,7 +162,8 @@ def start_destination(s: Settings, nats_url: str, log_path: Path, port_file: Pat
     benchmarks/migration_sim.py: the like-for-like baseline of the transfer)."""
     args = ["--nats-url", nats_url, "--instance-id", DST, "--engine", "vllm", "--model", str(s.model_dir),
             "--max-model-len", str(s.max_model_len), "--vllm-kv-cache-gib", str(s.kv_cache_gib),
-            "--migration-hold-max-ms", str(1e3 * s.limits.hold_max_s)]
+            "--migration-hold-max-ms", str(1e3 * s.limits.hold_max_s),
+            "--migration-hold-step-share", str(s.limits.hold_step_share)]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     env["CORRAL_LOG_LEVEL"] = "INFO"  # the destination's timing lines
     return launch_destination(args, port_file, log_path, env)
@@ -375,6 +376,8 @@ def parse_args(argv: list[str] | None) -> Settings:
     parser.add_argument("--last-stage-blocks", type=int, default=defaults.last_stage_blocks)
     parser.add_argument("--hold-max-ms", type=float, default=1e3 * defaults.hold_max_s,
                         help="the destination holds a step this long for an imminent commit (0: off)")
+    parser.add_argument("--hold-step-share", type=float, default=defaults.hold_step_share,
+                        help="and at most this share of its typical step")
     args = parser.parse_args(argv)
     lengths = sorted(int(x) for x in args.lengths.split(","))
     if not lengths or lengths[0] < 1 or lengths[-1] + MIN_OUTPUT_BEFORE + 16 > args.max_model_len:
@@ -383,7 +386,8 @@ def parse_args(argv: list[str] | None) -> Settings:
         parser.error("--kv-cache-gib must be positive")
     try:
         limits = MigrationLimits(stage_limit=args.stage_limit, last_stage_blocks=args.last_stage_blocks,
-                                 hold_max_s=args.hold_max_ms / 1e3)
+                                 hold_max_s=args.hold_max_ms / 1e3,
+                                 hold_step_share=args.hold_step_share)
     except ValueError as exc:
         parser.error(str(exc))
     from services.tools.make_model import ensure_tiny_model

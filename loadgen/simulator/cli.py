@@ -21,6 +21,7 @@ from loadgen.simulator.sweep import run_sweep
 from loadgen.simulator.workload import Workload, WorkloadSpec
 from shared.config import non_negative_number
 from shared.engine_model.config import STEP_MODES, SchedulerConfig
+from shared.policy.commit_hold import CommitHoldRule
 from shared.policy.baselines import POLICIES, POLICY_NAMES, PREFIX_POLICY_NAMES, SchedulingPolicy, get_policy
 from shared.policy.admission import ADMISSION_POLICY_NAMES, AdmissionPolicy, Slo, SloConfig, priority_slos
 from shared.policy.config import HIGH_PRIORITY, PolicyConfig, ScalingConfig
@@ -115,6 +116,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     policy.add_argument("--cache-aware-migration", action="store_true",
                         help="with --prefix-caching: pairing prefers a destination holding the moving request's "
                              "prefix, and only the blocks the destination's cache lacks are copied")
+    policy.add_argument("--migration-hold-max-ms", type=float, default=1e3 * MigrationModel().hold.hold_max_s,
+                        help="a destination holds its next step up to this long for a commit due (the llumlets' "
+                             "flag of the same name; 0: never)")
+    policy.add_argument("--migration-hold-step-share", type=float, default=MigrationModel().hold.step_share,
+                        help="and at most this share of its latest step")
     policy.add_argument("--no-migration-guard", action="store_true",
                         help="pair on the threshold bands only (no anti-thrash rules)")
     policy.add_argument("--headroom-blocks", type=int,
@@ -242,7 +248,9 @@ def build_config(args: argparse.Namespace) -> SimConfig:
             guard=None if args.no_migration_guard else DEFAULT_GUARD,
             migration=MigrationModel(bandwidth_gbps=args.migration_bandwidth_gbps,
                                      handoff_concurrency=args.handoff_concurrency,
-                                     cache_aware=args.cache_aware_migration),
+                                     cache_aware=args.cache_aware_migration,
+                                     hold=CommitHoldRule(args.migration_hold_max_ms / 1e3,
+                                                         args.migration_hold_step_share)),
             autoscale=autoscale,
             admission=_admission(args),
             num_prefill=args.prefill,

@@ -20,7 +20,8 @@ from loadgen.simulator.dispatch_view import IndexedDispatch
 from loadgen.simulator.events import EventQueue
 from loadgen.simulator.handoff import Handoffs, HandoffStats
 from loadgen.simulator.instance import InstanceState, SimInstance
-from loadgen.simulator.migration import MigrationStats, Migrator
+from loadgen.simulator.migration import Migrator
+from loadgen.simulator.migration_state import MigrationStats
 from loadgen.simulator.timeline import Timeline
 from loadgen.simulator.workload import SimArrival, Workload
 from shared.engine_model.latency import LatencyModel
@@ -183,6 +184,10 @@ class ClusterSimulator:
 
     def kick(self, instance: SimInstance) -> None:
         """Start the instance's next step if it is idle and has something it can run."""
+        if instance.step is not None:
+            return
+        if self.migrator is not None and self.migrator.holds_step(instance, self.now):
+            return  # (the commit it waits for kicks it)
         duration = instance.start_step(self.now)
         if duration is not None:
             self.events.push(self.now + duration, self._on_step_end, instance)
@@ -203,6 +208,10 @@ class ClusterSimulator:
                 self.done = True
         if self.handoffs is not None and events.new_token:
             self.handoffs.on_first_tokens(instance, events.new_token)
+        if self.migrator is not None:
+            self.migrator.on_step_end(instance, events.new_token)
+        if self.migrator is not None and self.migrator.holds_step(instance, self.now):
+            return  # (the commit it waits for kicks it)
         duration = instance.start_step(self.now)
         if duration is not None:
             self.events.push(self.now + duration, self._on_step_end, instance)

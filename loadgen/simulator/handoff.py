@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from loadgen.simulator.instance import SimInstance
-from loadgen.simulator.migration import Migration, Migrator, MigrationStatus, is_decoding
+from loadgen.simulator.migration import Migrator
+from loadgen.simulator.migration_state import Migration, MigrationStatus, is_decoding
 from shared.engine_model.request import SimRequest
 from shared.messages import InstanceRole
 from shared.policy.disaggregation import (

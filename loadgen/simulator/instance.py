@@ -3,8 +3,10 @@ and the load report a llumlet would publish."""
 
 from __future__ import annotations
 
+import collections
 import enum
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -13,6 +15,7 @@ from shared.engine_model.load_report import build_load_report
 from shared.engine_model.scheduler import SimScheduler
 from shared.engine_model.step import SchedulerOutput
 from shared.messages import InstanceRole, LoadReport
+from shared.policy.commit_hold import TYPICAL_STEP_WINDOW
 
 
 class InstanceState(enum.Enum):
@@ -38,6 +41,11 @@ class SimInstance:
     migrations_in: int = 0
     num_steps: int = 0
     busy_s: float = 0.0
+    step_ends_at: float = 0.0  # the step in flight's (or the latest one's) end
+    # The latest steps' durations: their median is the typical step a commit hold is bounded by
+    # (as the llumlet's `StepClock`).
+    recent_steps_s: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=TYPICAL_STEP_WINDOW), repr=False)
     _seq: int = field(default=0, repr=False)
     # Told of every report built (the simulator's dispatch index keeps its ranking by it).
     on_report: Callable[[SimInstance], None] | None = field(default=None, repr=False)
@@ -59,11 +67,17 @@ class SimInstance:
                 self.step = out
                 self.num_steps += 1
                 self.busy_s += duration
+                self.step_ends_at = now + duration
+                self.recent_steps_s.append(duration)
                 return duration
             if not out.preempted:
                 return None  # blocked on blocks (reserved for a migration, or the head is too big)
             # Everything that ran was preempted; the next schedule admits again (as vLLM v1).
         return None
+
+    @property
+    def typical_step_s(self) -> float:
+        return statistics.median(self.recent_steps_s) if self.recent_steps_s else 0.0
 
     def is_empty(self) -> bool:
         return (

@@ -16,13 +16,18 @@ stages copy only the blocks after them, and the request's table there starts wit
 
 from __future__ import annotations
 
-import enum
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from loadgen.simulator.handover import Handovers
 from loadgen.simulator.instance import InstanceState, SimInstance
+from loadgen.simulator.migration_state import (
+    Migration,
+    MigrationStats,
+    MigrationStatus,
+    clone_for_destination,
+    is_decoding,
+)
 from shared.engine_model.request import RequestStatus, SimRequest
 from shared.engine_model.scheduler import SimScheduler
 from shared.policy.disaggregation import rebalancing_pairs
@@ -30,7 +35,6 @@ from shared.policy.freeness import QueueDemand, freeness
 from shared.policy.migration import (
     MigrationCandidate,
     MigrationGuard,
-    is_migratable,
     may_migrate_into,
     may_move,
     next_stage,
@@ -40,74 +44,6 @@ from shared.policy.migration import (
 
 if TYPE_CHECKING:
     from loadgen.simulator.cluster import ClusterSimulator
-
-
-class MigrationStatus(enum.Enum):
-    COPYING = "copying"  # a stage in flight, request still decoding on the source
-    STOPPED = "stopped"  # last stage: request suspended, downtime running
-    COMMITTED = "committed"
-    ABORTED = "aborted"
-
-
-@dataclass(eq=False)
-class Migration:
-    migration_id: str
-    request_id: str
-    src: SimInstance
-    dst: SimInstance
-    started_at: float
-    status: MigrationStatus = MigrationStatus.COPYING
-    stage: int = 0  # stages started
-    blocks_sent: int = 0  # request blocks [0, blocks_sent) are on the destination
-    lease_blocks: int = 0  # blocks reserved on the destination
-    stage_blocks: int = 0  # blocks the stage in flight copies
-    cached_blocks: int = 0  # leading blocks the destination's cache held: pinned there, never copied
-    stages: list[tuple[int, bool]] = field(default_factory=list)  # (blocks, last) per stage
-    suspended_at: float | None = None
-    handoff: bool = False  # a P/D hand-off at the first token, not a load-balancing move
-
-    @property
-    def lease_id(self) -> str:
-        return self.migration_id
-
-
-@dataclass
-class MigrationStats:
-    started: int = 0
-    committed: int = 0
-    aborted: Counter[str] = field(default_factory=Counter)
-    downtime_s: list[float] = field(default_factory=list)
-    duration_s: list[float] = field(default_factory=list)
-    copied_blocks: int = 0
-    cached_blocks: int = 0  # blocks not copied: the destination's prefix cache held them
-    rounds: int = 0
-    pairs: int = 0
-
-    def to_json(self) -> dict:
-        mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
-        return {
-            "started": self.started,
-            "committed": self.committed,
-            "aborted": dict(self.aborted),
-            "mean_downtime_ms": round(mean(self.downtime_s) * 1000, 2),
-            "max_downtime_ms": round(max(self.downtime_s, default=0.0) * 1000, 2),
-            "mean_duration_ms": round(mean(self.duration_s) * 1000, 2),
-            "copied_blocks": self.copied_blocks,
-            "cached_blocks": self.cached_blocks,
-            "rounds": self.rounds,
-            "pairs": self.pairs,
-        }
-
-
-def is_decoding(request: SimRequest) -> bool:
-    """Running and migratable by the shared rule (`is_migratable`: decoding, never in prefill,
-    not recovering from a preemption): it has KV to move and nothing half-computed."""
-    return request.status is RequestStatus.RUNNING and is_migratable(
-        num_output_tokens=request.num_output_tokens,
-        num_computed_tokens=request.num_computed_tokens,
-        num_tokens=request.num_tokens,
-        recovering=request.preempted_at is not None,
-    )
 
 
 def migration_candidates(
@@ -131,29 +67,6 @@ def migration_candidates(
     return candidates
 
 
-def clone_for_destination(request: SimRequest) -> SimRequest:
-    """The request as the destination adopts it: progress and metrics carried over (what a
-    MigrationCommit carries, plus the timestamps the simulator measures)."""
-    clone = SimRequest(
-        request.request_id,
-        request.prompt_len,
-        request.max_tokens,
-        target_output_len=request.target_output_len,
-        priority=request.priority,
-        arrival_time=request.arrival_time,
-        block_hashes=request.block_hashes,  # the destination may cache the prompt blocks it adopts
-    )
-    clone.num_output_tokens = request.num_output_tokens
-    clone.num_computed_tokens = request.num_computed_tokens
-    clone.num_preemptions = request.num_preemptions
-    clone.num_cached_tokens = request.num_cached_tokens
-    clone.first_scheduled_time = request.first_scheduled_time
-    clone.first_token_time = request.first_token_time
-    clone.preemption_loss_s = request.preemption_loss_s
-    clone.num_recomputed_tokens = request.num_recomputed_tokens
-    return clone
-
-
 class Migrator:
     def __init__(self, sim: ClusterSimulator) -> None:
         self.sim = sim
@@ -168,6 +81,7 @@ class Migrator:
         # P/D hand-offs, which wait for a free slot.
         self.on_finished: Callable[[Migration], None] | None = None
         self._ids = 0
+        self.handovers = Handovers(self.model.hold, self.stats, wake=lambda dst, at: sim.events.push(at, sim.kick, dst))
 
     @property
     def in_flight(self) -> int:
@@ -292,13 +206,35 @@ class Migrator:
         self._start_stage(migration, num_blocks, self.model.stage_overhead_s)
 
     def _last_stage(self, migration: Migration) -> None:
+        src = migration.src
+        last_stage_s = self.model.commit_overhead_s + self.model.copy_s(
+            migration.lease_blocks - migration.blocks_sent, self.block_bytes)
+        if self.handovers.suspend_waits(migration, src.scheduler.get(migration.request_id), last_stage_s):
+            return  # (`on_step_end` comes back here)
         if not self._reserve_held_blocks(migration):
             return
-        suspended = migration.src.scheduler.suspend(migration.request_id)
+        suspended = src.scheduler.suspend(migration.request_id)
         assert suspended, migration  # checked decoding just before
         migration.status = MigrationStatus.STOPPED
         migration.suspended_at = self.sim.now
-        self._start_stage(migration, migration.lease_blocks - migration.blocks_sent, self.model.commit_overhead_s)
+        ends_at = self._start_stage(migration, migration.lease_blocks - migration.blocks_sent,
+                                    self.model.commit_overhead_s)
+        self.handovers.expect_commit(migration, ends_at)
+
+    def on_step_end(self, instance: SimInstance, new_token: list[SimRequest]) -> None:
+        """The instance's step ended: committed requests' first tokens end their stalls, and the
+        last stages that waited for the step suspend their requests now (or abort, where the
+        request finished or was preempted in it)."""
+        self.handovers.new_tokens(new_token, self.sim.now)
+        for migration in self.handovers.after_step(instance):
+            request = instance.scheduler.get(migration.request_id)
+            if request is None or not is_decoding(request):
+                self._abort(migration, "finished on the source" if request is None else "preempted on the source")
+            else:
+                self._last_stage(migration)
+
+    def holds_step(self, dst: SimInstance, now: float) -> bool:
+        return self.handovers.holds_step(dst, now)
 
     def _reserve_held_blocks(self, migration: Migration) -> bool:
         """Top the lease up to every block the request holds, the partial one included (as a
@@ -311,12 +247,14 @@ class Migrator:
         migration.lease_blocks = max(held, migration.lease_blocks)
         return True
 
-    def _start_stage(self, migration: Migration, num_blocks: int, overhead_s: float) -> None:
+    def _start_stage(self, migration: Migration, num_blocks: int, overhead_s: float) -> float:
+        """Copy a stage; when it ends."""
         migration.stage += 1
         migration.stage_blocks = num_blocks
         migration.stages.append((num_blocks, migration.status is MigrationStatus.STOPPED))
-        duration = overhead_s + self.model.copy_s(num_blocks, self.block_bytes)
-        self.sim.events.push(self.sim.now + duration, self._on_stage_end, migration)
+        ends_at = self.sim.now + overhead_s + self.model.copy_s(num_blocks, self.block_bytes)
+        self.sim.events.push(ends_at, self._on_stage_end, migration)
+        return ends_at
 
     def _on_stage_end(self, migration: Migration) -> None:
         request = migration.src.scheduler.get(migration.request_id)
@@ -351,6 +289,7 @@ class Migrator:
         migration.status = MigrationStatus.COMMITTED
         self.stats.committed += 1
         self.stats.downtime_s.append(sim.now - migration.suspended_at)
+        self.handovers.committed(request)
         self.stats.duration_s.append(sim.now - migration.started_at)
         self._finish(migration)
         if self._pair_stands(src, dst):
@@ -366,6 +305,7 @@ class Migrator:
 
     def _finish(self, migration: Migration) -> None:
         del self.active[migration.migration_id]
+        self.handovers.forget(migration)
         migration.src.migrations_out -= 1
         migration.dst.migrations_in -= 1
         for instance in (migration.src, migration.dst):

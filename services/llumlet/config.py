@@ -132,6 +132,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="as a destination, hold the next engine step up to this long for a commit the source "
                           "said is imminent, so the request joins that step (its other requests wait as long); "
                           "0: never hold")
+    mig.add_argument("--migration-hold-step-share", type=float,
+                     default=env("MIGRATION_HOLD_STEP_SHARE", defaults.hold_step_share),
+                     help="and hold at most this share of this engine's typical step (0-1]: a commit due "
+                          "later goes to the step after")
     sim = parser.add_argument_group("simulated engine")
     engine, scheduler = SimEngineConfig(), SchedulerConfig()
     sim.add_argument("--sim-num-blocks", type=int, default=env("SIM_NUM_BLOCKS", scheduler.num_blocks))
@@ -245,6 +249,7 @@ def migration_limits_from_args(args: argparse.Namespace) -> MigrationLimits:
             dest_min_free_fraction=args.migration_dest_min_free_fraction,
             bandwidth_bytes_per_s=args.migration_bandwidth_mib_s * (1 << 20),
             hold_max_s=args.migration_hold_max_ms / 1e3,
+            hold_step_share=args.migration_hold_step_share,
         )
     except ValueError as exc:
         raise SystemExit(f"bad migration settings: {exc}") from exc

@@ -67,6 +67,7 @@ class SimRequest:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    last_token_time: float | None = None  # (a migration's stall runs from its last token on the source)
     # Preemption loss: time from a preemption until the request has recomputed what it lost.
     preempted_at: float | None = None
     preemption_loss_s: float = 0.0

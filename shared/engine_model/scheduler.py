@@ -119,6 +119,7 @@ class SimScheduler(MigrationVerbs):
             if computed < request.prompt_len + request.num_output_tokens:
                 continue  # a prefill chunk that did not reach the end of the sequence
             num_output = request.num_output_tokens = request.num_output_tokens + 1
+            request.last_token_time = now
             if request.first_token_time is None or request.preempted_at is not None:
                 request.note_token_time(now)
             new_token.append(request)

@@ -64,6 +64,9 @@ def test_autoscale_options_reach_the_simulation(capsys):
         (["--rate", "1", "--migration-bandwidth-gbps", "0"], "positive number of GB/s"),
         (["--rate", "1", "--trace-timestamps"], "has no timestamps"),
         (["--rate", "1", "--max-num-batched-tokens", "0"], "max_num_batched_tokens must be positive"),
+        (["--rate", "1", "--migration-hold-max-ms", "-1"], "hold_max_s must be >= 0"),
+        (["--rate", "1", "--migration-hold-max-ms", "50", "--migration-hold-step-share", "1.5"],
+         r"step_share must be in \(0, 1\]"),
     ],
 )
 def test_bad_input_is_one_clear_error(argv, message):

@@ -15,7 +15,8 @@ from loadgen.simulator import handoff as handoff_module
 from loadgen.simulator.cluster import ClusterSimulator
 from loadgen.simulator.config import MigrationModel
 from loadgen.simulator.handoff import Handoffs
-from loadgen.simulator.migration import Migration, MigrationStatus, Migrator
+from loadgen.simulator.migration import Migrator
+from loadgen.simulator.migration_state import Migration, MigrationStatus
 from shared.messages import InstanceRole
 from shared.policy.baselines import get_policy
 from shared.policy.disaggregation import HANDOFF_ATTEMPTS, HANDOFF_RETRY_AFTER_S

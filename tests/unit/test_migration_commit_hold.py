@@ -67,8 +67,8 @@ async def test_next_start_wakes_at_the_next_step_or_times_out() -> None:
 # -- the hold ------------------------------------------------------------------------------------
 
 
-def hold_of(hold_max_s: float, typical_step_s: float = 0.040) -> CommitHold:
-    return CommitHold(hold_max_s, stepped(StepClock(), [typical_step_s] * 3))
+def hold_of(hold_max_s: float, typical_step_s: float = 0.040, step_share: float = 1.0) -> CommitHold:
+    return CommitHold(hold_max_s, stepped(StepClock(), [typical_step_s] * 3), step_share=step_share)
 
 
 async def test_nothing_due_means_no_hold() -> None:
@@ -102,6 +102,20 @@ async def test_no_hold_for_a_commit_due_after_a_step_started_now_would_end() -> 
     hold.expect("past the bound", 0.020)
     assert await hold.wait() == 0.0
     assert hold.num_expected == 1  # (a later step may still hold for it)
+
+
+async def test_a_step_share_bounds_the_hold_by_this_engines_steps() -> None:
+    hold = hold_of(0.5, typical_step_s=0.040, step_share=0.5)
+    assert hold.bound_s() == pytest.approx(0.020)
+    hold.expect("past half a step", 0.030)  # the step goes: the request waits for the next one
+    assert await hold.wait() == 0.0 and hold.num_expected == 1
+    hold = hold_of(0.5, typical_step_s=0.040, step_share=0.5)
+    hold.expect("never comes", 0.010)
+    held = await hold.wait()
+    assert 0.020 <= held < 0.2  # released at half a step, not at the 0.5 s bound
+    assert hold_of(0.5, typical_step_s=0.0, step_share=0.5).bound_s() == 0.5  # no step known yet
+    with pytest.raises(ValueError):
+        hold_of(0.5, step_share=0.0)
 
 
 async def test_a_notice_overdue_by_more_than_a_hold_is_dropped() -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from loadgen.simulator.cluster import ClusterSimulator
 from loadgen.simulator.config import MigrationModel, SimConfig
+from loadgen.simulator.migration_state import MigrationStatus as SimMigrationStatus
 from services.llumlet.migration.protocol import MigrationLimits, MigrationStatus
 from shared.engine_model.request import RequestStatus
 from shared.policy.baselines import get_policy
@@ -36,19 +37,22 @@ def simulated(rule: StageRule) -> tuple[list[tuple[int, bool]], list[int]]:
     src = dst = None
     stages: list[tuple[int, bool]] = []
     tokens: list[int] = []
-    start_stage = migrator._start_stage
+    start_stage, next_stage = migrator._start_stage, migrator._next_stage
 
     def recording(migration, num_blocks, overhead_s):
-        start_stage(migration, num_blocks, overhead_s)
-        stages.append(migration.stages[-1])
+        stages.append((num_blocks, migration.status is SimMigrationStatus.STOPPED))
+        return start_stage(migration, num_blocks, overhead_s)
+
+    def deciding(migration):  # (the last stage's suspend waits for the step in flight: a token later)
         tokens.append(migration.src.scheduler.get(migration.request_id).num_computed_tokens)
+        next_stage(migration)
 
     def migrate(_) -> None:
         nonlocal src, dst
         src, dst = sorted(instances, key=lambda i: not i.scheduler.requests)  # from the one holding it
         assert migrator._try_start(src, dst)
 
-    migrator._start_stage = recording
+    migrator._start_stage, migrator._next_stage = recording, deciding
     sim.events.push(MIGRATE_AT_S, migrate)
     result = sim.run()
     assert result.migrations.committed == 1 and [r.request_id for r in result.finished] == ["r0"]

@@ -12,6 +12,9 @@ taken only when the commit is due within one of this engine's steps. A commit th
 comes (aborted migration, source dead) releases the hold at its bound, and its notice is
 dropped: it never holds a step again.
 
+The bound is also a share of this engine's typical step (`shared.policy.commit_hold`, the rule
+the simulator models too).
+
 `StepClock` is the engine loop's steps as both sides see them (a source times its notice by
 its own steps, a destination bounds its hold by its own).
 """
@@ -24,7 +27,8 @@ import statistics
 import time
 from collections.abc import Callable
 
-_RECENT_STEPS = 16  # the typical step: the median of the last this many
+from shared.policy.commit_hold import DEFAULT_HOLD_STEP_SHARE, TYPICAL_STEP_WINDOW, CommitHoldRule
+
 
 
 class StepClock:
@@ -35,7 +39,7 @@ class StepClock:
         self._clock = clock
         self.started_at: float | None = None  # of the step in flight; None between steps
         self.last_ended_at: float | None = None
-        self._recent: collections.deque[float] = collections.deque(maxlen=_RECENT_STEPS)
+        self._recent: collections.deque[float] = collections.deque(maxlen=TYPICAL_STEP_WINDOW)
         self._start = asyncio.Event()
 
     def started(self, now: float) -> None:
@@ -72,9 +76,9 @@ class StepClock:
 class CommitHold:
     """The destination's side: notices of imminent commits, and the wait before a step."""
 
-    def __init__(self, hold_max_s: float, steps: StepClock, clock: Callable[[], float] = time.monotonic) -> None:
-        if hold_max_s < 0:
-            raise ValueError("hold_max_s must be >= 0 (0: never hold)")
+    def __init__(self, hold_max_s: float, steps: StepClock, clock: Callable[[], float] = time.monotonic,
+                 step_share: float = DEFAULT_HOLD_STEP_SHARE) -> None:
+        self.rule = CommitHoldRule(hold_max_s, step_share)  # (it checks both)
         self.hold_max_s = hold_max_s
         self.steps = steps
         self._clock = clock
@@ -88,7 +92,7 @@ class CommitHold:
 
     @property
     def enabled(self) -> bool:
-        return self.hold_max_s > 0
+        return self.rule.enabled
 
     @property
     def num_expected(self) -> int:
@@ -105,15 +109,19 @@ class CommitHold:
         if self._expected.pop(migration_id, None) is not None:
             _wake(self._waiter)
 
+    def bound_s(self) -> float:
+        """The longest hold now (`CommitHoldRule.bound_s` by this engine's typical step)."""
+        return self.rule.bound_s(self.steps.typical_s)
+
     def due(self, now: float) -> list[str]:
-        """The migrations whose commit should land before a step started now would end, within
-        the bound: worth holding that step for (a later one joins the step after, as early)."""
-        horizon = self.hold_max_s if not self.steps.typical_s else min(self.hold_max_s, self.steps.typical_s)
-        return [mid for mid, at in self._expected.items() if at <= now + horizon]
+        """The migrations whose commit should land within the bound of a step started now: worth
+        holding that step for (a later one joins the step after, as early)."""
+        typical = self.steps.typical_s
+        return [mid for mid, at in self._expected.items() if self.rule.holds_for(at - now, typical)]
 
     async def wait(self) -> float:
         """Before a step: hold it for the commits due (`due`), until they all settle or for
-        `hold_max_s` at most; the seconds held (0: nothing due, the step goes at once)."""
+        `bound_s()` at most; the seconds held (0: nothing due, the step goes at once)."""
         self.last_held_s = 0.0
         if not self._expected:
             return 0.0
@@ -124,7 +132,7 @@ class CommitHold:
         if not due:
             return 0.0
         self.num_holds += 1
-        deadline = started + self.hold_max_s
+        deadline = started + self.bound_s()
         loop = asyncio.get_running_loop()
         while any(mid in self._expected for mid in due):
             remaining = deadline - self._clock()

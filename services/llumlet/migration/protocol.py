@@ -34,6 +34,7 @@ import uuid
 from dataclasses import dataclass
 
 from shared.messages import PreAllocReply
+from shared.policy.commit_hold import DEFAULT_HOLD_STEP_SHARE, CommitHoldRule
 from shared.policy.migration import DEFAULT_GUARD, DEFAULT_STAGES, MigrationGuard, StageRule
 
 
@@ -138,6 +139,8 @@ class MigrationLimits:
     # the migrated request's stall -7 to -21 ms, each other's gap around it +4 to +7 ms, its max
     # +17 to +19 ms, on the sim engine), and the simulator's policy numbers do not model it.
     hold_max_s: float = 0.0
+    # ... and at most this share of the destination's typical step (`shared.policy.commit_hold`).
+    hold_step_share: float = DEFAULT_HOLD_STEP_SHARE
 
     def __post_init__(self) -> None:
         self.stage_rule(), self.guard()  # (they check their own fields)
@@ -145,6 +148,7 @@ class MigrationLimits:
             raise ValueError("max_out and max_in must be >= 0")
         if self.hold_max_s < 0:
             raise ValueError("hold_max_s must be >= 0 (0: never hold a step for a commit)")
+        CommitHoldRule(self.hold_max_s, self.hold_step_share)  # (it checks both)
         if self.bandwidth_bytes_per_s < 0:
             raise ValueError("bandwidth_bytes_per_s must be >= 0 (0: no cap)")
         if self.frame_bytes <= 0 or self.frame_bytes > self.max_frame_bytes:

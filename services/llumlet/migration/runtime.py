@@ -60,7 +60,7 @@ class LlumletMigration:
         self.coordinator: MigrationCoordinator | None = None
         self.departures = Departures()  # the source's return-trip limit reads what commits brought in
         self.steps = StepClock()
-        self.hold = CommitHold(limits.hold_max_s, self.steps)
+        self.hold = CommitHold(limits.hold_max_s, self.steps, step_share=limits.hold_step_share)
         self._handovers: dict[str, float] = {}  # committed here, its first step not begun: request id → when
 
     async def start(self, nc: Client) -> list[Coroutine[Any, Any, None]]:

@@ -1,0 +1,107 @@
+"""A migration's handover as its request sees it, in the simulator (issue 20): the moment the
+source lets go and the destination takes over, by the llumlets' rules.
+
+- The source's suspend waits for its step in flight when the request is in it, and the request
+  keeps that step's token (as the live engines: `SimEngine.suspend`, vLLM's).
+- The destination's commit hold (`shared.policy.commit_hold`): a step about to start waits for a
+  commit due within the rule's bound, and the commit's kick starts it with the request in it.
+  As a live source's notice, the commit is expected from the moment the last stage waits for the
+  source's step (its end plus the last stage's copy), and exactly once the request is suspended.
+  As the live hold, a commit that is not in within the bound releases the step then, and is
+  never held for again.
+- The stall: from the request's last token on the source to its first on the destination, what
+  the gateway's `corral:gateway_migration_stall_seconds` measures live.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from shared.engine_model.request import SimRequest
+from shared.policy.commit_hold import CommitHoldRule
+
+if TYPE_CHECKING:
+    from loadgen.simulator.instance import SimInstance
+    from loadgen.simulator.migration_state import Migration, MigrationStats
+
+
+class Handovers:
+    def __init__(self, hold: CommitHoldRule, stats: MigrationStats,
+                 wake: Callable[[SimInstance, float], None]) -> None:
+        self.hold = hold
+        self.stats = stats
+        self._wake = wake  # kick this instance at that time (a hold's bound)
+        self._suspending: dict[str, list[Migration]] = {}  # source id -> last stages waiting for its step
+        self._committing: dict[str, list[Migration]] = {}  # destination id -> migrations in their last stage
+        self._hold_ends: dict[str, float] = {}  # migration id -> the bound of the hold waiting for it
+        self._first_token: dict[str, float] = {}  # request id -> its last token on the source (committed)
+
+    # -- the source ------------------------------------------------------------------------------
+
+    def suspend_waits(self, migration: Migration, request: SimRequest | None, last_stage_s: float) -> bool:
+        """Whether the last stage waits for the source's step in flight (the request is in it);
+        `after_step` hands it back when that step ends. The commit is expected from now."""
+        src = migration.src
+        if src.step is None or not any(r is request for r in src.step.requests):
+            return False
+        self._suspending.setdefault(src.instance_id, []).append(migration)
+        self.expect_commit(migration, src.step_ends_at + last_stage_s)
+        return True
+
+    def after_step(self, src: SimInstance) -> list[Migration]:
+        """The last stages that waited for this instance's step, which has just ended."""
+        return self._suspending.pop(src.instance_id, [])
+
+    # -- the destination -------------------------------------------------------------------------
+
+    def expect_commit(self, migration: Migration, due_at: float) -> None:
+        """The migration's commit is due then (expected, or the last stage's end once it runs)."""
+        migration.commit_due_at = due_at
+        committing = self._committing.setdefault(migration.dst.instance_id, []) if self.hold.enabled else None
+        if committing is not None and migration not in committing:
+            committing.append(migration)
+
+    def holds_step(self, dst: SimInstance, now: float) -> bool:
+        """Whether the destination's step about to start waits for a commit due within the bound
+        (by its typical step)."""
+        committing = self._committing.get(dst.instance_id, [])
+        for migration in list(committing):
+            ends = self._hold_ends.get(migration.migration_id)
+            if ends is not None:
+                if now < ends:
+                    return True
+                committing.remove(migration)  # late past the bound: never held for again
+            elif self.hold.holds_for(migration.commit_due_at - now, dst.typical_step_s):
+                bound = self.hold.bound_s(dst.typical_step_s)
+                self._hold_ends[migration.migration_id] = now + bound
+                self._wake(dst, now + bound)
+                self.stats.holds += 1
+                self.stats.held_s += migration.commit_due_at - now
+                return True
+        return False
+
+    # -- the request -----------------------------------------------------------------------------
+
+    def committed(self, request: SimRequest) -> None:
+        if request.last_token_time is not None:
+            self._first_token[request.request_id] = request.last_token_time
+
+    def new_tokens(self, requests: Iterable[SimRequest], now: float) -> None:
+        """Tokens of a step that just ended: a committed request's first one ends its stall."""
+        if self._first_token:
+            for request in requests:
+                last = self._first_token.pop(request.request_id, None)
+                if last is not None:
+                    self.stats.stall_s.append(now - last)
+
+    def forget(self, migration: Migration) -> None:
+        """The migration ended (committed or aborted): it waits for no step and holds none."""
+        for waiting, instance_id in ((self._suspending, migration.src.instance_id),
+                                     (self._committing, migration.dst.instance_id)):
+            migrations = waiting.get(instance_id)
+            if migrations is not None and migration in migrations:
+                migrations.remove(migration)
+                if not migrations:
+                    del waiting[instance_id]
+        self._hold_ends.pop(migration.migration_id, None)

@@ -1,0 +1,42 @@
+"""How long a migration's destination holds its next engine step for a commit due any moment
+(issue 20): one rule for the llumlet's `CommitHold` and the simulator's model of it.
+
+A request that commits while the destination's step is in flight joins only the step after it.
+Holding the step for a commit due x seconds into it moves that wait: the migrating request's
+stall shrinks by (step - x), and each other request of the destination's batch waits x longer.
+Holding only while x <= `step_share` of the typical step (half by default) bounds the extra
+wait either side at half a step; a hold of a whole step (or none) leaves someone a whole one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_HOLD_STEP_SHARE = 0.5
+TYPICAL_STEP_WINDOW = 16  # an engine's typical step: the median of its last this many
+
+
+@dataclass(frozen=True)
+class CommitHoldRule:
+    hold_max_s: float = 0.0  # the longest hold in seconds, whatever the steps (0: never hold)
+    step_share: float = DEFAULT_HOLD_STEP_SHARE  # and at most this share of the typical step
+
+    def __post_init__(self) -> None:
+        if self.hold_max_s < 0:
+            raise ValueError("hold_max_s must be >= 0 (0: never hold a step for a commit)")
+        if not 0 < self.step_share <= 1:
+            raise ValueError("step_share must be in (0, 1]")
+
+    @property
+    def enabled(self) -> bool:
+        return self.hold_max_s > 0
+
+    def bound_s(self, typical_step_s: float) -> float:
+        """The longest hold before a step: `hold_max_s`, and `step_share` of the typical step once
+        one is known (0: none yet)."""
+        return self.hold_max_s if typical_step_s <= 0 else min(self.hold_max_s, self.step_share * typical_step_s)
+
+    def holds_for(self, commit_in_s: float, typical_step_s: float) -> bool:
+        """Whether a step about to start waits for a commit due in `commit_in_s` (a later one
+        joins the step after, as early as a hold could bring it)."""
+        return self.enabled and commit_in_s <= self.bound_s(typical_step_s)

@@ -1,0 +1,123 @@
+"""A migration's handover in `loadgen simulate` (issue 20), by the llumlets' rules: the source's
+suspend waits for its step in flight, the destination's commit hold (`shared.policy.commit_hold`)
+starts the step after the commit with the request in it, and the stall is counted."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import replace
+
+import pytest
+
+from loadgen.simulator.cluster import ClusterSimulator
+from loadgen.simulator.config import SimConfig
+from loadgen.simulator.handover import Handovers
+from loadgen.simulator.instance import SimInstance
+from loadgen.simulator.migration import Migrator
+from shared.engine_model.config import SchedulerConfig
+from shared.policy.baselines import get_policy
+from shared.policy.commit_hold import CommitHoldRule
+from tests.simulator.helpers import synthetic
+
+CONFIG = SimConfig(num_instances=4, scheduler=SchedulerConfig(num_blocks=1000, max_model_len=8192))
+
+
+def held(rule: CommitHoldRule) -> SimConfig:
+    return replace(CONFIG, migration=replace(CONFIG.migration, hold=rule))
+
+
+def workload(seed: int):
+    return synthetic("conversation:long", 300, 1.0, CONFIG, trace_timestamps=True, seed=seed)
+
+
+def suspends_mid_step(monkeypatch, config: SimConfig) -> tuple[int, int]:
+    """(suspends, suspends of a request in its instance's step in flight) over a run."""
+    sim = ClusterSimulator(config, get_policy("corral"), workload(0))
+    counts = [0, 0]
+    for instance in sim.instances.values():
+        def suspend(request_id, _suspend=instance.scheduler.suspend, _instance=instance):
+            request = _instance.scheduler.get(request_id)
+            counts[0] += 1
+            counts[1] += _instance.step is not None and any(r is request for r in _instance.step.requests)
+            return _suspend(request_id)
+        instance.scheduler.suspend = suspend
+    assert sim.run().migrations.committed > 0
+    return counts[0], counts[1]
+
+
+def test_the_source_suspends_a_request_only_between_its_steps(monkeypatch):
+    suspends, mid_step = suspends_mid_step(monkeypatch, CONFIG)
+    assert suspends > 0 and mid_step == 0
+    # Without the wait, last stages suspend requests in the step in flight (whose token is lost).
+    monkeypatch.setattr(Handovers, "suspend_waits", lambda self, migration, request, last_stage_s: False)
+    assert suspends_mid_step(monkeypatch, CONFIG)[1] > 0
+
+
+def test_every_migrated_request_produces_what_it_would_have_and_its_stall_is_counted():
+    result = ClusterSimulator(held(CommitHoldRule(0.05)), get_policy("corral"), workload(1)).run()
+    assert result.migrations.committed > 0
+    assert len(result.migrations.stall_s) == result.migrations.committed
+    assert min(result.migrations.stall_s) > CONFIG.migration.commit_overhead_s  # the last stage, then a step
+    for r in result.finished:
+        assert r.num_output_tokens == r.stop_at_output
+
+
+def run_recording(monkeypatch, rule: CommitHoldRule, seed: int):
+    """The run, each held migration's (commit time, destination, hold bound at the hold), and
+    every step start per instance."""
+    holds: dict[str, tuple[SimInstance, float, float, float]] = {}  # migration id -> (dst, at, wait, bound)
+    commits: dict[str, float] = {}
+    starts: dict[str, list[float]] = defaultdict(list)
+    holds_step, commit, start_step = Handovers.holds_step, Migrator._commit, SimInstance.start_step
+
+    def recording_holds_step(self, dst, now):
+        waiting = holds_step(self, dst, now)
+        for migration in self._committing.get(dst.instance_id, ()):
+            if waiting and migration.migration_id in self._hold_ends and migration.migration_id not in holds:
+                holds[migration.migration_id] = (dst, now, migration.commit_due_at - now, rule.bound_s(dst.typical_step_s))
+        return waiting
+
+    def recording_commit(self, migration, request):
+        commits[migration.migration_id] = self.sim.now
+        commit(self, migration, request)
+
+    def recording_start_step(self, now):
+        duration = start_step(self, now)
+        if duration is not None:
+            starts[self.instance_id].append(now)
+        return duration
+
+    monkeypatch.setattr(Handovers, "holds_step", recording_holds_step)
+    monkeypatch.setattr(Migrator, "_commit", recording_commit)
+    monkeypatch.setattr(SimInstance, "start_step", recording_start_step)
+    result = ClusterSimulator(held(rule), get_policy("corral"), workload(seed)).run()
+    return result, holds, commits, starts
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_held_step_starts_at_the_commit_and_waits_at_most_its_share_of_a_step(monkeypatch, seed):
+    rule = CommitHoldRule(hold_max_s=1.0, step_share=0.5)
+    result, holds, commits, starts = run_recording(monkeypatch, rule, seed)
+    assert result.migrations.holds == len(holds) > 0
+    in_time = 0
+    for migration_id, (dst, at, wait, bound) in holds.items():
+        assert 0 <= wait <= bound + 1e-12
+        if commits.get(migration_id, float("inf")) <= at + bound:
+            in_time += 1
+            assert commits[migration_id] in starts[dst.instance_id]  # the commit started the held step
+        else:  # late (its expected time moved) or aborted: the step went at the bound, not before
+            assert at + bound in starts[dst.instance_id] or not starts[dst.instance_id]
+    assert in_time > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_hold_shortens_the_stall(seed):
+    def stall_median(rule: CommitHoldRule) -> tuple[float, int]:
+        result = ClusterSimulator(held(rule), get_policy("corral"), workload(seed)).run()
+        return statistics.median(result.migrations.stall_s), result.migrations.holds
+
+    off, no_holds = stall_median(CommitHoldRule())
+    on, holds = stall_median(CommitHoldRule(hold_max_s=1.0, step_share=1.0))
+    assert no_holds == 0 and holds > 0
+    assert on < off
