@@ -2,7 +2,7 @@
 says, read from the gateway's /metrics as Prometheus would, beside what an HTTP client sees.
 
     .venv/bin/python -m benchmarks.migration_stall_live [--streams 12] [--max-tokens 300] [--background 4]
-        [--sim-time-scale 1] [--hold-max-ms 0] [--out results/migration_stall_live.json]
+        [--sim-time-scale 1] [--hold-max-ms 50] [--out results/migration_stall_live.json]
 
 Two simulated llumlets (modelled A10 steps at `--sim-time-scale`) behind the real scheduler
 (its own pairing off: this run's orders are the only migrations) and gateway. `--background`
@@ -177,8 +177,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=300)
     parser.add_argument("--background", type=int, default=4, help="streams decoding on the destination throughout")
     parser.add_argument("--sim-time-scale", type=float, default=1.0)
-    parser.add_argument("--hold-max-ms", type=float, default=0.0,
-                        help="the llumlets' --migration-hold-max-ms (the destination's commit hold; 0: off, the default)")
+    parser.add_argument("--hold-max-ms", type=float, default=1e3 * MigrationLimits().hold_max_s,
+                        help="the llumlets' --migration-hold-max-ms (the destination's commit hold; 0: off)")
     parser.add_argument("--hold-step-share", type=float, default=MigrationLimits().hold_step_share,
                         help="the llumlets' --migration-hold-step-share (the hold at most this share of a step)")
     parser.add_argument("--seed", type=int, default=0)

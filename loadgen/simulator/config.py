@@ -18,7 +18,7 @@ from shared.policy.migration import (
     MigrationGuard,
     StageRule,
 )
-from shared.policy.commit_hold import CommitHoldRule
+from shared.policy.commit_hold import DEFAULT_HOLD, CommitHoldRule
 from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT
 
 KV_BYTES_PER_TOKEN_LLAMA_7B = 2 * 32 * 4096 * 2  # K and V × layers × hidden × fp16 = 0.5 MiB
@@ -43,9 +43,9 @@ class MigrationModel:
     # request to the cached blocks it holds, so only the blocks it lacks are copied.
     cache_aware: bool = False
     affinity: CacheAffinity = DEFAULT_AFFINITY
-    # The destination's commit hold (`--migration-hold-max-ms` of the llumlets; off, as theirs):
+    # The destination's commit hold (the llumlets' `--migration-hold-max-ms`, the same default):
     # a step about to start waits for a commit due within the rule's bound.
-    hold: CommitHoldRule = CommitHoldRule()
+    hold: CommitHoldRule = DEFAULT_HOLD
 
     def __post_init__(self) -> None:
         if not (self.bandwidth_gbps > 0 and math.isfinite(self.bandwidth_gbps)):

@@ -34,7 +34,7 @@ import uuid
 from dataclasses import dataclass
 
 from shared.messages import PreAllocReply
-from shared.policy.commit_hold import DEFAULT_HOLD_STEP_SHARE, CommitHoldRule
+from shared.policy.commit_hold import DEFAULT_HOLD, CommitHoldRule
 from shared.policy.migration import DEFAULT_GUARD, DEFAULT_STAGES, MigrationGuard, StageRule
 
 
@@ -134,13 +134,10 @@ class MigrationLimits:
     idle_poll_s: float = 0.02  # with a pair but nothing to migrate, look again after this
     # Destination: hold the next engine step up to this long for a commit the source said is
     # imminent (`CommitNotice`), so the request joins that step instead of the one after (0: never
-    # hold). Its price: the other requests here wait as long (`commit_hold.py`). Off by default:
-    # it moves one request's wait onto every other request of the destination's batch (measured:
-    # the migrated request's stall -7 to -21 ms, each other's gap around it +4 to +7 ms, its max
-    # +17 to +19 ms, on the sim engine), and the simulator's policy numbers do not model it.
-    hold_max_s: float = 0.0
-    # ... and at most this share of the destination's typical step (`shared.policy.commit_hold`).
-    hold_step_share: float = DEFAULT_HOLD_STEP_SHARE
+    # hold), and at most this share of the destination's typical step. The price: the other
+    # requests here wait as long (`commit_hold.py`; why on by default: `shared.policy.commit_hold`).
+    hold_max_s: float = DEFAULT_HOLD.hold_max_s
+    hold_step_share: float = DEFAULT_HOLD.step_share
 
     def __post_init__(self) -> None:
         self.stage_rule(), self.guard()  # (they check their own fields)

@@ -135,7 +135,13 @@ class StageDriver:
         await self._prealloc(m, snapshot.num_blocks, full)  # (off the downtime)
         self._check(m, LivePhase.RUNNING)
         if await self.notices.notice(m):
-            self._check(m, LivePhase.RUNNING)
+            # A step of ours just started: the blocks the request holds now are all it will hold
+            # once suspended after it. One it took for this step is reserved now, while it still
+            # decodes, not by a top-up in the downtime (~1 ms, the hold waiting on it).
+            snapshot = self._check(m, LivePhase.RUNNING)
+            if snapshot.num_blocks > m.lease_blocks:
+                await self._prealloc(m, snapshot.num_blocks)
+                self._check(m, LivePhase.RUNNING)
         await self._suspend(m)
         upto = self._check(m, LivePhase.SUSPENDED).num_blocks  # everything, the partial block too
         if upto < m.lease_blocks:
