@@ -78,6 +78,7 @@ class Handovers:
                 self._wake(dst, now + bound)
                 self.stats.holds += 1
                 self.stats.held_s += migration.commit_due_at - now
+                self.stats.held_request_s += (migration.commit_due_at - now) * len(dst.scheduler.running)
                 return True
         return False
 

@@ -52,7 +52,8 @@ class MigrationStats:
     copied_blocks: int = 0
     cached_blocks: int = 0  # blocks not copied: the destination's prefix cache held them
     holds: int = 0  # commits a destination held a step for
-    held_s: float = 0.0  # and how long in all
+    held_s: float = 0.0  # and how long in all (as expected at the hold)
+    held_request_s: float = 0.0  # the price: each hold times the requests it held back
     stall_s: list[float] = field(default_factory=list)  # a moved request's last token there to its first here
     rounds: int = 0
     pairs: int = 0
