@@ -177,7 +177,13 @@ class Migrator:
         self.stats.started += 1
         if self.model.cache_aware:
             self._pin_cached_prefix(migration)
-        self._next_stage(migration)
+        if handoff and src.step is None:
+            # As the llumlet: a hand-off that starts between steps (right after the one that gave
+            # the first token) takes the request out of the batch before the next, which may
+            # carry other prompts' prefill, and moves it in one stage.
+            self._last_stage(migration)
+        else:
+            self._next_stage(migration)
         return migration
 
     def _pin_cached_prefix(self, migration: Migration) -> None:

@@ -180,3 +180,25 @@ def test_no_room_is_asked_about_again_then_the_request_stays(monkeypatch, no_roo
         assert (s.committed, s.degraded) == (1, 0) and len(calls) == no_room_answers + 1
     else:
         assert (s.committed, s.degraded) == (0, 1) and len(calls) == HANDOFF_ATTEMPTS
+
+
+def test_a_hand_off_that_starts_at_the_first_token_moves_in_one_stage(monkeypatch):
+    """As the llumlet: taken out of the batch before the prefill instance's next step (which may
+    carry other prompts' prefill), and moved in one stage; a queued one keeps decoding first."""
+    at_once: list[Migration] = []
+    start = Migrator.start
+
+    def recording_start(self, src, dst, request_id, *, handoff=False):
+        migration = start(self, src, dst, request_id, handoff=handoff)
+        if handoff and migration.stages and migration.stages[0][1]:
+            at_once.append(migration)
+        return migration
+
+    monkeypatch.setattr(Migrator, "start", recording_start)
+    workload = workload_of([(0.3 * i, 300 + 40 * i, 64, 0) for i in range(20)])
+    sim = run(PD, "corral", workload)
+    assert_nothing_lost(sim, 20)
+    assert len(at_once) == sim.handoffs.stats.committed == 20  # light load: every one at once
+    assert all(m.stages == [(m.stages[0][0], True)] and m.status is MigrationStatus.COMMITTED for m in at_once)
+    # The request left before decoding there: it has its first token only, from the prefill instance.
+    assert all(m.stages[0][0] == -(-(300 + 40 * int(m.request_id[1:]) + 1) // 16) for m in at_once)
