@@ -123,19 +123,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slo-tbt-s", type=float, default=0.08)
     parser.add_argument("--slo-reserve", type=float, default=SloConfig(Slo(1, 1)).reserve,
                         help="share of the SLO normal priority may not use (its margin for prediction error)")
+    parser.add_argument("--slo-handoff-reserve", type=float, default=SloConfig(Slo(1, 1)).handoff_reserve,
+                        help="the same on a prefill instance of P/D pools")
     parser.add_argument("--prefill", type=int, default=0, help="prefill-only instances (P/D; of --instances)")
     parser.add_argument("--decode", type=int, default=0, help="decode-only instances (P/D; of --instances)")
     parser.add_argument("--out", default="results/admission.json")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     overloads = [float(x) for x in args.overloads.split(",")]
-    slo = SloConfig(Slo(args.slo_ttft_s, args.slo_tbt_s), reserve=args.slo_reserve)
+    slo = SloConfig(Slo(args.slo_ttft_s, args.slo_tbt_s), reserve=args.slo_reserve,
+                    handoff_reserve=args.slo_handoff_reserve)
     config = SimConfig(num_instances=args.instances, num_prefill=args.prefill, num_decode=args.decode)
     saturation = saturating_rate(config, args.dataset, args.requests, seeds[0], slo)
     roles = f" (P/D {args.prefill}:{args.decode})" if config.disaggregated else ""
     print(f"{args.instances} x A10{roles}, {args.dataset}, saturating rate {saturation:.2f} req/s; "
           f"SLO TTFT {args.slo_ttft_s:g} s, TBT {args.slo_tbt_s * 1e3:g} ms (normal priority keeps "
-          f"{slo.reserve:.0%} in reserve)")
+          f"{slo.reserve:.0%} in reserve{f', {slo.handoff_reserve:.0%} on prefill instances' if config.disaggregated else ''})")
     header = (f"{'workload':<16} {'seed':>4} {'admission':<13} {'goodput':>9} {'rejected':>8} {'high rej':>8} "
               f"{'wasted pf':>9} {'P99 TTFT':>9} {'P99 TBT':>8} {'acc/s CV':>8} {'worst miss':>10} {'err P50':>8} "
               f"{'err P99':>8}")

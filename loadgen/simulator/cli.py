@@ -149,6 +149,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="a priority's own targets, e.g. high:0.5:0.05 or 3:10:0.5 (repeatable)")
     gate.add_argument("--slo-reserve", type=float, default=SloConfig(Slo(1, 1)).reserve, metavar="F",
                       help="share of the SLO normal priority may not use, so high priority is rejected last")
+    gate.add_argument("--slo-handoff-reserve", type=float, default=SloConfig(Slo(1, 1)).handoff_reserve, metavar="F",
+                      help="the same on a prefill instance of P/D pools (its predictions err more)")
     out = parser.add_argument_group("output")
     out.add_argument("--out", metavar="FILE", help="write the results as JSON")
     out.add_argument("--plot", metavar="DIR", help="write PNG plots (latency CDFs, timelines, sweep)")
@@ -267,7 +269,8 @@ def _admission(args: argparse.Namespace) -> AdmissionModel | None:
         return None
     if args.slo_ttft_s is None or args.slo_tbt_s is None:
         raise ValueError("give both --slo-ttft-s and --slo-tbt-s")
-    slo = SloConfig(Slo(args.slo_ttft_s, args.slo_tbt_s), priority_slos(args.slo_priority), reserve=args.slo_reserve)
+    slo = SloConfig(Slo(args.slo_ttft_s, args.slo_tbt_s), priority_slos(args.slo_priority), reserve=args.slo_reserve,
+                    handoff_reserve=args.slo_handoff_reserve)
     return AdmissionModel(AdmissionPolicy(args.admission), slo)
 
 

@@ -35,7 +35,7 @@ class Handovers:
         self._suspending: dict[str, list[Migration]] = {}  # source id -> last stages waiting for its step
         self._committing: dict[str, list[Migration]] = {}  # destination id -> migrations in their last stage
         self._hold_ends: dict[str, float] = {}  # migration id -> the bound of the hold waiting for it
-        self._first_token: dict[str, float] = {}  # request id -> its last token on the source (committed)
+        self._stalled_since: dict[str, float] = {}  # request id -> its last token on the source (committed)
 
     # -- the source ------------------------------------------------------------------------------
 
@@ -86,13 +86,13 @@ class Handovers:
 
     def committed(self, request: SimRequest) -> None:
         if request.last_token_time is not None:
-            self._first_token[request.request_id] = request.last_token_time
+            self._stalled_since[request.request_id] = request.last_token_time
 
     def new_tokens(self, requests: Iterable[SimRequest], now: float) -> None:
         """Tokens of a step that just ended: a committed request's first one ends its stall."""
-        if self._first_token:
+        if self._stalled_since:
             for request in requests:
-                last = self._first_token.pop(request.request_id, None)
+                last = self._stalled_since.pop(request.request_id, None)
                 if last is not None:
                     self.stats.stall_s.append(now - last)
 

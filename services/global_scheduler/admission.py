@@ -98,7 +98,7 @@ class DispatchAdmission:
         self.rejections.labels(decision.rejected.value).inc()
         return request, DispatchReply(
             rejected=f"overloaded: no instance can meet the SLO ({decision.rejected.value})",
-            retry_after_s=self._retry_after_s(decision, request.priority),
+            retry_after_s=self._retry_after_s(decision),
             reason=Refusal.OVERLOADED,
         ), {}
 
@@ -144,10 +144,10 @@ class DispatchAdmission:
         modelled = self._latency.decode_s(max(1, round(load.step_decode_batch)), round(load.step_decode_context))
         return min(max(load.step_time_s / modelled, MIN_INFLATION), MAX_INFLATION) if modelled > 0 else 1.0
 
-    def _retry_after_s(self, decision: AdmissionDecision, priority: int) -> float:
-        """How long until the nearest instance's predicted TTFT is back within the target."""
-        budget = self.settings.slo.budget_for(priority).ttft_s
-        excess = min((p.ttft_s - budget for p in decision.predictions), default=math.inf)
+    def _retry_after_s(self, decision: AdmissionDecision) -> float:
+        """How long until the nearest instance's predicted TTFT is back within its target."""
+        excess = min((p.ttft_s - budget.ttft_s for p, budget in zip(decision.predictions, decision.budgets, strict=True)),
+                     default=math.inf)
         if not math.isfinite(excess) or excess <= 0:  # no room now, or a TBT refusal
             return NO_ROOM_RETRY_S
         return min(max(excess, MIN_RETRY_S), MAX_RETRY_S)

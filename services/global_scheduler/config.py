@@ -84,6 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "(repeatable; env: space-separated)")
     gate.add_argument("--slo-reserve", type=float, default=env("SLO_RESERVE", 0.1),
                       help="share of the SLO (and of KV blocks) normal priority leaves to high priority")
+    gate.add_argument("--slo-handoff-reserve", type=float, default=env("SLO_HANDOFF_RESERVE", 0.2),
+                      help="the same on a prefill instance of P/D pools (its predictions err more)")
     gate.add_argument("--admission-gpu", choices=sorted(SIMPLE_MODELS), default=env("ADMISSION_GPU", "A10"),
                       help="latency profile the predictions use")
 
@@ -116,7 +118,7 @@ def admission_from_args(args: argparse.Namespace) -> AdmissionSettings | None:
         raise SystemExit(f"--admission {args.admission} needs --slo-ttft-s and --slo-tbt-s")
     try:
         slo = SloConfig(Slo(args.slo_ttft_s, args.slo_tbt_s), priority_slos(args.slo_priority),
-                        reserve=args.slo_reserve)
+                        reserve=args.slo_reserve, handoff_reserve=args.slo_handoff_reserve)
     except ValueError as exc:
         raise SystemExit(f"bad SLO: {exc}") from exc
     return AdmissionSettings(AdmissionPolicy(args.admission), slo, gpu=args.admission_gpu)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -119,6 +121,20 @@ def test_high_priority_is_rejected_last():
     load = outlook(queued=500)  # 0.95 s with a 200-token prompt (0.25 s: half the step in flight)
     assert admit([load], 200, 0, AdmissionPolicy.PREDICTED, slo, LATENCY).rejected is RejectReason.TTFT
     assert admit([load], 200, HIGH_PRIORITY, AdmissionPolicy.PREDICTED, slo, LATENCY).accepted
+
+
+def test_a_prefill_instance_of_pd_pools_keeps_the_larger_handoff_reserve():
+    slo = SloConfig(Slo(ttft_s=1.0, tbt_s=0.050), reserve=0.1, handoff_reserve=0.2)
+    mixed = outlook(queued=420)  # predicted ~0.85 s with a 200-token prompt: within 0.9 s, not 0.8 s
+    prefill = replace(mixed, instance_id="p", hands_off=True)
+    ttft = predict(mixed, 200, AdmissionPolicy.PREDICTED, LATENCY).ttft_s
+    assert 0.8 < ttft <= 0.9
+    decision = admit([mixed, prefill], 200, 0, AdmissionPolicy.PREDICTED, slo, LATENCY)
+    assert decision.admitted == (mixed.instance_id,)
+    assert [b.ttft_s for b in decision.budgets] == pytest.approx([0.9, 0.8])
+    assert admit([prefill], 200, HIGH_PRIORITY, AdmissionPolicy.PREDICTED, slo, LATENCY).accepted  # no reserve
+    with pytest.raises(ValueError, match="handoff_reserve"):
+        SloConfig(Slo(1.0, 0.05), handoff_reserve=1.0)
 
 
 def test_per_priority_slo_override():

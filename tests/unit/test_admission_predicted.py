@@ -110,7 +110,7 @@ def test_a_fleet_without_a_live_prefill_instance_has_no_decode_pool():
 
 def _scheduler(policy: AdmissionPolicy, *loads) -> GlobalScheduler:
     s = GlobalScheduler(SchedulerConfig(nats_url="nats://unused:4222", admission=AdmissionSettings(
-        policy, SloConfig(Slo(ttft_s=2.0, tbt_s=0.1), reserve=0.0))))
+        policy, SloConfig(Slo(ttft_s=2.0, tbt_s=0.1), reserve=0.0, handoff_reserve=0.0))))
     for load in loads:
         s.table.update(msgspec.structs.replace(load, sent_at=time.time()))
         s.roles.saw(s.table.get(load.instance_id))
