@@ -30,7 +30,6 @@ from collections.abc import Callable
 from shared.policy.commit_hold import DEFAULT_HOLD_STEP_SHARE, TYPICAL_STEP_WINDOW, CommitHoldRule
 
 
-
 class StepClock:
     """When the step in flight started, how long steps take lately, and a wait for the next
     start. Fed by the engine loop (`started`, `ended`), in that order, one step at a time."""

@@ -143,8 +143,6 @@ class MigrationLimits:
         self.stage_rule(), self.guard()  # (they check their own fields)
         if self.max_out < 0 or self.max_in < 0:
             raise ValueError("max_out and max_in must be >= 0")
-        if self.hold_max_s < 0:
-            raise ValueError("hold_max_s must be >= 0 (0: never hold a step for a commit)")
         CommitHoldRule(self.hold_max_s, self.hold_step_share)  # (it checks both)
         if self.bandwidth_bytes_per_s < 0:
             raise ValueError("bandwidth_bytes_per_s must be >= 0 (0: no cap)")
