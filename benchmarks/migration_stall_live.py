@@ -45,11 +45,12 @@ from services.tools.make_model import ensure_tiny_model
 from shared.embedded_nats import start_nats
 from shared import subjects
 from shared.messages import DrainOrder, MigrateOrder, decode_chunks
-from tests.support.cluster import Cluster
+from tests.support.cluster import Cluster, free_port
 from tests.support.stream_watch import StreamWatch
 
 SRC, DST = "stall-src", "stall-dst"
 STALL = "corral:gateway_migration_stall_seconds"
+HOLD = "corral:llumlet_migration_commit_hold_seconds"  # the destination's, from its own /metrics
 
 
 async def stream(http: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> dict:
@@ -69,17 +70,18 @@ async def stream(http: httpx.AsyncClient, model: str, prompt: list[int], max_tok
     return {"arrivals": arrivals, "id": response_id, "finish_reason": finish}
 
 
-def stall_histogram(base_url: str) -> tuple[list[tuple[float, float]], float, float]:
-    """(cumulative buckets as (le, count), count, sum) of the gateway's stall histogram."""
+def stall_histogram(base_url: str, name: str = STALL) -> tuple[list[tuple[float, float]], float, float]:
+    """(cumulative buckets as (le, count), count, sum) of a histogram on /metrics (the gateway's
+    stall by default)."""
     text = httpx.get(f"{base_url}/metrics", timeout=5).text
     buckets, count, total = [], 0.0, 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == f"{STALL}_bucket":
+            if sample.name == f"{name}_bucket":
                 buckets.append((float(sample.labels["le"]), sample.value))
-            elif sample.name == f"{STALL}_count":
+            elif sample.name == f"{name}_count":
                 count += sample.value
-            elif sample.name == f"{STALL}_sum":
+            elif sample.name == f"{name}_sum":
                 total += sample.value
     return sorted(buckets), count, total
 
@@ -198,12 +200,14 @@ def main() -> None:
         try:
             cluster.start_scheduler("--no-enable-migration")
             cluster.start_llumlet(SRC, *sim)
-            cluster.start_llumlet(DST, *sim)
+            dst_metrics = f"http://127.0.0.1:{free_port()}"
+            cluster.start_llumlet(DST, *sim, "--metrics-port", dst_metrics.rsplit(":", 1)[1])
             cluster.start_gateway()
             cluster.wait_ready(instances=2)
             before = stall_histogram(cluster.base_url)
             migrated, handovers, others = asyncio.run(run(args, cluster, prompts))
             after = stall_histogram(cluster.base_url)
+            holds = stall_histogram(dst_metrics, HOLD)
         finally:
             cluster.stop()
             nats.stop()
@@ -231,6 +235,7 @@ def main() -> None:
         "completed": sum(r["finish_reason"] == "length" for r in migrated),
         "others": {"gap_median_s": quantile(others_gap, 0.5), "gap_at_handover_median_s": quantile(others_at_handover, 0.5),
                    "gap_at_handover_max_s": max(others_at_handover, default=None)},
+        "destination_holds": {"count": holds[1], "mean_s": holds[2] / holds[1] if holds[1] else None},
         "streams": len(prompts),
     }
     g, c = report["gateway_histogram"], report["client"]
@@ -251,6 +256,8 @@ def main() -> None:
     if others_at_handover:
         print(f"the destination's other requests (the price): gap median {1e3 * o['gap_median_s']:.1f} ms, across a "
               f"handover median {1e3 * o['gap_at_handover_median_s']:.1f} ms, max {1e3 * o['gap_at_handover_max_s']:.1f} ms")
+    h = report["destination_holds"]
+    print(f"destination {HOLD}: {h['count']:.0f} steps held" + (f", mean {1e3 * h['mean_s']:.1f} ms" if h["count"] else ""))
     print(f"completed with all their tokens: {report['completed']}/{len(prompts)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

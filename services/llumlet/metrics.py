@@ -21,6 +21,9 @@ from shared.engine_model.views import RequestPhase, RequestView, StepOutput
 from services.llumlet.handoff import HandoffOutcome
 from shared.messages import LoadReport
 
+# A commit hold lasts at most half a step (50 ms by default): milliseconds.
+COMMIT_HOLD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1)
+
 if TYPE_CHECKING:
     from services.llumlet.migration.outgoing import OutgoingMigration
 
@@ -109,6 +112,10 @@ class LlumletMetrics:
         self.migration_blocks_cached = counter(
             "corral:llumlet_migration_blocks_cached",
             "KV blocks of outgoing migrations not sent: the destination's prefix cache held them")
+        self.commit_holds = histogram(
+            "corral:llumlet_migration_commit_hold_seconds",
+            "Destination: how long an engine step waited for an imminent migration commit (each other request "
+            "of that step waited as long)", COMMIT_HOLD_BUCKETS)
         self.handoffs = by_label(Counter, "corral:llumlet_handoffs",
                                  "Prefill instance: requests at their first token, by how their hand-off to a "
                                  "decode instance ended", "outcome", [o.value for o in HandoffOutcome])

@@ -311,6 +311,8 @@ class Llumlet:
                 continue
             # (a commit due any moment may hold the step, so that its request is in it)
             started = await self.migration.before_step() if self.migration is not None else time.monotonic()
+            if self.migration is not None and self.migration.hold.last_held_s > 0:
+                self.metrics.commit_holds.observe(self.migration.hold.last_held_s)
             try:
                 outputs = await self.engine.step()
             except Exception:

@@ -135,6 +135,8 @@ def test_counters_are_there_at_zero_before_anything_happens():
         assert [s.value for s in totals] == [0.0], name
     directions = {s.labels["direction"] for s in llumlet["corral:llumlet_migrations"].samples}
     assert directions == {"in", "out"}
+    holds = [s for s in llumlet["corral:llumlet_migration_commit_hold_seconds"].samples if s.name.endswith("_count")]
+    assert [s.value for s in holds] == [0.0]
 
 
 def value(text: str, name: str, **labels) -> float:
