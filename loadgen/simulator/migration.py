@@ -180,8 +180,8 @@ class Migrator:
         if handoff and src.step is None:
             # As the llumlet: a hand-off that starts between steps (right after the one that gave
             # the first token) takes the request out of the batch before the next, which may
-            # carry other prompts' prefill, and moves it in one stage.
-            self._last_stage(migration)
+            # carry other prompts' prefill, and moves it in one stage (with no notice: no hold).
+            self._last_stage(migration, noticed=False)
         else:
             self._next_stage(migration)
         return migration
@@ -211,7 +211,11 @@ class Migrator:
             return
         self._start_stage(migration, num_blocks, self.model.stage_overhead_s)
 
-    def _last_stage(self, migration: Migration) -> None:
+    def _last_stage(self, migration: Migration, noticed: bool = True) -> None:
+        """Suspend the request (after the source's step in flight) and copy the rest. `noticed`:
+        the destination was told the commit is coming and may hold a step for it (a live source
+        notices while the request still decodes; a hand-off taken out of the batch at its first
+        token moves without one)."""
         src = migration.src
         last_stage_s = self.model.commit_overhead_s + self.model.copy_s(
             migration.lease_blocks - migration.blocks_sent, self.block_bytes)
@@ -225,7 +229,10 @@ class Migrator:
         migration.suspended_at = self.sim.now
         ends_at = self._start_stage(migration, migration.lease_blocks - migration.blocks_sent,
                                     self.model.commit_overhead_s)
-        self.handovers.expect_commit(migration, ends_at)
+        if noticed:
+            self.handovers.expect_commit(migration, ends_at)
+        else:
+            migration.commit_due_at = ends_at
 
     def on_step_end(self, instance: SimInstance, new_token: list[SimRequest]) -> None:
         """The instance's step ended: committed requests' first tokens end their stalls, and the

@@ -199,6 +199,7 @@ def test_a_hand_off_that_starts_at_the_first_token_moves_in_one_stage(monkeypatc
     sim = run(PD, "corral", workload)
     assert_nothing_lost(sim, 20)
     assert len(at_once) == sim.handoffs.stats.committed == 20  # light load: every one at once
+    assert sim.migrator.stats.holds == 0  # moved without a notice: no decode instance held a step for it
     assert all(m.stages == [(m.stages[0][0], True)] and m.status is MigrationStatus.COMMITTED for m in at_once)
     # The request left before decoding there: it has its first token only, from the prefill instance.
     assert all(m.stages[0][0] == -(-(300 + 40 * int(m.request_id[1:]) + 1) // 16) for m in at_once)
