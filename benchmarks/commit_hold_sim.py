@@ -24,17 +24,18 @@ import numpy as np
 
 from loadgen.simulator.cluster import ClusterSimulator, SimResult
 from loadgen.simulator.config import SimConfig
+from loadgen.simulator.metrics import ClassMetrics
 from loadgen.simulator.workload import WorkloadSpec, build_workload
 from shared.engine_model.config import SchedulerConfig
 from shared.policy.baselines import get_policy
 from shared.policy.commit_hold import DEFAULT_HOLD, CommitHoldRule
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
-# (dataset, rates per instance in req/s, whether to replay its own arrival times)
+# (dataset, Poisson rates per instance in req/s)
 WORKLOADS = (
-    (f"sharegpt:{TRACES / 'sharegpt_val_10k_llama2.csv'}", (1.6, 2.0), False),
-    (f"azure:{TRACES / 'AzureLLMInferenceTrace_conv.csv'}", (0.7, 0.8), False),
-    ("conversation:long", (0.15, 0.2), False),
+    (f"sharegpt:{TRACES / 'sharegpt_val_10k_llama2.csv'}", (1.6, 2.0)),
+    (f"azure:{TRACES / 'AzureLLMInferenceTrace_conv.csv'}", (0.7, 0.8)),
+    ("conversation:long", (0.15, 0.2)),
 )
 HOLDS = {"off": CommitHoldRule(), "default": DEFAULT_HOLD, "whole step": CommitHoldRule(1.0, 1.0)}
 
@@ -59,14 +60,12 @@ class Row:
 def row(dataset: str, rate: float, seed: int, hold: str, result: SimResult) -> Row:
     m = result.migrations
     stall = np.array(m.stall_s or [0.0]) * 1e3
-    tbt = [(r.finished_time - r.first_token_time) / (r.num_output_tokens - 1)
-           for r in result.finished if r.num_output_tokens > 1]
-    ttft = [r.first_token_time - r.arrival_time for r in result.finished]
+    latencies = ClassMetrics.of(result.finished)  # (decode: a request's mean gap between tokens)
     return Row(dataset.split(":")[0] if "/" in dataset else dataset, rate, seed, hold, m.committed,
                float(np.percentile(stall, 50)), float(np.percentile(stall, 90)), float(np.percentile(stall, 99)),
                m.holds, 1e3 * m.held_s / m.holds if m.holds else 0.0,
                1e3 * m.held_request_s / m.committed if m.committed else 0.0,
-               float(np.percentile(tbt, 99)) * 1e3, float(np.percentile(ttft, 99)))
+               latencies.decode.p99_s * 1e3, latencies.prefill.p99_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,12 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     print(f"{'dataset':<18} {'rate':>5} {'seed':>4} {'hold':<10} {'migr':>5} {'stall P50':>9} {'P90':>6} "
           f"{'P99':>6} {'holds':>5} {'hold':>6} {'others/migr':>11} {'TBT P99':>8} {'TTFT P99':>8}")
-    for dataset, per_instance, timestamps in WORKLOADS:
+    for dataset, per_instance in WORKLOADS:
         for rate in (r * args.instances for r in per_instance):
             for seed in args.seeds:
                 try:
-                    workload = build_workload(WorkloadSpec(dataset, num_requests=args.requests, rate=rate, seed=seed,
-                                                           trace_timestamps=timestamps), config.max_seq_len)
+                    workload = build_workload(WorkloadSpec(dataset, num_requests=args.requests, rate=rate, seed=seed),
+                                              config.max_seq_len)
                 except FileNotFoundError as exc:
                     print(f"skipped {dataset}: {exc}", file=sys.stderr)
                     break

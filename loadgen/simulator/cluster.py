@@ -184,13 +184,19 @@ class ClusterSimulator:
 
     def kick(self, instance: SimInstance) -> None:
         """Start the instance's next step if it is idle and has something it can run."""
-        if instance.step is not None:
-            return
+        if instance.step is None:
+            self._start_step(instance)
+
+    def _start_step(self, instance: SimInstance) -> bool:
+        """Start the idle instance's next step unless a commit hold keeps it (the commit it waits
+        for kicks it); whether a step started."""
         if self.migrator is not None and self.migrator.holds_step(instance, self.now):
-            return  # (the commit it waits for kicks it)
+            return False
         duration = instance.start_step(self.now)
-        if duration is not None:
-            self.events.push(self.now + duration, self._on_step_end, instance)
+        if duration is None:
+            return False
+        self.events.push(self.now + duration, self._on_step_end, instance)
+        return True
 
     def _on_step_end(self, instance: SimInstance) -> None:
         step, instance.step = instance.step, None
@@ -210,12 +216,7 @@ class ClusterSimulator:
             self.handoffs.on_first_tokens(instance, events.new_token)
         if self.migrator is not None:
             self.migrator.on_step_end(instance, events.new_token)
-        if self.migrator is not None and self.migrator.holds_step(instance, self.now):
-            return  # (the commit it waits for kicks it)
-        duration = instance.start_step(self.now)
-        if duration is not None:
-            self.events.push(self.now + duration, self._on_step_end, instance)
-        elif instance.state is InstanceState.DRAINING:
+        if not self._start_step(instance) and instance.state is InstanceState.DRAINING:
             self.maybe_stop(instance)
 
     # -- load reports ------------------------------------------------------------------------------

@@ -58,14 +58,18 @@ class Handovers:
     def expect_commit(self, migration: Migration, due_at: float) -> None:
         """The migration's commit is due then (expected, or the last stage's end once it runs)."""
         migration.commit_due_at = due_at
-        committing = self._committing.setdefault(migration.dst.instance_id, []) if self.hold.enabled else None
-        if committing is not None and migration not in committing:
+        if not self.hold.enabled:
+            return
+        committing = self._committing.setdefault(migration.dst.instance_id, [])
+        if migration not in committing:
             committing.append(migration)
 
     def holds_step(self, dst: SimInstance, now: float) -> bool:
         """Whether the destination's step about to start waits for a commit due within the bound
         (by its typical step)."""
-        committing = self._committing.get(dst.instance_id, [])
+        committing = self._committing.get(dst.instance_id)
+        if not committing:  # (every step start asks: most have nothing to wait for)
+            return False
         for migration in list(committing):
             ends = self._hold_ends.get(migration.migration_id)
             if ends is not None:

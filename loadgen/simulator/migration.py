@@ -231,8 +231,6 @@ class Migrator:
                                     self.model.commit_overhead_s)
         if noticed:
             self.handovers.expect_commit(migration, ends_at)
-        else:
-            migration.commit_due_at = ends_at
 
     def on_step_end(self, instance: SimInstance, new_token: list[SimRequest]) -> None:
         """The instance's step ended: committed requests' first tokens end their stalls, and the

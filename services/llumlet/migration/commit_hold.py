@@ -78,7 +78,6 @@ class CommitHold:
     def __init__(self, hold_max_s: float, steps: StepClock, clock: Callable[[], float] = time.monotonic,
                  step_share: float = DEFAULT_HOLD_STEP_SHARE) -> None:
         self.rule = CommitHoldRule(hold_max_s, step_share)  # (it checks both)
-        self.hold_max_s = hold_max_s
         self.steps = steps
         self._clock = clock
         self._expected: dict[str, float] = {}  # migration id → when its commit should land
@@ -88,6 +87,10 @@ class CommitHold:
         self._waiter: asyncio.Future[None] | None = None
         self.last_held_s = 0.0  # the hold before the latest step (0: none)
         self.num_holds = self.num_released_at_bound = 0
+
+    @property
+    def hold_max_s(self) -> float:
+        return self.rule.hold_max_s
 
     @property
     def enabled(self) -> bool:
