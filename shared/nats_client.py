@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import random
 
 import nats
@@ -20,6 +21,7 @@ log = logging.getLogger(__name__)
 # keeps the time from NATS coming back to every service reconnected under ~1.5 s.
 RECONNECT_FIRST_WAIT_S = 0.1
 RECONNECT_MAX_WAIT_S = 1.0
+_DOUBLINGS_TO_CAP = math.ceil(math.log2(RECONNECT_MAX_WAIT_S / RECONNECT_FIRST_WAIT_S))
 
 
 def server_urls(url: str) -> list[str]:
@@ -34,7 +36,10 @@ def reconnect_wait_s(failed_tries: int, rng: random.Random | None = None) -> flo
     """How long to wait before another try at a server that failed `failed_tries` times in a row."""
     if failed_tries <= 0:
         return 0.0
-    base = min(RECONNECT_MAX_WAIT_S, RECONNECT_FIRST_WAIT_S * 2 ** (failed_tries - 1))
+    # The doubling stops at the cap: 0.1 s * 2**1024 does not fit a float, and an exception here
+    # makes nats-py retry at once, in a loop that logs without end (a two-hour outage did that).
+    doublings = min(failed_tries - 1, _DOUBLINGS_TO_CAP)
+    base = min(RECONNECT_MAX_WAIT_S, RECONNECT_FIRST_WAIT_S * 2**doublings)
     return base * (rng or random).uniform(0.5, 1.5)
 
 

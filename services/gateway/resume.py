@@ -83,7 +83,8 @@ def resume_refusal(options: GenerationOptions, resumes: int, max_resumes: int, d
 
 def silence_probe_due(silent_s: float, probes: int) -> bool:
     """Whether a stream silent for `silent_s`, its holder asked `probes` times already, is asked again."""
-    return silent_s >= min(SILENCE_PROBE_MAX_S, SILENCE_PROBE_S * 2 ** probes)
+    # The exponent stops once past the cap: 2.0 * 2**1024 does not fit a float (~8 h of probes).
+    return silent_s >= min(SILENCE_PROBE_MAX_S, SILENCE_PROBE_S * 2 ** min(probes, 32))
 
 
 def resumed_request(request: PreparedRequest, delivered: list[int]) -> PreparedRequest:

@@ -101,6 +101,9 @@ def test_nats_urls_and_reconnect_backoff():
     assert reconnect_wait_s(0) == 0.0  # a server not failed lately: at once (a cluster node gone)
     waits = [reconnect_wait_s(n) for n in range(1, 12)]
     assert all(0.05 <= w <= 1.5 for w in waits) and max(waits) > 0.5
+    # A server down for hours: the wait stays at the cap (0.1 * 2**1024 once overflowed, and the
+    # exception made nats-py retry at once, logging ~40 GB in two hours).
+    assert all(0.5 <= reconnect_wait_s(n) <= 1.5 for n in (1_025, 10**6))
 
 
 async def test_a_resume_refused_for_want_of_room_tries_again_but_not_with_no_instance_left(monkeypatch):

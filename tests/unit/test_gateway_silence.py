@@ -13,7 +13,7 @@ import time
 import pytest
 
 from services.gateway import resume
-from services.gateway.resume import silence_probe_due
+from services.gateway.resume import SILENCE_PROBE_MAX_S, silence_probe_due
 from shared import subjects
 from shared.messages import Ack, DispatchReply, FinishReason, GenerateRequest, Refusal, TokenChunk, decode, encode
 from tests.unit.gateway_nats_harness import (  # noqa: F401 (fixtures)
@@ -56,6 +56,7 @@ def content(events: list[dict]) -> str:
 def test_the_holder_is_asked_after_the_first_silence_then_less_and_less_often():
     assert not silence_probe_due(PROBE_S * 0.9, probes=0) and silence_probe_due(PROBE_S, probes=0)
     assert not silence_probe_due(PROBE_S * 1.5, probes=1) and silence_probe_due(PROBE_S * 2, probes=1)
+    assert silence_probe_due(SILENCE_PROBE_MAX_S, probes=2_000)  # hours silent: still the cap, no overflow
     assert silence_probe_due(resume.SILENCE_PROBE_MAX_S, probes=30)  # never later than the cap
 
 
