@@ -15,6 +15,7 @@ from collections import defaultdict
 
 from services.gateway.streams import HandoverClock, TokenOrderer
 from services.llumlet.migration.handover import parse_handover_steps, parse_handovers
+from services.process_helpers import die_with_parent
 from shared.messages import TokenChunk, decode
 
 
@@ -102,7 +103,8 @@ async def record_client(nc, nats_url: str, subject: str, chunks: Chunks) -> subp
     `subject` arrived and relays it to `chunks`. Stamped here, arrivals would wait for this
     process's event loop and GIL, which the source llumlet (and its engine thread) share."""
     await nc.subscribe(subject + _RELAY, cb=chunks.on_chunk)
-    proc = subprocess.Popen([sys.executable, "-c", _RECORDER, nats_url, subject], stdout=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", _RECORDER, nats_url, subject], stdout=subprocess.PIPE,
+                            preexec_fn=die_with_parent)
     line = await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline)
     if line.strip() != b"ready":
         proc.kill()

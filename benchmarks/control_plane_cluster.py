@@ -27,6 +27,7 @@ from benchmarks.fleet_impersonator import (
     REPORTS,
     run_impersonator,
 )
+from services.process_helpers import die_with_parent
 from shared import subjects
 from shared.embedded_nats import nats_server_binary
 from shared.messages import DispatchReply, DispatchRequest, decode, encode
@@ -166,18 +167,19 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.procs["nats"] = subprocess.Popen(
             [nats_server_binary(), "-a", "127.0.0.1", "-p", str(nats_port), "-m", str(self.monitor_port)],
-            stdout=subprocess.DEVNULL, stderr=open(log_dir / "nats.log", "wb"))
+            stdout=subprocess.DEVNULL, stderr=open(log_dir / "nats.log", "wb"), preexec_fn=die_with_parent)
         _wait_for(lambda: self.varz(), 10, "nats-server")
         python = sys.executable
         for k in range(scheduler_replicas):  # replicas share the dispatch subject as a queue group
             self.procs["scheduler" if k == 0 else f"scheduler-{k + 1}"] = subprocess.Popen(
                 [python, "-m", "services.cli", "scheduler", "--nats-url", self.nats_url, *scheduler_args],
-                cwd=scheduler_root, stdout=subprocess.DEVNULL, stderr=open(log_dir / f"scheduler-{k}.log", "wb"))
+                cwd=scheduler_root, stdout=subprocess.DEVNULL, stderr=open(log_dir / f"scheduler-{k}.log", "wb"),
+                preexec_fn=die_with_parent)
         self.http_port = _free_port()
         self.procs["gateway"] = subprocess.Popen(
             [python, "-m", "services.cli", "gateway", "--model", model_dir, "--nats-url", self.nats_url,
              "--port", str(self.http_port), "--log-level", "warning"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log_dir / "gateway.log", "wb"))
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log_dir / "gateway.log", "wb"), preexec_fn=die_with_parent)
         self.base_url = f"http://127.0.0.1:{self.http_port}"
         _wait_for(lambda: _get_json(self.base_url + "/v1/models"), 60, "gateway")
         _wait_for(lambda: self.connection("global-scheduler"), 30, "scheduler")

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.loop_stalls import read_stalls
+from services.process_helpers import die_with_parent
 
 MIB = 1024 * 1024
 MAX_BODY = 8 * MIB
@@ -99,7 +100,7 @@ def gateway_process(home: Path, parse_workers: int = 2) -> Iterator[tuple[int, P
                              "--model", str(model), "--nats-url", nats.url,
                              "--port", str(port), "--max-body-bytes", str(MAX_BODY), "--log-level", "warning",
                              "--body-parse-workers", str(parse_workers)],
-                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ), preexec_fn=die_with_parent)
     try:
         deadline = time.monotonic() + 60
         while True:

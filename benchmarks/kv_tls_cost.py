@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from services.process_helpers import die_with_parent
+
 MIB = 1 << 20
 
 
@@ -95,7 +97,7 @@ def measure(total: int, frame: int, home: Path, tls: bool) -> dict[str, float]:
     port_file.unlink(missing_ok=True)
     receiver = subprocess.Popen([sys.executable, "-m", "benchmarks.kv_tls_cost", "--receive", str(port_file),
                                  "--bytes", str(total)] + (["--cert", cert, "--key", key] if tls else []),  # type: ignore[list-item]
-                                stdout=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
     while not port_file.exists() or not port_file.read_text():
         time.sleep(0.01)
     started, cpu = time.perf_counter(), time.process_time()

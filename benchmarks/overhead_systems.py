@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-from services.cpu_layout import available_cpus, cpu_layout_decision, keep_to
+from services.cpu_layout import available_cpus, cpu_layout_decision
+from services.process_helpers import child_setup
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,7 +71,7 @@ def spawn(name: str, argv: Sequence[str], log_dir: Path, extra_env: dict[str, st
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(list(argv), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                  env={**engine_env(), **(extra_env or {})}, start_new_session=True,
-                                 preexec_fn=keep_to(cpus))
+                                 preexec_fn=child_setup(cpus))
     return Proc(name, popen, log_path)
 
 

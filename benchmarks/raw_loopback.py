@@ -17,6 +17,7 @@ from collections.abc import Awaitable
 from pathlib import Path
 
 from services.llumlet.service import Llumlet
+from services.process_helpers import die_with_parent
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -225,7 +226,8 @@ def launch_destination(llumlet_args: list[str], port_file: Path, log_path: Path,
     port_file.unlink(missing_ok=True)
     launcher = "import sys; from benchmarks.raw_loopback import serve_destination; serve_destination(sys.argv[1:])"
     return subprocess.Popen([sys.executable, "-c", launcher, str(port_file), *llumlet_args], cwd=REPO,
-                            stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env=env)
+                            stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env=env,
+                            preexec_fn=die_with_parent)
 
 
 def raw_port(port_file: Path) -> int:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import httpx
 
+from services.process_helpers import die_with_parent
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -75,6 +77,7 @@ class Cluster:
             stdout=handle,
             stderr=subprocess.STDOUT,
             env={**os.environ, **self.env, **(env or {})},
+            preexec_fn=die_with_parent,  # a test killed at its timeout leaves no service behind
         )
         handle.close()
         proc = ServiceProcess(name, process, log_path)
