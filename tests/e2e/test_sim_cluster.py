@@ -57,11 +57,16 @@ async def test_fifty_concurrent_requests_complete_and_spread(sim_cluster):
                 assert reply.status_code == 200, reply.text
                 return reply.json()
 
-            results = await asyncio.gather(*(one(i) for i in range(50)))
-        assert all(r["usage"]["completion_tokens"] == 64 for r in results)
-        counts = observer.generate_orders
-        assert sum(counts.values()) == 50
-        assert len(counts) == 3 and min(counts.values()) >= 10, counts
+            # A queue shows in a report only when one lands between an arrival and the next step;
+            # on a slow machine a burst can miss that, so up to three bursts, each checked.
+            for burst in range(1, 4):
+                results = await asyncio.gather(*(one(i) for i in range(50)))
+                assert all(r["usage"]["completion_tokens"] == 64 for r in results)
+                counts = observer.generate_orders
+                assert sum(counts.values()) == 50 * burst
+                assert len(counts) == 3 and min(counts.values()) >= 10 * burst, counts
+                if any(report.num_waiting > 0 for _, report in observer.reports):
+                    break
         # No instance sat idle while another had a queue: whenever one reported a queue, every
         # other instance reported work at some point within 50 ms of it. The load is enough for
         # queues to form (else the check says nothing), and reports of other instances were near.
