@@ -121,6 +121,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "flag of the same name; 0: never)")
     policy.add_argument("--migration-hold-step-share", type=float, default=MigrationModel().hold.step_share,
                         help="and at most this share of its latest step")
+    policy.add_argument("--migration-max-out", type=int, default=MigrationModel().max_out, metavar="N",
+                        help="migrations out of an instance at once (default %(default)s, as the llumlets')")
+    policy.add_argument("--migration-max-in", type=int, default=MigrationModel().max_in, metavar="N",
+                        help="migrations into an instance at once (default %(default)s, as the llumlets')")
     policy.add_argument("--no-migration-guard", action="store_true",
                         help="pair on the threshold bands only (no anti-thrash rules)")
     policy.add_argument("--headroom-blocks", type=int,
@@ -250,6 +254,7 @@ def build_config(args: argparse.Namespace) -> SimConfig:
             guard=None if args.no_migration_guard else DEFAULT_GUARD,
             migration=MigrationModel(bandwidth_gbps=args.migration_bandwidth_gbps,
                                      handoff_concurrency=args.handoff_concurrency,
+                                     max_out=args.migration_max_out, max_in=args.migration_max_in,
                                      cache_aware=args.cache_aware_migration,
                                      hold=CommitHoldRule(args.migration_hold_max_ms / 1e3,
                                                          args.migration_hold_step_share)),

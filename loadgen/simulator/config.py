@@ -13,6 +13,8 @@ from shared.policy.config import PolicyConfig, ScalingConfig
 from shared.policy.migration import (
     DEFAULT_AFFINITY,
     DEFAULT_GUARD,
+    DEFAULT_MAX_IN,
+    DEFAULT_MAX_OUT,
     DEFAULT_STAGES,
     CacheAffinity,
     MigrationGuard,
@@ -34,9 +36,11 @@ class MigrationModel:
     stage_overhead_s: float = 0.005  # pre-allocation handshake of one copy stage
     commit_overhead_s: float = 0.02  # last stage: suspend, commit handshake, resume on the destination
     stages: StageRule = DEFAULT_STAGES
-    max_per_instance: int = 1  # migrations in flight per instance, in and out counted apart
-    # P/D hand-offs a prefill instance runs at once (the llumlet's --handoff-concurrency); the
-    # destination's limit stays `max_per_instance`.
+    # Migrations in flight per instance, out and in counted apart, as the llumlets'.
+    max_out: int = DEFAULT_MAX_OUT
+    max_in: int = DEFAULT_MAX_IN
+    # P/D hand-offs a prefill instance runs at once (the llumlet's --handoff-concurrency), in
+    # place of `max_out`; the destination's limit stays `max_in`.
     handoff_concurrency: int = 2
     # Cache-aware migration (issue 18 §4), with the engines' prefix caching: pairing prefers a
     # destination holding the moving request's prefix (`affinity`), and the destination binds the
@@ -52,7 +56,7 @@ class MigrationModel:
             raise ValueError("migration bandwidth must be a positive number of GB/s")
         if self.stage_overhead_s < 0 or self.commit_overhead_s < 0:
             raise ValueError("migration overheads must be >= 0")
-        if self.max_per_instance < 1 or self.handoff_concurrency < 1:
+        if self.max_out < 1 or self.max_in < 1 or self.handoff_concurrency < 1:
             raise ValueError("migrations per instance and hand-off concurrency must be positive")
 
     def copy_s(self, num_blocks: int, block_bytes: int) -> float:

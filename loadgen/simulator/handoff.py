@@ -149,7 +149,7 @@ class Handoffs:
         if not is_decoding(request) or self._moving(request_id) or self.sim.now < self.not_before.get(request_id, 0.0):
             return True  # recomputing after a preemption, already moving, or asked about again later
         targets = [i for i in self.sim.serving if i.role in HANDOFF_ROLES]
-        free = [i for i in targets if i.migrations_in < model.max_per_instance]
+        free = [i for i in targets if i.migrations_in < model.max_in]
         loads = [self.sim.report_of(i, fresh=True) for i in free]
         blocks = src.scheduler.block_manager.num_blocks_of(request_id)
         dst = handoff_destination(self.sim.report_of(src, fresh=True), loads, blocks, self.guard, self.headroom,

@@ -34,7 +34,7 @@ class Handovers:
         self._wake = wake  # kick this instance at that time (a hold's bound)
         self._suspending: dict[str, list[Migration]] = {}  # source id -> last stages waiting for its step
         self._committing: dict[str, list[Migration]] = {}  # destination id -> migrations in their last stage
-        self._hold_ends: dict[str, float] = {}  # migration id -> the bound of the hold waiting for it
+        self._holds: dict[str, tuple[float, set[str]]] = {}  # destination id -> (its hold's bound, ids due)
         self._stalled_since: dict[str, float] = {}  # request id -> its last token on the source (committed)
 
     # -- the source ------------------------------------------------------------------------------
@@ -65,26 +65,35 @@ class Handovers:
             committing.append(migration)
 
     def holds_step(self, dst: SimInstance, now: float) -> bool:
-        """Whether the destination's step about to start waits for a commit due within the bound
-        (by its typical step)."""
+        """Whether the destination's step about to start waits, as the live hold: one hold per
+        step, for the commits due within its bound (by the typical step) when it begins, until
+        they have all committed or the bound passes. A commit expected later (or noticed during
+        the hold) joins the step after it; one not in by the bound is never held for again."""
         committing = self._committing.get(dst.instance_id)
         if not committing:  # (every step start asks: most have nothing to wait for)
+            self._holds.pop(dst.instance_id, None)
             return False
-        for migration in list(committing):
-            ends = self._hold_ends.get(migration.migration_id)
-            if ends is not None:
-                if now < ends:
-                    return True
-                committing.remove(migration)  # late past the bound: never held for again
-            elif self.hold.holds_for(migration.commit_due_at - now, dst.typical_step_s):
-                bound = self.hold.bound_s(dst.typical_step_s)
-                self._hold_ends[migration.migration_id] = now + bound
-                self._wake(dst, now + bound)
-                self.stats.holds += 1
-                self.stats.held_s += migration.commit_due_at - now
-                self.stats.held_request_s += (migration.commit_due_at - now) * len(dst.scheduler.running)
+        hold = self._holds.get(dst.instance_id)
+        if hold is not None:
+            ends, due = hold
+            pending = [m for m in committing if m.migration_id in due]
+            if pending and now < ends:
                 return True
-        return False
+            del self._holds[dst.instance_id]
+            for migration in pending:  # late past the bound: never held for again
+                committing.remove(migration)
+            return False  # the step goes now (no second hold before it)
+        due = [m for m in committing if self.hold.holds_for(m.commit_due_at - now, dst.typical_step_s)]
+        if not due:
+            return False
+        ends = now + self.hold.bound_s(dst.typical_step_s)
+        self._holds[dst.instance_id] = (ends, {m.migration_id for m in due})
+        self._wake(dst, ends)
+        expected_s = max(m.commit_due_at for m in due) - now
+        self.stats.holds += 1
+        self.stats.held_s += expected_s
+        self.stats.held_request_s += expected_s * len(dst.scheduler.running)
+        return True
 
     # -- the request -----------------------------------------------------------------------------
 
@@ -109,4 +118,3 @@ class Handovers:
                 migrations.remove(migration)
                 if not migrations:
                     del waiting[instance_id]
-        self._hold_ends.pop(migration.migration_id, None)

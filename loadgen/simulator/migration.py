@@ -142,8 +142,7 @@ class Migrator:
         return src_f < config.migrate_out_freeness and dst_f > config.migrate_in_freeness and dst_f - src_f >= gap
 
     def _try_start(self, src: SimInstance, dst: SimInstance) -> bool:
-        limit = self.model.max_per_instance
-        if src.migrations_out >= limit or dst.migrations_in >= limit or not dst.serving:
+        if src.migrations_out >= self.model.max_out or dst.migrations_in >= self.model.max_in or not dst.serving:
             return False
         sim = self.sim
         busy = {m.request_id for m in self.active.values()}
@@ -167,8 +166,8 @@ class Migrator:
     def start(self, src: SimInstance, dst: SimInstance, request_id: str, *, handoff: bool = False) -> Migration:
         """Move a decoding request from `src` to `dst`, stage by stage; the caller checked the
         slots, the guard and that the request decodes. `handoff`: a P/D hand-off (issue 19)."""
-        out_limit = self.model.handoff_concurrency if handoff else self.model.max_per_instance
-        assert src.migrations_out < out_limit and dst.migrations_in < self.model.max_per_instance
+        out_limit = self.model.handoff_concurrency if handoff else self.model.max_out
+        assert src.migrations_out < out_limit and dst.migrations_in < self.model.max_in
         self._ids += 1
         migration = Migration(f"m{self._ids}", request_id, src, dst, started_at=self.sim.now, handoff=handoff)
         self.active[migration.migration_id] = migration

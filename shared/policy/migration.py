@@ -69,6 +69,12 @@ class StageRule:
 DEFAULT_GUARD = MigrationGuard()
 DEFAULT_STAGES = StageRule()
 
+# Migrations in flight per instance, out and in counted apart (the llumlets' --migration-max-out
+# and --migration-max-in; the simulator's same defaults). One out: a source's copy stages share
+# its link and its steps. Two in: a destination is where the freeness rule sends several sources.
+DEFAULT_MAX_OUT = 1
+DEFAULT_MAX_IN = 2
+
 
 def next_stage(rule: StageRule, stages_done: int, full_blocks: int, blocks_sent: int) -> int | None:
     """The next stage of a migration: the number of full blocks a live stage copies (those in

@@ -67,6 +67,7 @@ def test_autoscale_options_reach_the_simulation(capsys):
         (["--rate", "1", "--migration-hold-max-ms", "-1"], "hold_max_s must be >= 0"),
         (["--rate", "1", "--migration-hold-max-ms", "50", "--migration-hold-step-share", "1.5"],
          r"step_share must be in \(0, 1\]"),
+        (["--rate", "1", "--migration-max-in", "0"], "migrations per instance and hand-off concurrency must be positive"),
     ],
 )
 def test_bad_input_is_one_clear_error(argv, message):

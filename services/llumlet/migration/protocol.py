@@ -35,7 +35,14 @@ from dataclasses import dataclass
 
 from shared.messages import PreAllocReply
 from shared.policy.commit_hold import DEFAULT_HOLD, CommitHoldRule
-from shared.policy.migration import DEFAULT_GUARD, DEFAULT_STAGES, MigrationGuard, StageRule
+from shared.policy.migration import (
+    DEFAULT_GUARD,
+    DEFAULT_MAX_IN,
+    DEFAULT_MAX_OUT,
+    DEFAULT_STAGES,
+    MigrationGuard,
+    StageRule,
+)
 
 
 class MigrationStatus(enum.Enum):
@@ -127,8 +134,8 @@ class MigrationLimits:
     dest_max_waiting: int = DEFAULT_GUARD.dest_max_waiting
     dest_min_free_fraction: float = DEFAULT_GUARD.dest_min_free_fraction_after
     # Source loop.
-    max_out: int = 1
-    max_in: int = 2
+    max_out: int = DEFAULT_MAX_OUT
+    max_in: int = DEFAULT_MAX_IN
     pair_ttl_s: float = 1.0  # an order not re-confirmed for this long lapses (scheduler gone)
     refused_backoff_s: float = 0.5  # after the destination refused, wait before trying it again
     idle_poll_s: float = 0.02  # with a pair but nothing to migrate, look again after this
