@@ -7,6 +7,7 @@ the global prefix index.
 - `KvEventPublisher` sends the journal's changes every `interval_s` on the instance's events
   subject, a snapshot every `snapshot_interval_s` and whenever a scheduler asks (after a gap in
   the sequence, or on its start), so a lost message or a restarted scheduler resynchronises.
+  A snapshot larger than one message is its first part, and the rest as stores numbered after it.
 """
 
 from __future__ import annotations
@@ -71,13 +72,17 @@ class KvEventPublisher:
             delta, held = self.journal.take_with_snapshot()
             if not await self._send_changes(delta):
                 return False  # NATS away: a snapshot follows the held changes later
-            snapshot = KvCacheSnapshot(self.instance_id, self.seq, self.block_size, held)
-            try:  # (one message: a cache past ~100k blocks exceeds NATS's default payload and is refused)
+            # A cache past one message's worth (a large GPU's: ~100k blocks and more exceed NATS's
+            # default 1 MiB payload) goes as a snapshot of the first part and the rest as stores
+            # after it, numbered on: the index is whole once the last of them is in.
+            first, rest = held[:HASHES_PER_MESSAGE], held[HASHES_PER_MESSAGE:]
+            snapshot = KvCacheSnapshot(self.instance_id, self.seq, self.block_size, first)
+            try:
                 await self._nc().publish(subjects.kv_snapshot(self.instance_id), encode(snapshot))
             except NatsError as exc:
                 log.warning("KV snapshot of %s (%d blocks) not sent: %s", self.instance_id, len(held), exc)
                 return False
-            return True
+            return not rest or await self._send_changes(KvDelta(False, rest, []))
 
     async def _send_changes(self, delta: KvDelta) -> bool:
         """Send `delta` (after any held back): False while NATS cannot take it (it is kept)."""
@@ -89,7 +94,7 @@ class KvEventPublisher:
         if not self._connected():
             self._pending = delta
             return False
-        messages = list(_split(delta))
+        messages = list(_split(delta, HASHES_PER_MESSAGE))
         for i, part in enumerate(messages):
             events = KvCacheEvents(self.instance_id, self.seq + 1, self.block_size, part.stored, part.removed,
                                    part.cleared)
@@ -121,7 +126,7 @@ def _merge(first: KvDelta, then: KvDelta) -> KvDelta:
                    [h for h, held in changes.items() if not held])
 
 
-def _split(delta: KvDelta, limit: int = HASHES_PER_MESSAGE) -> Iterable[KvDelta]:
+def _split(delta: KvDelta, limit: int) -> Iterable[KvDelta]:
     """Messages of at most `limit` hashes, removals first (the lists are disjoint: any cut is safe)."""
     items = [(h, False) for h in delta.removed] + [(h, True) for h in delta.stored]
     if not items:

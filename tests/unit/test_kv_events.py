@@ -164,3 +164,28 @@ async def test_changes_made_while_nats_is_away_go_out_later_under_the_next_seq()
     assert (held_back.seq, sorted(held_back.stored), sorted(held_back.removed)) == (2, [4], [1, 3])
     snapshot = decode(bus.sent[2][1], KvCacheSnapshot)
     assert (snapshot.seq, sorted(snapshot.block_hashes)) == (2, [2, 4])
+
+
+async def test_a_cache_past_one_message_is_snapshotted_in_parts_the_index_whole_after_the_last(monkeypatch):
+    from services.llumlet import kv_events
+    from shared.messages import KvCacheEvents, KvCacheSnapshot, decode
+    from shared.prefix_index import GlobalPrefixIndex
+
+    bus = _FakeBus()
+    journal = KvEventJournal()
+    publisher = KvEventPublisher("kv-c", 16, journal, lambda: bus)
+    journal.stored(list(range(1, 8)))
+    await publisher.publish_changes()
+    monkeypatch.setattr(kv_events, "HASHES_PER_MESSAGE", 3)  # (a large GPU's cache: ~100k blocks and more)
+    await publisher.publish_snapshot()
+    kinds = [subject.rsplit(".", 1)[1] for subject, _ in bus.sent]
+    assert kinds == ["events", "snapshot", "events", "events"]
+    snapshot = decode(bus.sent[1][1], KvCacheSnapshot)
+    rest = [decode(data, KvCacheEvents) for _, data in bus.sent[2:]]
+    assert snapshot.seq == 1 and [e.seq for e in rest] == [2, 3] and publisher.seq == 3
+    assert all(len(m.block_hashes if m is snapshot else m.stored) <= 3 for m in (snapshot, *rest))
+    # A scheduler that starts over from this snapshot has every block once the parts are in.
+    index = GlobalPrefixIndex()
+    index.restore(snapshot)
+    assert all(index.apply(events) for events in rest)
+    assert index.in_sync("kv-c") and index.matches(list(range(1, 8))) == {"kv-c": 7}
