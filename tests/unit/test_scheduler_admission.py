@@ -75,10 +75,10 @@ def test_flags_build_the_settings_and_bad_ones_exit():
     config = scheduler_config.config_from_args(parse("--admission", "current-load", "--slo-ttft-s", "2",
                                                      "--slo-tbt-s", "0.1"))
     assert config.admission.policy is AdmissionPolicy.CURRENT_LOAD and config.admission.slo.default == Slo(2, 0.1)
-    assert (config.admission.slo.reserve, config.admission.slo.handoff_reserve) == (0.1, 0.2)
+    assert (config.admission.slo.reserve, config.admission.slo.handoff_reserve) == (0.1, 0.3)  # the policy's
     config = scheduler_config.config_from_args(parse("--admission", "predicted", "--slo-ttft-s", "2", "--slo-tbt-s",
-                                                     "0.1", "--slo-reserve", "0.05", "--slo-handoff-reserve", "0.3"))
-    assert (config.admission.slo.reserve, config.admission.slo.handoff_reserve) == (0.05, 0.3)
+                                                     "0.1", "--slo-reserve", "0.05", "--slo-handoff-reserve", "0.2"))
+    assert (config.admission.slo.reserve, config.admission.slo.handoff_reserve) == (0.05, 0.2)
     assert scheduler_config.config_from_args(parse()).admission is None
     for argv in (("--admission", "predicted"), ("--admission", "predicted", "--slo-ttft-s", "-1", "--slo-tbt-s", "1"),
                  ("--admission", "predicted", "--slo-ttft-s", "2", "--slo-tbt-s", "1", "--slo-handoff-reserve", "1")):
