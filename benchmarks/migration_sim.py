@@ -298,11 +298,11 @@ async def run(s: Settings) -> dict:
     largest = (max(s.lengths) // s.block_size) * s.block_size * s.kv_bytes_per_token
     port_file = s.out.with_suffix(".raw_port")
     dst_proc = start_destination(s, server.url, s.out.with_suffix(".dst.log"), port_file)
-    nc = await nats.connect(server.url)
-    src = Llumlet(LlumletConfig(SRC, server.url, max_model_len=s.max_model_len, migration=s.limits),
-                  TimedSimEngine(engine_config(s, s.kv_bytes_per_token)))
-    recorder = None
-    try:
+    nc = src = recorder = None
+    try:  # (from here on, whatever fails, the destination and the server are stopped)
+        nc = await nats.connect(server.url)
+        src = Llumlet(LlumletConfig(SRC, server.url, max_model_len=s.max_model_len, migration=s.limits),
+                      TimedSimEngine(engine_config(s, s.kv_bytes_per_token)))
         await src.start()
         dst_report = await wait_for_destination(nc)
         chunks = Chunks()
@@ -332,12 +332,17 @@ async def run(s: Settings) -> dict:
         workload = {"background_requests": BACKGROUND_REQUESTS, "background_prompt": BACKGROUND_PROMPT}
         return summarize(s, live, blocking, recompute, dst_report, workload)
     finally:
-        await src.stop()
-        await nc.close()
+        if src is not None:
+            await src.stop()
+        if nc is not None:
+            await nc.close()
         if recorder is not None:
             recorder.kill()
         dst_proc.terminate()
-        dst_proc.wait(20)
+        try:
+            dst_proc.wait(20)
+        except subprocess.TimeoutExpired:
+            dst_proc.kill()
         server.stop()
 
 

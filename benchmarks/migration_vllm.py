@@ -299,15 +299,15 @@ async def run(s: Settings) -> dict:
     s.out.parent.mkdir(parents=True, exist_ok=True)
     dst_log, port_file = s.out.with_suffix(".dst.log"), s.out.with_suffix(".raw_port")
     dst_proc = start_destination(s, server.url, dst_log, port_file)
-    nc = await nats.connect(server.url)
-    engine_config = VllmEngineConfig(model_dir=str(s.model_dir), max_model_len=s.max_model_len,
-                                     kv_cache_space_gib=s.kv_cache_gib, seed=s.seed)
-    src = Llumlet(LlumletConfig(SRC, server.url, engine="vllm", model_dir=str(s.model_dir),
-                                max_model_len=s.max_model_len, migration=s.limits,
-                                vllm=VllmSettings(kv_cache_space_gib=s.kv_cache_gib)),
-                  timed_engine(engine_config))
-    recorder = None
-    try:
+    nc = src = recorder = None
+    try:  # (from here on, whatever fails, the destination and the server are stopped)
+        nc = await nats.connect(server.url)
+        engine_config = VllmEngineConfig(model_dir=str(s.model_dir), max_model_len=s.max_model_len,
+                                         kv_cache_space_gib=s.kv_cache_gib, seed=s.seed)
+        src = Llumlet(LlumletConfig(SRC, server.url, engine="vllm", model_dir=str(s.model_dir),
+                                    max_model_len=s.max_model_len, migration=s.limits,
+                                    vllm=VllmSettings(kv_cache_space_gib=s.kv_cache_gib)),
+                      timed_engine(engine_config))
         reports = DestinationReports()
         await nc.subscribe(subjects.load_report(DST), cb=reports.on_report)
         started = time.monotonic()
@@ -347,10 +347,12 @@ async def run(s: Settings) -> dict:
         return summarize(s, live, blocking, recompute, dst_report, src, dst_log, workload)
     finally:
         try:
-            await asyncio.wait_for(src.stop(), 60)
+            if src is not None:
+                await asyncio.wait_for(src.stop(), 60)
         except TimeoutError:
             print("the source llumlet did not stop within 60 s", file=sys.stderr)
-        await nc.close()
+        if nc is not None:
+            await nc.close()
         if recorder is not None:
             recorder.kill()
         dst_proc.terminate()
