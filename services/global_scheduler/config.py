@@ -82,9 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       default=env("SLO_PRIORITY", "").split(),
                       help="a priority's own targets, e.g. high:0.5:0.05 or 3:10:0.5 "
                            "(repeatable; env: space-separated)")
-    gate.add_argument("--slo-reserve", type=float, default=env("SLO_RESERVE", SloConfig(Slo(1, 1)).reserve),
+    slo_defaults = SloConfig(Slo(1, 1))  # (the reserves' defaults: the policy's)
+    gate.add_argument("--slo-reserve", type=float, default=env("SLO_RESERVE", slo_defaults.reserve),
                       help="share of the SLO (and of KV blocks) normal priority leaves to high priority")
-    gate.add_argument("--slo-handoff-reserve", type=float, default=env("SLO_HANDOFF_RESERVE", SloConfig(Slo(1, 1)).handoff_reserve),
+    gate.add_argument("--slo-handoff-reserve", type=float, default=env("SLO_HANDOFF_RESERVE", slo_defaults.handoff_reserve),
                       help="the same on a prefill instance of P/D pools (its predictions err more)")
     gate.add_argument("--admission-gpu", choices=sorted(SIMPLE_MODELS), default=env("ADMISSION_GPU", "A10"),
                       help="latency profile the predictions use")
