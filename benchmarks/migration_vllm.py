@@ -290,9 +290,40 @@ async def wait_for_destination(reports: DestinationReports, timeout_s: float = 2
     return reports.latest
 
 
-async def run(s: Settings) -> dict:
+def source_llumlet(s: Settings, nats_url: str):
+    """The source: a vLLM llumlet in this process, its steps timed (`timed_engine`)."""
     from services.llumlet.engines.vllm.engine import VllmEngineConfig
     from services.llumlet.service import Llumlet
+
+    engine_config = VllmEngineConfig(model_dir=str(s.model_dir), max_model_len=s.max_model_len,
+                                     kv_cache_space_gib=s.kv_cache_gib, seed=s.seed)
+    return Llumlet(LlumletConfig(SRC, nats_url, engine="vllm", model_dir=str(s.model_dir),
+                                 max_model_len=s.max_model_len, migration=s.limits,
+                                 vllm=VllmSettings(kv_cache_space_gib=s.kv_cache_gib)),
+                   timed_engine(engine_config))
+
+
+async def stop_all(src, nc, recorder, dst_proc: subprocess.Popen, server) -> None:
+    """Whatever a run started (None: not started), stopped: the source, the bus connection, the
+    client recorder, the destination process and the NATS server."""
+    try:
+        if src is not None:
+            await asyncio.wait_for(src.stop(), 60)
+    except TimeoutError:
+        print("the source llumlet did not stop within 60 s", file=sys.stderr)
+    if nc is not None:
+        await nc.close()
+    if recorder is not None:
+        recorder.kill()
+    dst_proc.terminate()
+    try:
+        dst_proc.wait(30)
+    except subprocess.TimeoutExpired:
+        dst_proc.kill()
+    server.stop()
+
+
+async def run(s: Settings) -> dict:
     from shared.embedded_nats import start_nats
 
     server = start_nats()
@@ -302,12 +333,7 @@ async def run(s: Settings) -> dict:
     nc = src = recorder = None
     try:  # (from here on, whatever fails, the destination and the server are stopped)
         nc = await nats.connect(server.url)
-        engine_config = VllmEngineConfig(model_dir=str(s.model_dir), max_model_len=s.max_model_len,
-                                         kv_cache_space_gib=s.kv_cache_gib, seed=s.seed)
-        src = Llumlet(LlumletConfig(SRC, server.url, engine="vllm", model_dir=str(s.model_dir),
-                                    max_model_len=s.max_model_len, migration=s.limits,
-                                    vllm=VllmSettings(kv_cache_space_gib=s.kv_cache_gib)),
-                      timed_engine(engine_config))
+        src = source_llumlet(s, server.url)
         reports = DestinationReports()
         await nc.subscribe(subjects.load_report(DST), cb=reports.on_report)
         started = time.monotonic()
@@ -346,21 +372,7 @@ async def run(s: Settings) -> dict:
                     "min_output_before": MIN_OUTPUT_BEFORE}
         return summarize(s, live, blocking, recompute, dst_report, src, dst_log, workload)
     finally:
-        try:
-            if src is not None:
-                await asyncio.wait_for(src.stop(), 60)
-        except TimeoutError:
-            print("the source llumlet did not stop within 60 s", file=sys.stderr)
-        if nc is not None:
-            await nc.close()
-        if recorder is not None:
-            recorder.kill()
-        dst_proc.terminate()
-        try:
-            dst_proc.wait(30)
-        except subprocess.TimeoutExpired:
-            dst_proc.kill()
-        server.stop()
+        await stop_all(src, nc, recorder, dst_proc, server)
 
 
 def parse_args(argv: list[str] | None) -> Settings:

@@ -32,18 +32,17 @@ from benchmarks.migration_vllm import (
     DST,
     MIN_OUTPUT_BEFORE,
     OUTPUT_SUBJECT,
-    SRC,
     Background,
     Bench,
     Chunks,
     DestinationReports,
     Requests,
     Settings,
+    source_llumlet,
     start_destination,
-    timed_engine,
+    stop_all,
     wait_for_destination,
 )
-from services.llumlet.config import LlumletConfig, VllmSettings
 from services.llumlet.engines import model_vocabulary
 from services.llumlet.migration.protocol import MigrationLimits
 from shared import subjects
@@ -126,8 +125,6 @@ def print_table(table: list[dict]) -> None:
 
 
 async def run(s: Settings) -> dict:
-    from services.llumlet.engines.vllm.engine import VllmEngineConfig
-    from services.llumlet.service import Llumlet
     from shared.embedded_nats import start_nats
 
     server = start_nats()
@@ -137,12 +134,7 @@ async def run(s: Settings) -> dict:
     nc = src = recorder = None
     try:  # (from here on, whatever fails, the destination and the server are stopped)
         nc = await nats.connect(server.url)
-        engine_config = VllmEngineConfig(model_dir=str(s.model_dir), max_model_len=s.max_model_len,
-                                         kv_cache_space_gib=s.kv_cache_gib, seed=s.seed)
-        src = Llumlet(LlumletConfig(SRC, server.url, engine="vllm", model_dir=str(s.model_dir),
-                                    max_model_len=s.max_model_len, migration=s.limits,
-                                    vllm=VllmSettings(kv_cache_space_gib=s.kv_cache_gib)),
-                      timed_engine(engine_config))
+        src = source_llumlet(s, server.url)
         reports = DestinationReports()
         await nc.subscribe(subjects.load_report(DST), cb=reports.on_report)
         started = time.monotonic()
@@ -167,21 +159,7 @@ async def run(s: Settings) -> dict:
                              "min_output_before": MIN_OUTPUT_BEFORE, "block_size": src.engine.block_size},
                 "rows": rows, "summary": table}
     finally:
-        try:
-            if src is not None:
-                await asyncio.wait_for(src.stop(), 60)
-        except TimeoutError:
-            print("the source llumlet did not stop within 60 s", file=sys.stderr)
-        if nc is not None:
-            await nc.close()
-        if recorder is not None:
-            recorder.kill()
-        dst_proc.terminate()
-        try:
-            dst_proc.wait(30)
-        except Exception:
-            dst_proc.kill()
-        server.stop()
+        await stop_all(src, nc, recorder, dst_proc, server)
 
 
 def parse_args(argv: list[str] | None) -> Settings:
