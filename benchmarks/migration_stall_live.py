@@ -70,9 +70,8 @@ async def stream(http: httpx.AsyncClient, model: str, prompt: list[int], max_tok
     return {"arrivals": arrivals, "id": response_id, "finish_reason": finish}
 
 
-def stall_histogram(base_url: str, name: str = STALL) -> tuple[list[tuple[float, float]], float, float]:
-    """(cumulative buckets as (le, count), count, sum) of a histogram on /metrics (the gateway's
-    stall by default)."""
+def histogram(base_url: str, name: str) -> tuple[list[tuple[float, float]], float, float]:
+    """(cumulative buckets as (le, count), count, sum) of the histogram `name` on /metrics."""
     text = httpx.get(f"{base_url}/metrics", timeout=5).text
     buckets, count, total = [], 0.0, 0.0
     for family in text_string_to_metric_families(text):
@@ -186,6 +185,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("results/migration_stall_live.json"))
     args = parser.parse_args()
+    if not 1 <= args.background <= args.streams:  # (the background streams are the first prompts)
+        parser.error("--background must be between 1 and --streams")
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = ensure_tiny_model(Path(tmp) / "tiny")
@@ -204,10 +205,10 @@ def main() -> None:
             cluster.start_llumlet(DST, *sim, "--metrics-port", dst_metrics.rsplit(":", 1)[1])
             cluster.start_gateway()
             cluster.wait_ready(instances=2)
-            before = stall_histogram(cluster.base_url)
+            before = histogram(cluster.base_url, STALL)
             migrated, handovers, others = asyncio.run(run(args, cluster, prompts))
-            after = stall_histogram(cluster.base_url)
-            holds = stall_histogram(dst_metrics, HOLD)
+            after = histogram(cluster.base_url, STALL)
+            holds = histogram(dst_metrics, HOLD)
         finally:
             cluster.stop()
             nats.stop()
