@@ -185,8 +185,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("results/migration_stall_live.json"))
     args = parser.parse_args()
-    if not 1 <= args.background <= args.streams:  # (the background streams are the first prompts)
-        parser.error("--background must be between 1 and --streams")
+    if not 0 <= args.background <= args.streams:  # (the background streams are the first prompts)
+        parser.error("--background must be between 0 and --streams")
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = ensure_tiny_model(Path(tmp) / "tiny")
