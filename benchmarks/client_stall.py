@@ -14,7 +14,7 @@ import sys
 from collections import defaultdict
 
 from services.gateway.streams import HandoverClock, TokenOrderer
-from services.llumlet.migration.handover import parse_handover_steps, parse_handovers
+from services.llumlet.migration.handover import parse_commit_frames, parse_handover_steps, parse_handovers
 from services.process_helpers import die_with_parent
 from shared.messages import TokenChunk, decode
 
@@ -117,7 +117,11 @@ async def record_client(nc, nats_url: str, subject: str, chunks: Chunks) -> subp
 HANDOVER_PHASES = (
     ("src_step_end_to_suspended", "src_last_step_end_at", "suspended_at"),
     ("suspended_to_last_stage_sent", "suspended_at", "commit_sent_at"),
-    ("last_stage_to_dst_commit", "commit_sent_at", "committed_at"),
+    # The last stage, split by the destination's commit-frame line: the source's send and the
+    # wire until the header is read, the rest of the frame, the destination's commit.
+    ("last_stage_to_frame_header", "commit_sent_at", "frame_header_at"),
+    ("frame_header_to_frame_in", "frame_header_at", "frame_in_at"),
+    ("frame_in_to_dst_commit", "frame_in_at", "committed_at"),
     ("dst_commit_to_in_engine", "committed_at", "in_engine_at"),
     ("in_engine_to_its_step", "in_engine_at", "first_step_started_at"),
     ("dst_first_step", "first_step_started_at", "first_step_ended_at"),
@@ -129,7 +133,8 @@ def source_stamps(m, steps: list[tuple], client: dict) -> dict:
     """The source's side of one handover (monotonic s): the end of its last step before the
     suspend (the step of its last token), the suspend, the last stage out, the commit's ack."""
     ends = [step[0] + step[1] for step in steps if step[0] + step[1] <= m.suspended_at]
-    return {"src_last_step_end_at": max(ends) if ends else None, "suspended_at": m.suspended_at,
+    return {"migration_id": m.migration_id,
+            "src_last_step_end_at": max(ends) if ends else None, "suspended_at": m.suspended_at,
             "commit_sent_at": m.commit_sent_at, "acked_at": m.committed_at,
             "noticed_at": m.noticed_at, "notice_commit_in_s": m.notice_commit_in_s,
             "src_token_at_client": client["src_token_at_client"], "dst_token_at_client": client["dst_token_at_client"]}
@@ -152,10 +157,12 @@ def attach_phases(rows: list[dict], log_text: str) -> None:
     internal id carries a suffix), and `others`: the price the destination's other requests paid,
     their token gap at the engine around the request's first step there (the end of the step
     before → the end of that step, a hold for its commit included) against its typical step."""
-    lines, steps = parse_handovers(log_text), parse_handover_steps(log_text)
+    lines, steps, frames = parse_handovers(log_text), parse_handover_steps(log_text), parse_commit_frames(log_text)
     for row in rows:
         rid = row["request_id"]
         destination = lines.get(rid) or next((v for k, v in lines.items() if k.startswith(rid + "-")), None)
+        if destination is not None:  # (no frame line: the commit went over NATS; no breakdown then)
+            destination = {**destination, **frames.get(row["handover"].get("migration_id"), {})}
         row["phases"] = handover_phases(row["handover"], destination) if destination else None
         step = steps.get(rid)
         row["others"] = None if step is None else {

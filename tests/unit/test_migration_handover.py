@@ -6,7 +6,12 @@ from __future__ import annotations
 import logging
 
 from services.llumlet.engines.sim.engine import SimEngine
-from services.llumlet.migration.handover import log_first_step, parse_handovers
+from services.llumlet.migration.handover import (
+    log_commit_frame,
+    log_first_step,
+    parse_commit_frames,
+    parse_handovers,
+)
 from tests.unit.migration_helpers import sim_config
 from tests.unit.test_sim_engine import FAST, gen
 
@@ -27,6 +32,21 @@ def test_a_logged_line_reads_back() -> None:
     assert parse_handovers("noise\n" + "\n".join(records)) == {"req-1-ab12": {
         "committed_at": 100.25, "in_engine_at": 100.5, "first_step_started_at": 100.75,
         "first_step_ended_at": 101.125}}
+
+
+def test_a_commit_frame_line_reads_back_by_migration_id() -> None:
+    log = logging.getLogger("test.handover.frames")
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        log_commit_frame(log, "0f3a9c", 200.125, 200.5)
+    finally:
+        log.removeHandler(handler)
+    assert parse_commit_frames("noise\n" + "\n".join(records)) == {
+        "0f3a9c": {"frame_header_at": 200.125, "frame_in_at": 200.5}}
 
 
 async def test_sim_destination_logs_the_migrated_requests_first_step_once(caplog) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
+import time
 import uuid
 import zlib
 
@@ -13,6 +15,7 @@ import pytest
 from services.llumlet.migration import copier as copier_module
 from services.llumlet.migration import kv_sender
 from services.llumlet.migration.copier import BlockCopier
+from services.llumlet.migration.handover import parse_commit_frames
 from services.llumlet.migration.kv_sender import KVSenderPool, send_frame
 from services.llumlet.migration.kv_wire import ACK_SIZE, HEADER_SIZE, AckStatus, FrameAck, FrameHeader
 from services.llumlet.migration.ops import KVRegion
@@ -69,6 +72,21 @@ async def test_the_last_frame_carries_the_commit_and_its_ack_answers_it(commit_l
     np.testing.assert_array_equal(dst_pool[40:46], src_pool[blocks])
     plain = await senders.send_stage(address, mid, 1, 6, [1], copier)  # the connection goes on
     assert not plain.committed and len(sink.commits) == 1
+
+
+async def test_the_commit_frame_is_timed_in_the_destinations_log_after_its_ack(commit_link, caplog) -> None:
+    """Its line (header read, whole frame in) lets a benchmark split the last stage into the wire
+    and the destination's commit; plain frames log nothing."""
+    src_pool, copier, senders, dst_pool, sink, address, receiver = commit_link
+    sink.migration_id = mid = new_migration_id()
+    caplog.set_level(logging.INFO, logger="services.llumlet.migration.kv_connection")
+    sent = time.monotonic()
+    await senders.send_stage(address, mid, 0, 0, [1, 2], copier)
+    assert parse_commit_frames(caplog.text) == {}
+    await senders.send_stage(address, mid, 1, 2, [3, 4, 5, 6, 8], copier, commit=b"c")  # two frames
+    await wait_until(lambda: mid in parse_commit_frames(caplog.text))
+    stamps = parse_commit_frames(caplog.text)[mid]
+    assert sent <= stamps["frame_header_at"] <= stamps["frame_in_at"] <= time.monotonic()
 
 
 async def test_a_commit_needs_no_blocks(commit_link) -> None:

@@ -1,7 +1,9 @@
 """The destination's share of a migration's client-visible stall: one log line per migrated-in
-request, from its commit to the end of the step that computed its first token here; and one
-for the price its other requests paid: the gap between the step before its first step and the
-end of that first step (their token gap there), with the hold before it (`commit_hold.py`).
+request, from its commit to the end of the step that computed its first token here; one for the
+price its other requests paid: the gap between the step before its first step and the end of
+that first step (their token gap there), with the hold before it (`commit_hold.py`); and one per
+commit frame (`kv_connection.py`): when its header was read and when the whole frame was in, so
+the last stage's time splits into the wire and the destination's commit.
 
 Times are `time.monotonic()` seconds, absolute: on one host every process reads the same clock,
 so a benchmark lines them up with the source's record and with the token arrivals it saw
@@ -54,3 +56,19 @@ def parse_handovers(log_text: str) -> dict[str, dict[str, float]]:
     return {rid: {"committed_at": float(c), "in_engine_at": float(e), "first_step_started_at": float(s),
                   "first_step_ended_at": float(t)}
             for rid, c, e, s, t in _PATTERN.findall(log_text)}
+
+
+_FRAME_LINE = "commit frame %s: header in %.6f, frame in %.6f (monotonic s)"
+_FRAME_PATTERN = re.compile(r"commit frame (\S+): header in ([\d.]+), frame in ([\d.]+)")
+
+
+def log_commit_frame(log: logging.Logger, migration_id: str, header_at: float, frame_in_at: float) -> None:
+    """The last KV frame of a migration (the one carrying its COMMIT) was read: its header at
+    `header_at`, all of it (payload, trailer, commit) at `frame_in_at`."""
+    log.info(_FRAME_LINE, migration_id, header_at, frame_in_at)
+
+
+def parse_commit_frames(log_text: str) -> dict[str, dict[str, float]]:
+    """By migration id: when its commit frame's header and the whole frame were in."""
+    return {mid: {"frame_header_at": float(h), "frame_in_at": float(f)}
+            for mid, h, f in _FRAME_PATTERN.findall(log_text)}

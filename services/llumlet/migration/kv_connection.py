@@ -15,6 +15,7 @@ import dataclasses
 import enum
 import logging
 import socket
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from services.llumlet.migration import kv_auth
+from services.llumlet.migration.handover import log_commit_frame
 from services.llumlet.migration.kv_wire import (
     HEADER_SIZE,
     MAX_COMMIT_BYTES,
@@ -77,6 +79,8 @@ class _ReceivedFrame:
     buffer_index: int | None  # staged payload (None: received straight into lent blocks)
     status: AckStatus | None  # decided already (lent, refused or corrupt); None: scatter it
     commit: bytes | None = None  # the commit it carries (verified), to be decided after the frame
+    header_at: float = 0.0  # when its header was read, and when all of it was (monotonic s)
+    received_at: float = 0.0
 
 
 class FrameConnection(asyncio.BufferedProtocol):
@@ -94,6 +98,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         self._free_buffers: list[int] = []
         self._reading = _Reading.HEADER
         self._frame: FrameHeader | None = None  # header of the frame being received
+        self._frame_header_at = 0.0  # when it was read (monotonic s)
         self._targets: list[memoryview] = []  # where the rest of its payload goes, in order
         self._target: memoryview = memoryview(self._header)
         self._pos = 0
@@ -206,6 +211,7 @@ class FrameConnection(asyncio.BufferedProtocol):
             self.close()
             return
         self._frame, self._crc, self._payload_left = header, 0, header.payload_len
+        self._frame_header_at = time.monotonic()
         self._targets = self._payload_targets(header)
         self._next_target()
         self._wake_after(header.payload_len)
@@ -257,7 +263,7 @@ class FrameConnection(asyncio.BufferedProtocol):
             status = status if crc_ok else AckStatus.BAD_CHECKSUM
         elif status is None and not crc_ok:
             status = AckStatus.BAD_CHECKSUM  # never written: the blocks keep what they had
-        frame = _ReceivedFrame(header, self._buffer_index, status)
+        frame = _ReceivedFrame(header, self._buffer_index, status, header_at=self._frame_header_at)
         if header.commit_len:
             self._lent = False  # (closed above: nothing pinned while the commit is read)
             self._received = frame
@@ -276,6 +282,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         self._frame_done(frame)
 
     def _frame_done(self, frame: _ReceivedFrame) -> None:
+        frame.received_at = time.monotonic()
         self._complete.put_nowait(frame)
         self._received = None
         self._end_frame()
@@ -343,6 +350,8 @@ class FrameConnection(asyncio.BufferedProtocol):
             if self.transport is not None and not self.transport.is_closing():
                 self.transport.write(FrameAck(status, header.migration_id, header.stage, header.lease_offset,
                                               detail).pack())
+            if frame.commit is not None:  # (after its ack: the line costs the downtime nothing)
+                log_commit_frame(log, header.migration_id, frame.header_at, frame.received_at)
 
     async def _commit(self, frame: _ReceivedFrame, frame_status: AckStatus) -> tuple[AckStatus, str]:
         try:
