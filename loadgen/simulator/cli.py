@@ -113,9 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "artifact; its simulator used 1)")
     policy.add_argument("--migrate-out-freeness", type=float, default=defaults_policy.migrate_out_freeness)
     policy.add_argument("--migrate-in-freeness", type=float, default=defaults_policy.migrate_in_freeness)
-    policy.add_argument("--cache-aware-migration", action="store_true",
+    policy.add_argument("--cache-aware-migration", action=argparse.BooleanOptionalAction, default=True,
                         help="with --prefix-caching: pairing prefers a destination holding the moving request's "
-                             "prefix, and only the blocks the destination's cache lacks are copied")
+                             "prefix, and only the blocks the destination's cache lacks are copied (default: on, "
+                             "as the services run it; --no-cache-aware-migration measures without it)")
     policy.add_argument("--migration-hold-max-ms", type=float, default=1e3 * MigrationModel().hold.hold_max_s,
                         help="a destination holds its next step up to this long for a commit due (the llumlets' "
                              "flag of the same name; 0: never)")

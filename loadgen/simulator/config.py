@@ -42,10 +42,12 @@ class MigrationModel:
     # P/D hand-offs a prefill instance runs at once (the llumlet's --handoff-concurrency), in
     # place of `max_out`; the destination's limit stays `max_in`.
     handoff_concurrency: int = 2
-    # Cache-aware migration (issue 18 §4), with the engines' prefix caching: pairing prefers a
+    # Cache-aware migration (issue 18 §4), wherever the engines cache prefixes: pairing prefers a
     # destination holding the moving request's prefix (`affinity`), and the destination binds the
-    # request to the cached blocks it holds, so only the blocks it lacks are copied.
-    cache_aware: bool = False
+    # request to the cached blocks it holds, so only the blocks it lacks are copied. On, as the
+    # services run it (the scheduler's pairer reads its prefix index, a destination pins what its
+    # cache holds); False only to measure without it.
+    cache_aware: bool = True
     affinity: CacheAffinity = DEFAULT_AFFINITY
     # The destination's commit hold (the llumlets' `--migration-hold-max-ms`, the same default):
     # a step about to start waits for a commit due within the rule's bound.

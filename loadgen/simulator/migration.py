@@ -8,7 +8,8 @@ limit), the source suspends the request, the rest is copied during the downtime,
 commits: `suspend` → `add_migrated` → `release_migrated`. A request that finishes or is
 preempted on the source meanwhile aborts the migration and frees the lease.
 
-Cache-aware (`MigrationModel.cache_aware`, issue 18 §4): pairing prefers a destination whose
+Cache-aware (`MigrationModel.cache_aware`, on wherever the engines cache prefixes, as the
+services; issue 18 §4): pairing prefers a destination whose
 prefix cache holds the request each source would move (`CacheAffinity`), and at the start the
 destination pins the cached blocks of the request's leading prefix (`pin_cached_prefix`): the
 stages copy only the blocks after them, and the request's table there starts with them.
@@ -71,6 +72,8 @@ class Migrator:
     def __init__(self, sim: ClusterSimulator) -> None:
         self.sim = sim
         self.model = sim.config.migration
+        # (an engine without a prefix cache holds nothing to pair by or to pin)
+        self.cache_aware = self.model.cache_aware and sim.config.scheduler.enable_prefix_caching
         self.guard = sim.config.guard
         self.block_bytes = sim.config.block_bytes
         self.pairs: dict[str, str] = {}  # source -> destination, as of the last round
@@ -98,7 +101,7 @@ class Migrator:
         config = sim.policy_config
         if sim.config.disaggregated:
             pairs = rebalancing_pairs(loads, config, self.guard)
-        elif self.model.cache_aware:
+        elif self.cache_aware:
             pairs = pair_migrations(loads, config, self.guard, self._cached_prefix, self.model.affinity)
         else:
             pairs = pair_migrations(loads, config, self.guard)
@@ -174,7 +177,7 @@ class Migrator:
         src.migrations_out += 1
         dst.migrations_in += 1
         self.stats.started += 1
-        if self.model.cache_aware:
+        if self.cache_aware:
             self._pin_cached_prefix(migration)
         if handoff and src.step is None:
             # As the llumlet: a hand-off that starts between steps (right after the one that gave

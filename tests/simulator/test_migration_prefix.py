@@ -30,6 +30,10 @@ def aware(config: SimConfig, affinity: CacheAffinity = CacheAffinity()) -> SimCo
     return replace(config, migration=replace(config.migration, cache_aware=True, affinity=affinity))
 
 
+def unaware(config: SimConfig) -> SimConfig:
+    return replace(config, migration=replace(config.migration, cache_aware=False))
+
+
 def test_only_the_blocks_the_destination_lacks_are_copied(monkeypatch):
     copies: list[tuple[int, int, int]] = []  # (cached, copied, blocks the request held at the commit)
     commit = Migrator._commit
@@ -44,7 +48,7 @@ def test_only_the_blocks_the_destination_lacks_are_copied(monkeypatch):
 
     monkeypatch.setattr(Migrator, "_commit", checked_commit)
     w = workload()
-    plain = simulate(CACHING, "corral", w)
+    plain = simulate(unaware(CACHING), "corral", w)
     result = simulate(aware(CACHING), "corral", w)
     assert len(result.finished) == len(plain.finished) == 120
     assert plain.migrations.cached_blocks == 0 and result.migrations.cached_blocks > 0
@@ -68,15 +72,26 @@ def test_a_migrated_request_produces_what_it_would_have():
 def test_without_prefix_caching_cache_aware_changes_nothing(policy):
     config = replace(CACHING, scheduler=replace(CACHING.scheduler, enable_prefix_caching=False))
     w = workload()
-    plain, cached = simulate(config, policy, w), simulate(aware(config), policy, w)
+    plain, cached = simulate(unaware(config), policy, w), simulate(aware(config), policy, w)
     assert cached.migrations.to_json() == plain.migrations.to_json()
     assert [(r.request_id, r.finished_time) for r in cached.finished] == [
         (r.request_id, r.finished_time) for r in plain.finished]
+
+
+def test_the_simulator_migrates_cache_aware_by_default_as_the_services_do():
+    """The scheduler's pairer always reads its prefix index and a destination always pins what
+    its cache holds: the simulator's default must run that, not migration blind to the cache."""
+    w = workload()
+    default, on, off = simulate(CACHING, "corral-prefix", w), simulate(aware(CACHING), "corral-prefix", w), \
+        simulate(unaware(CACHING), "corral-prefix", w)
+    assert default.migrations.to_json() == on.migrations.to_json() != off.migrations.to_json()
+    assert default.migrations.cached_blocks > 0 == off.migrations.cached_blocks
 
 
 def test_loadgen_simulate_has_the_flag():
     parser = argparse.ArgumentParser(prog="loadgen")
     cli.register(parser.add_subparsers(dest="command", required=True))
     argv = ["simulate", "--dataset", "conversation:long", "--rate", "2", "--prefix-caching"]
+    assert cli.build_config(parser.parse_args(argv)).migration.cache_aware  # (as the services)
     assert cli.build_config(parser.parse_args([*argv, "--cache-aware-migration"])).migration.cache_aware
-    assert not cli.build_config(parser.parse_args(argv)).migration.cache_aware
+    assert not cli.build_config(parser.parse_args([*argv, "--no-cache-aware-migration"])).migration.cache_aware
