@@ -18,7 +18,8 @@ from tests.unit.test_sim_engine import FAST, gen
 LOGGER = "services.llumlet.engines.sim.migration"
 
 
-def test_a_logged_line_reads_back() -> None:
+def logged(write) -> str:
+    """What `write(logger)` logs at INFO, a line per record, after a line of noise."""
     log = logging.getLogger("test.handover")
     records: list[str] = []
     handler = logging.Handler()
@@ -26,26 +27,22 @@ def test_a_logged_line_reads_back() -> None:
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     try:
-        log_first_step(log, "req-1-ab12", 100.25, 100.5, 100.75, 101.125)
+        write(log)
     finally:
         log.removeHandler(handler)
-    assert parse_handovers("noise\n" + "\n".join(records)) == {"req-1-ab12": {
+    return "noise\n" + "\n".join(records)
+
+
+def test_a_logged_line_reads_back() -> None:
+    text = logged(lambda log: log_first_step(log, "req-1-ab12", 100.25, 100.5, 100.75, 101.125))
+    assert parse_handovers(text) == {"req-1-ab12": {
         "committed_at": 100.25, "in_engine_at": 100.5, "first_step_started_at": 100.75,
         "first_step_ended_at": 101.125}}
 
 
 def test_a_commit_frame_line_reads_back_by_migration_id() -> None:
-    log = logging.getLogger("test.handover.frames")
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    try:
-        log_commit_frame(log, "0f3a9c", 200.125, 200.5)
-    finally:
-        log.removeHandler(handler)
-    assert parse_commit_frames("noise\n" + "\n".join(records)) == {
+    text = logged(lambda log: log_commit_frame(log, "0f3a9c", 200.125, 200.5))
+    assert parse_commit_frames(text) == {
         "0f3a9c": {"frame_header_at": 200.125, "frame_in_at": 200.5}}
 
 
