@@ -220,6 +220,7 @@ async def migrate_once(src: Llumlet, nc, chunks: Chunks, length: int, stage_limi
         "modelled_decode_step_ms": 1e3 * modelled_step,
         "stages": [dataclasses.asdict(stage) for stage in m.stages],
         "num_stages": len(m.stages),
+        "last_stage_kib": m.stages[-1].num_bytes / 1024,
         "migration_ms": 1e3 * duration,
         "commit_ms": 1e3 * m.commit_s,
         "first_stage_gbps": (m.stages[0].num_bytes / m.stages[0].seconds / 1e9) if m.stages[0].seconds else None,
@@ -364,6 +365,9 @@ def parse_args(argv: list[str] | None) -> Settings:
                         help="the destination holds a step this long for an imminent commit (0: off)")
     parser.add_argument("--hold-step-share", type=float, default=defaults.hold_step_share,
                         help="and at most this share of its typical step")
+    parser.add_argument("--token-frames", action=argparse.BooleanOptionalAction, default=defaults.token_frames,
+                        help="the source sends a block not yet full by token slot (--no-token-frames: whole blocks; "
+                             "run both back to back to compare the last stage)")
     parser.add_argument("--frame-mib", type=int, default=defaults.frame_bytes >> 20)
     args = parser.parse_args(argv)
     lengths = sorted(int(x) for x in args.lengths.split(","))
@@ -374,7 +378,7 @@ def parse_args(argv: list[str] | None) -> Settings:
     try:
         limits = MigrationLimits(stage_limit=args.stage_limit, last_stage_blocks=args.last_stage_blocks,
                                  frame_bytes=args.frame_mib << 20, hold_max_s=args.hold_max_ms / 1e3,
-                                 hold_step_share=args.hold_step_share)
+                                 hold_step_share=args.hold_step_share, token_frames=args.token_frames)
     except ValueError as exc:
         parser.error(str(exc))
     return Settings(limits, lengths, args.kv_bytes_per_token, max(1, args.repeats), args.num_blocks, args.block_size,

@@ -90,6 +90,7 @@ def summarize(s: Settings, live: list, blocking: list, recompute: list, dst_repo
         "blocking_downtime_ms_by_length": by_length(blocking, "downtime_ms"),
         "recompute_ttft_ms_by_length": recompute_ms,
         "live_stages_by_length": by_length(live, "num_stages"),
+        "live_last_stage_kib_by_length": by_length(live, "last_stage_kib"),
         "live_client_stall_ms_by_length": stall_by_length(live),
         "live_stall_phases_ms_by_length": phases_by_length(live),
         "modelled_decode_step_ms": modelled_step,
@@ -101,10 +102,12 @@ def summarize(s: Settings, live: list, blocking: list, recompute: list, dst_repo
 
 
 def print_summary(result: dict) -> None:
-    print("\nlength  live(ms)  stages  blocking(ms)  recompute(ms)")
+    print(f"\nlength  live(ms)  stages  last stage(KiB)  blocking(ms)  recompute(ms)   "
+          f"[token frames: {result['settings']['limits']['token_frames']}]")
     for length in result["settings"]["lengths"]:
         print(f"{length:>6}  {result['live_downtime_ms_by_length'][length]:8.2f}  "
-              f"{result['live_stages_by_length'][length]:6.1f}  {result['blocking_downtime_ms_by_length'][length]:12.1f}  "
+              f"{result['live_stages_by_length'][length]:6.1f}  {result['live_last_stage_kib_by_length'][length]:15.1f}  "
+              f"{result['blocking_downtime_ms_by_length'][length]:12.1f}  "
               f"{result['recompute_ttft_ms_by_length'][length]:13.1f}")
     print_stalls(result["live_client_stall_ms_by_length"])
     print_phases(result["live_stall_phases_ms_by_length"])

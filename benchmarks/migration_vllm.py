@@ -259,6 +259,7 @@ class Bench:
             "before_commit_ms": 1e3 * (m.downtime_s - m.commit_s),
             "release_ms": 1e3 * m.release_s,
             "num_stages": len(m.stages),
+        "last_stage_kib": m.stages[-1].num_bytes / 1024,
             "stages": [dataclasses.asdict(stage) for stage in m.stages],
             "migration_ms": 1e3 * (m.ended_at - m.started_at),
             "first_stage_gbps": first.num_bytes / first.seconds / 1e9 if first.seconds and first.num_bytes else None,
@@ -392,6 +393,9 @@ def parse_args(argv: list[str] | None) -> Settings:
                         help="the destination holds a step this long for an imminent commit (0: off)")
     parser.add_argument("--hold-step-share", type=float, default=defaults.hold_step_share,
                         help="and at most this share of its typical step")
+    parser.add_argument("--token-frames", action=argparse.BooleanOptionalAction, default=defaults.token_frames,
+                        help="the source sends a block not yet full by token slot (--no-token-frames: whole blocks; "
+                             "run both back to back to compare the last stage)")
     args = parser.parse_args(argv)
     lengths = sorted(int(x) for x in args.lengths.split(","))
     if not lengths or lengths[0] < 1 or lengths[-1] + MIN_OUTPUT_BEFORE + 16 > args.max_model_len:
@@ -401,7 +405,7 @@ def parse_args(argv: list[str] | None) -> Settings:
     try:
         limits = MigrationLimits(stage_limit=args.stage_limit, last_stage_blocks=args.last_stage_blocks,
                                  hold_max_s=args.hold_max_ms / 1e3,
-                                 hold_step_share=args.hold_step_share)
+                                 hold_step_share=args.hold_step_share, token_frames=args.token_frames)
     except ValueError as exc:
         parser.error(str(exc))
     from services.tools.make_model import ensure_tiny_model

@@ -127,6 +127,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="refuse an incoming migration that would leave less than this fraction of blocks free")
     mig.add_argument("--migration-bandwidth-mib-s", type=float, default=env("MIGRATION_BANDWIDTH_MIB_S", 0.0),
                      help="cap on the KV data plane's rate in MiB/s (0: none)")
+    mig.add_argument("--migration-token-frames", action=argparse.BooleanOptionalAction,
+                     default=env("MIGRATION_TOKEN_FRAMES", defaults.token_frames),
+                     help="as a source, send the computed slots of a block not yet full by token, where the KV "
+                          "layout allows it (host memory), so the last stage carries only the tokens computed "
+                          "since the stage before; --no-migration-token-frames: whole blocks only")
     mig.add_argument("--migration-hold-max-ms", type=float,
                      default=env("MIGRATION_HOLD_MAX_MS", 1e3 * defaults.hold_max_s),
                      help="as a destination, hold the next engine step up to this long for a commit the source "
@@ -250,6 +255,7 @@ def migration_limits_from_args(args: argparse.Namespace) -> MigrationLimits:
             bandwidth_bytes_per_s=args.migration_bandwidth_mib_s * (1 << 20),
             hold_max_s=args.migration_hold_max_ms / 1e3,
             hold_step_share=args.migration_hold_step_share,
+            token_frames=args.migration_token_frames,
         )
     except ValueError as exc:
         raise SystemExit(f"bad migration settings: {exc}") from exc

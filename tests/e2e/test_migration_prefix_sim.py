@@ -27,8 +27,8 @@ from tests.e2e.test_migration_sim import (  # noqa: F401 (cluster, llumlets: fix
 SHARED = "You are a careful assistant who answers in full sentences and checks every fact twice. " * 8
 KV_BYTES_PER_TOKEN = 256
 BLOCK_SIZE = 16  # the sim engine's default
-MIGRATED = re.compile(r"migrated (\S+) to (\S+) in \d+ stages .*; KV: (\d+) of (\d+) blocks sent \((\d+) bytes\), "
-                      r"(\d+) cached there")
+MIGRATED = re.compile(r"migrated (\S+) to (\S+) in \d+ stages .*; KV: (\d+) of (\d+) blocks sent \((\d+) bytes for "
+                      r"(\d+) tokens\), (\d+) cached there")
 
 
 async def test_only_the_blocks_the_destination_lacks_cross_and_streams_stay_exact(cluster, llumlets, tiny_model_dir):
@@ -64,15 +64,17 @@ async def test_only_the_blocks_the_destination_lacks_cross_and_streams_stay_exac
     moves = [m.groups() for m in MIGRATED.finditer(cluster.procs[loaded].log())]
     assert {request_id for request_id, *_ in moves} == migrated
     prompt_blocks = min(r["usage"]["prompt_tokens"] for r in results) // BLOCK_SIZE
-    for request_id, dst, sent, lease, num_bytes, cached in moves:
-        sent, lease, num_bytes, cached = int(sent), int(lease), int(num_bytes), int(cached)
+    for request_id, dst, sent, lease, num_bytes, num_tokens, cached in moves:
+        sent, lease, num_bytes, num_tokens, cached = int(sent), int(lease), int(num_bytes), int(num_tokens), int(cached)
         assert dst == warm and sent + cached == lease
         # The shared prefix was there: every prompt block up to the one its question starts in.
         assert cached >= prompt_blocks - 2, (cached, prompt_blocks)
-        assert num_bytes == sent * BLOCK_SIZE * KV_BYTES_PER_TOKEN
+        # Each computed token past them crossed once (a block not yet full by token slot).
+        assert num_bytes == num_tokens * KV_BYTES_PER_TOKEN
+        assert (sent - 2) * BLOCK_SIZE < num_tokens <= sent * BLOCK_SIZE
     # What a move without the cache would have sent: every block of the lease.
-    full_bytes = sum(int(lease) for _, _, _, lease, _, _ in moves) * BLOCK_SIZE * KV_BYTES_PER_TOKEN
-    assert sum(int(num_bytes) for *_, num_bytes, _ in moves) < full_bytes / 4
+    full_bytes = sum(int(lease) for _, _, _, lease, *_ in moves) * BLOCK_SIZE * KV_BYTES_PER_TOKEN
+    assert sum(int(num_bytes) for *_, num_bytes, _, _ in moves) < full_bytes / 4
 
 
 async def test_pairing_takes_the_destination_that_holds_the_prefix(cluster, llumlets, tiny_model_dir):
@@ -117,5 +119,5 @@ async def test_pairing_takes_the_destination_that_holds_the_prefix(cluster, llum
             cluster.procs[instance_id].terminate()
     moves = [m.groups() for m in MIGRATED.finditer(cluster.procs[loaded].log())]
     assert moves, "no request migrated"
-    _, first_dst, _, _, _, first_cached = moves[0]
+    _, first_dst, *_, first_cached = moves[0]
     assert first_dst == warm and int(first_cached) > 0, moves

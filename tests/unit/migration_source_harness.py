@@ -13,6 +13,7 @@ from services.llumlet.engines.sim.engine import SimEngine
 from shared.engine_model.request import RequestStatus
 from services.llumlet.migration import kv_sender
 from services.llumlet.migration.copier import BlockCopier
+from services.llumlet.migration.ops import KVRegion
 from services.llumlet.migration.destination import IncomingMigrations
 from services.llumlet.migration.kv_receiver import KVReceiver
 from services.llumlet.migration.kv_sender import KVSenderPool
@@ -85,12 +86,19 @@ class Hooks:
 class Harness:
     """A source and a destination engine, each stepped by a background loop like a llumlet's."""
 
-    def __init__(self, limits: MigrationLimits, **engine_overrides) -> None:
+    def __init__(self, limits: MigrationLimits, whole_blocks: bool = False, **engine_overrides) -> None:
+        """`whole_blocks`: copiers that do not know the token dimension (as device memory here),
+        so every frame carries whole blocks."""
         self.limits = limits
         config = sim_config(time_scale=TIME_SCALE, num_blocks=256, max_model_len=2048, **engine_overrides)
         self.src, self.dst = SimEngine(config), SimEngine(config)
         self.src_ops, self.dst_ops = self.src.migration_ops(), self.dst.migration_ops()
-        self.src_copier, self.dst_copier = BlockCopier(self.src_ops.kv_regions()), BlockCopier(self.dst_ops.kv_regions())
+
+        def copier(ops) -> BlockCopier:
+            regions = ops.kv_regions()
+            return BlockCopier([KVRegion(r.tensor, r.block_dim) for r in regions] if whole_blocks else regions)
+
+        self.src_copier, self.dst_copier = copier(self.src_ops), copier(self.dst_ops)
         self.incoming = IncomingMigrations(self.dst_ops, self.dst_copier, limits)
         self.receiver = KVReceiver(self.incoming, limits, self.dst_copier.new_host_buffer)
         self.senders = KVSenderPool(limits)
@@ -156,8 +164,9 @@ class Harness:
 async def make_harness():
     made: list[Harness] = []
 
-    async def make(limits: MigrationLimits = MigrationLimits(), **engine_overrides) -> Harness:
-        harness = Harness(limits, **engine_overrides)
+    async def make(limits: MigrationLimits = MigrationLimits(), whole_blocks: bool = False,
+                   **engine_overrides) -> Harness:
+        harness = Harness(limits, whole_blocks, **engine_overrides)
         await harness.start()
         made.append(harness)
         return harness

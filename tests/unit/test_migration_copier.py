@@ -274,3 +274,53 @@ def test_strided_tensors_are_gathered_instead(any_piece_size) -> None:
     empty = BlockCopier([])  # no KV bytes at all
     assert empty.block_views([1]) is None
     empty.close()
+
+
+# -- token slots (the wire's token frames) -------------------------------------------------------
+
+
+async def test_token_slots_round_trip_into_other_blocks_and_touch_nothing_else() -> None:
+    """[blocks, heads, slots, dim] (vLLM CPU's layout) and [blocks, slots, bytes] (the simulated
+    engine's), two regions: positions [3, 10) of a 4-slot table land in the same positions of
+    another table, and no other slot is written."""
+    rng = np.random.default_rng(1)
+    src = [rng.integers(0, 256, (10, 3, 4, 6), dtype=np.uint8), rng.integers(0, 256, (10, 4, 8), dtype=np.uint8)]
+    dst = [np.zeros_like(a) for a in src]
+    a = BlockCopier([KVRegion(src[0], 0, 2), KVRegion(src[1], 0, 1)])
+    b = BlockCopier([KVRegion(dst[0], 0, 2), KVRegion(dst[1], 0, 1)])
+    assert a.block_size == 4 and a.token_bytes == a.block_bytes // 4 == 3 * 6 + 8
+    fused = await a.gather_tokens([5, 2, 7], 3, 10, slot=0)
+    assert fused.nbytes == a.token_frame_bytes(7)
+    await b.scatter_tokens([1, 8, 9], 3, 10, fused)
+    expected = [np.zeros_like(x) for x in src]
+    for p in range(3, 10):
+        (s_block, d_block), slot = ([5, 2, 7][p // 4], [1, 8, 9][p // 4]), p % 4
+        expected[0][d_block, :, slot] = src[0][s_block, :, slot]
+        expected[1][d_block, slot] = src[1][s_block, slot]
+    assert all(np.array_equal(x, y) for x, y in zip(dst, expected))
+    with pytest.raises(ValueError):
+        await b.scatter_tokens([1, 8, 9], 3, 10, fused[:-1])
+    with pytest.raises(IndexError):
+        await a.gather_tokens([5, 2], 3, 10, slot=0)  # past the table
+    a.close()
+    b.close()
+
+
+def test_layouts_without_token_slots_move_whole_blocks_only() -> None:
+    pool = np.zeros((4, 2, 8), dtype=np.uint8)
+    for regions in ([KVRegion(pool)], [KVRegion(pool, 0, 2)], [KVRegion(pool, 0, 1), KVRegion(np.zeros((4, 3, 8), np.uint8), 0, 1)]):
+        copier = BlockCopier(regions)  # no token dim; the last (a byte view widens it); slots differ
+        assert copier.token_bytes == 0 and copier.block_size == 0
+        copier.close()
+
+
+async def test_torch_cpu_token_slots_round_trip() -> None:
+    torch = pytest.importorskip("torch")
+    src = torch.arange(8 * 2 * 4 * 6, dtype=torch.float16).reshape(8, 2, 4, 6)
+    dst = torch.zeros_like(src)
+    a, b = BlockCopier([KVRegion(src, 0, 2)]), BlockCopier([KVRegion(dst, 0, 2)])
+    await b.scatter_tokens([3, 1], 2, 7, await a.gather_tokens([6, 0], 2, 7, slot=1))
+    assert torch.equal(dst[3, :, 2:], src[6, :, 2:]) and torch.equal(dst[1, :, :3], src[0, :, :3])
+    assert dst[3, :, :2].abs().sum() == 0 and dst[1, :, 3:].abs().sum() == 0
+    a.close()
+    b.close()

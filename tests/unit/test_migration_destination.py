@@ -7,17 +7,19 @@ import asyncio
 
 import numpy as np
 import pytest
+import uvloop
 
 from services.llumlet.engines.sim.engine import SimEngine
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.destination import IncomingMigrations
 from services.llumlet.migration.kv_receiver import KVReceiver
+from services.llumlet.migration.kv_plan import TokenRun
 from services.llumlet.migration.kv_sender import KVSenderPool
 from services.llumlet.migration.kv_wire import AckStatus, FrameHeader
 from services.llumlet.migration.protocol import ALREADY_COMMITTED, MigrationLimits, MigrationStatus, new_migration_id
 from services.llumlet.migration.protocol import DestinationRefused
 from shared.messages import MigrationAbort, PreAlloc, encode
-from tests.unit.migration_helpers import FakeClock, decode_steps, export_kv, gen, import_kv, sim_config, verify_kv
+from tests.unit.migration_helpers import BLOCK_SIZE, FakeClock, decode_steps, export_kv, gen, import_kv, sim_config, verify_kv
 
 LIMITS = MigrationLimits(lease_s=2.0, max_in=2)
 
@@ -130,6 +132,12 @@ async def committable(setup: Setup, request_id: str = "r"):
     return mid, src.migration_ops().migration_commit(request_id, mid), len(blocks)
 
 
+def mark_filled(setup, migration_id: str, num_blocks: int) -> None:
+    """The frames' bookkeeping for `num_blocks` whole blocks (KV was imported directly)."""
+    m = setup.incoming.get(migration_id)
+    m.filled_tokens = num_blocks * m.block_size
+
+
 async def test_commit_needs_every_block_written(setup) -> None:
     mid, commit, num_blocks = await committable(setup)
     ack, committed = setup.incoming.handle_commit(commit)
@@ -139,7 +147,7 @@ async def test_commit_needs_every_block_written(setup) -> None:
 
 async def test_commit_adds_the_request_once(setup) -> None:
     mid, commit, num_blocks = await committable(setup)
-    setup.incoming.get(mid).filled = num_blocks  # (the frames' bookkeeping; KV was imported directly)
+    mark_filled(setup, mid, num_blocks)
     ack, committed = setup.incoming.handle_commit(commit)
     assert ack.ok and committed
     assert verify_kv(setup.engine, "r") and setup.engine.get_request("r") is not None
@@ -199,6 +207,46 @@ async def test_frames_must_continue_the_lease_in_order(setup) -> None:
     assert await setup.fill(mid, 0, 3) is AckStatus.OK
     assert await setup.fill(mid, 3, 1) is AckStatus.OK
     assert setup.incoming.get(mid).filled == 4
+
+
+async def test_token_frames_continue_the_lease_by_slot(setup) -> None:
+    """Token frames (a block's slots) go on from the last position written, blocks after them
+    from a block boundary only, and the KV counts as complete up to the computed tokens."""
+    mid, bs, per_token = new_migration_id(), setup.copier.block_size, setup.copier.token_bytes
+    assert bs and per_token
+    await setup.prealloc(mid, 0, 3)
+
+    def tokens(offset: int, count: int, nbytes: int | None = None) -> FrameHeader:
+        return FrameHeader(mid, 0, offset, count, count * per_token if nbytes is None else nbytes, tokens=True)
+
+    async def write(header: FrameHeader) -> AckStatus:
+        return await setup.incoming.write(header, memoryview(np.zeros(header.payload_len, dtype=np.uint8)))
+
+    assert setup.incoming.admit(tokens(1, 2)) is AckStatus.BAD_RANGE  # skips slot 0
+    assert setup.incoming.admit(tokens(0, 3 * bs + 1)) is AckStatus.BAD_RANGE  # past the lease
+    assert setup.incoming.admit(tokens(0, 2, 7)) is AckStatus.BAD_SIZE
+    assert await write(tokens(0, bs + 1)) is AckStatus.OK  # block 0 and a slot of block 1
+    m = setup.incoming.get(mid)
+    assert (m.filled_tokens, m.filled) == (bs + 1, 1)
+    assert setup.incoming.admit(setup.frame(mid, 1, 1)) is AckStatus.BAD_RANGE  # block 1 is begun
+    assert await write(tokens(bs + 1, bs - 1)) is AckStatus.OK
+    assert await setup.fill(mid, 2, 1) is AckStatus.OK  # on a block boundary: whole blocks again
+    assert m.kv_complete(3 * bs - 1) and m.filled == 3
+    # A layout without token slots takes no token frame.
+    other = Setup()
+    other.copier.block_size = other.copier.token_bytes = 0
+    mid2 = new_migration_id()
+    await other.prealloc(mid2, 0, 2)
+    assert other.incoming.admit(FrameHeader(mid2, 0, 0, 1, 0, tokens=True)) is AckStatus.BAD_SIZE
+    other.copier.close()
+
+
+async def test_the_commit_needs_the_computed_tokens_written_not_the_slots_past_them(setup) -> None:
+    mid = new_migration_id()
+    await setup.prealloc(mid, 0, 2)
+    m, bs = setup.incoming.get(mid), setup.copier.block_size
+    m.filled_tokens = bs + 1
+    assert m.kv_complete(bs + 1) and not m.kv_complete(bs + 2)
 
 
 async def test_release_waits_for_a_scatter_in_flight(setup) -> None:
@@ -305,7 +353,7 @@ def committing(s: Setup) -> list:
 async def test_commit_in_a_frame_commits_once_and_hands_the_request_over(setup) -> None:
     handed = committing(setup)
     mid, commit, num_blocks = await committable(setup)
-    setup.incoming.get(mid).filled = num_blocks
+    mark_filled(setup, mid, num_blocks)
     header = setup.frame(mid, num_blocks, 0)
     assert await setup.incoming.commit_frame(header, encode(commit), AckStatus.OK) == (AckStatus.COMMITTED, "")
     assert setup.engine.get_request("r") is not None and handed == ["r"]
@@ -334,12 +382,52 @@ async def test_commit_in_a_frame_is_refused_when_the_kv_is_incomplete(setup) -> 
 
 async def test_garbage_or_foreign_commit_in_a_frame_ends_the_migration(setup) -> None:
     mid, commit, num_blocks = await committable(setup)
-    setup.incoming.get(mid).filled = num_blocks
+    mark_filled(setup, mid, num_blocks)
     status, detail = await setup.incoming.commit_frame(setup.frame(mid, 0, 0), b"\x93garbage", AckStatus.OK)
     assert status is AckStatus.COMMIT_REFUSED and detail
     assert setup.incoming.get(mid).status is MigrationStatus.ABORTED_DST and setup.engine.num_reserved_blocks() == 0
     other, _, _ = await committable(setup, "q")
-    setup.incoming.get(other).filled = len(setup.incoming.get(other).block_ids)
+    mark_filled(setup, other, len(setup.incoming.get(other).block_ids))
     status, detail = await setup.incoming.commit_frame(setup.frame(other, 0, 0), encode(commit), AckStatus.OK)
     assert status is AckStatus.COMMIT_REFUSED and "another migration" in detail
     assert setup.engine.get_request("q") is None and setup.engine.num_reserved_blocks() == 0
+
+
+def test_token_frames_around_lent_blocks_land_in_order_through_a_receiver() -> None:
+    """Over a real connection: a token frame leaves a block begun; the next stage's head token
+    frame (staged: a few slots) is followed by whole blocks the receiver would lend (16 KiB
+    pieces) and a tail token frame. The sink admits a lent frame at its header and a staged one
+    at its scatter, so the receiver lends nothing while a staged frame waits: every frame is
+    admitted in order and the destination holds every computed token's bytes. On uvloop, as the
+    llumlets run: it reads the next header before the worker scatters a staged frame."""
+    uvloop.run(token_frames_around_lent_blocks())
+
+
+async def token_frames_around_lent_blocks() -> None:
+    config = sim_config(kv_bytes_per_token=4096)
+    src, dst = SimEngine(config), SimEngine(config)
+    src.add_request(gen("r", 30, 60))
+    await decode_steps(src, 4)
+    await src.migration_ops().suspend("r")
+    blocks, computed = src.block_ids_of("r"), src.get_request("r").num_computed_tokens
+    src_copier, dst_copier = BlockCopier(src.migration_ops().kv_regions()), BlockCopier(dst.migration_ops().kv_regions())
+    assert dst_copier.block_views([1, 2]) is not None  # (whole blocks here are lent)
+    incoming = IncomingMigrations(dst.migration_ops(), dst_copier, LIMITS)
+    receiver = KVReceiver(incoming, LIMITS, dst_copier.new_host_buffer)
+    address = await receiver.start()
+    senders = KVSenderPool(LIMITS)
+    mid, bs = new_migration_id(), BLOCK_SIZE
+    try:
+        assert (await incoming.handle_prealloc(PreAlloc(mid, "r", len(blocks), LIMITS.lease_s, 0))).ok
+        await senders.send_stage(address, mid, 0, 0, [], src_copier, tokens=TokenRun(blocks, 0, 2))
+        whole = computed // bs
+        await senders.send_stage(address, mid, 1, 1, blocks[1:whole], src_copier, head=TokenRun(blocks, 2, bs),
+                                 tokens=TokenRun(blocks, whole * bs, computed))
+        m = incoming.get(mid)
+        assert m.status is MigrationStatus.RUNNING and m.filled_tokens == computed and m.kv_complete(computed)
+        assert dst.kv_pool.verify(src.tokens.key("r"), m.block_ids, computed)
+    finally:
+        senders.close()
+        await receiver.close()
+        src_copier.close()
+        dst_copier.close()

@@ -13,15 +13,19 @@ from services.llumlet.migration.protocol import MigrationLimits, MigrationStatus
 from services.llumlet.migration.outgoing import OutgoingMigration
 from services.llumlet.migration.source import MigrationCoordinator
 from shared.messages import MigrateOrder, PreAlloc
-from tests.unit.migration_helpers import FakeClock, expected_tokens, gen, verify_kv
+from tests.unit.migration_helpers import BLOCK_SIZE, KV_BYTES_PER_TOKEN, FakeClock, expected_tokens, gen, verify_kv
 from tests.unit.migration_source_harness import Hooks, make_harness, steps_later
 
 
 # -- the normal path ---------------------------------------------------------------------------
 
 
-async def test_a_decoding_request_moves_and_continues_the_same_stream(make_harness) -> None:
-    h = await make_harness()
+@pytest.mark.parametrize("whole_blocks,token_frames", [(False, True), (True, True), (False, False)],
+                         ids=["token-slots", "layout-without-slots", "token-frames-off"])
+async def test_a_decoding_request_moves_and_continues_the_same_stream(make_harness, whole_blocks,
+                                                                      token_frames) -> None:
+    h = await make_harness(MigrationLimits(token_frames=token_frames), whole_blocks=whole_blocks)
+    whole_blocks = whole_blocks or not token_frames
     await h.decoding("r", prompt=50, max_tokens=300)
     m = await h.coordinator.migrate("r", "dst")
     assert m.status is MigrationStatus.FINISHED, m.reason
@@ -29,6 +33,11 @@ async def test_a_decoding_request_moves_and_continues_the_same_stream(make_harne
     assert h.hooks.migrated_out_ids == ["r"]
     assert m.stages[-1].final and not any(s.final for s in m.stages[:-1])
     assert sum(s.num_blocks for s in m.stages) == m.blocks_sent == m.lease_blocks
+    sent = sum(s.num_bytes for s in m.stages) // KV_BYTES_PER_TOKEN
+    if whole_blocks:  # every block whole, the partial last one included
+        assert sent == m.lease_blocks * BLOCK_SIZE and not any(s.num_tokens for s in m.stages)
+    else:  # each computed token once, none past them: the last stage only what was computed since
+        assert sent == m.tokens_sent and any(s.num_tokens for s in m.stages)
     await h.wait_finished("r")
     assert h.stream("r") == expected_tokens(h.src, "r", 300)
     assert any(o.request_id == "r" for o in h.outputs["dst"])

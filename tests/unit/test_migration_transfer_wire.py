@@ -32,15 +32,27 @@ def test_header_round_trip() -> None:
 
 
 def test_header_made_by_the_documented_layout_parses() -> None:
-    """magic "CKV3" | version u16 | flags u16 | id 16 B | stage u32 | lease offset u32 |
-    num blocks u32 | payload length u64 | commit length u32 | header crc32 u32, big-endian."""
+    """magic "CKV4" | version u16 | flags u16 | id 16 B | stage u32 | lease offset u32 |
+    count u32 | payload length u64 | commit length u32 | header crc32 u32, big-endian; flag bit 0:
+    a token frame."""
     mid = uuid.uuid4()
-    head = (b"CKV3" + (3).to_bytes(2, "big") + (0).to_bytes(2, "big") + mid.bytes + (4).to_bytes(4, "big")
-            + (9).to_bytes(4, "big") + (2).to_bytes(4, "big") + (512).to_bytes(8, "big") + (77).to_bytes(4, "big"))
-    raw = head + zlib.crc32(head).to_bytes(4, "big")
-    assert len(raw) == HEADER_SIZE
-    assert FrameHeader.unpack(raw) == FrameHeader(mid.hex, 4, 9, 2, 512, commit_len=77)
-    assert FrameHeader(mid.hex, 4, 9, 2, 512, commit_len=77).pack() == raw
+    for flags, tokens in ((0, False), (1, True)):
+        head = (b"CKV4" + (4).to_bytes(2, "big") + flags.to_bytes(2, "big") + mid.bytes + (4).to_bytes(4, "big")
+                + (9).to_bytes(4, "big") + (2).to_bytes(4, "big") + (512).to_bytes(8, "big")
+                + (77).to_bytes(4, "big"))
+        raw = head + zlib.crc32(head).to_bytes(4, "big")
+        assert len(raw) == HEADER_SIZE
+        assert FrameHeader.unpack(raw) == FrameHeader(mid.hex, 4, 9, 2, 512, commit_len=77, tokens=tokens)
+        assert FrameHeader(mid.hex, 4, 9, 2, 512, commit_len=77, tokens=tokens).pack() == raw
+
+
+def test_unknown_flags_and_v3_headers_are_refused() -> None:
+    """A v3 receiver had no token frames; a v4 one refuses v3 frames and flags it does not know."""
+    mid = uuid.uuid4()
+    for magic, version, flags in ((b"CKV3", 3, 0), (b"CKV4", 4, 2)):
+        head = (magic + version.to_bytes(2, "big") + flags.to_bytes(2, "big") + mid.bytes + bytes(24))
+        with pytest.raises(FrameError):
+            FrameHeader.unpack(head + zlib.crc32(head).to_bytes(4, "big"))
 
 
 def test_ack_made_by_the_documented_layout_parses() -> None:

@@ -16,6 +16,13 @@ Three paths, picked per region type:
 Large copies run in the copier's own worker threads (numpy and torch release the GIL), so the
 event loop keeps running decode steps; small ones (the last stage) run inline, saving the hop.
 
+Token slots: where every region names its token dimension and lives in host memory, the copier
+also moves single token slots (`gather_tokens` / `scatter_tokens`: the slots of a block not yet
+full, for the wire's token frames). Layout of a token-fused buffer of n slots: for each region in
+order, its [n, rest...] slice (block and token dimensions first, then the others in order).
+Device memory moves whole blocks only (token frames are not built for CUDA here: no GPU to test
+them on).
+
 Plain host memory (numpy arrays, contiguous torch CPU tensors) needs neither: `block_views`
 describes a frame as views of the KV memory itself, in fused order, so the sender hands them to
 one vectored send and a receiver can read into them (the kernel's socket copies are the only
@@ -82,8 +89,27 @@ def _host_view(region: KVRegion) -> KVRegion:
     if _is_torch(tensor) and not tensor.is_cuda and tensor.is_contiguous() and tensor.dim() > region.block_dim + 1:
         import torch
 
-        return KVRegion(tensor.view(torch.uint8).numpy(), region.block_dim)
+        return KVRegion(tensor.view(torch.uint8).numpy(), region.block_dim, region.token_dim)
     return region
+
+
+def _token_slots(layouts: Sequence[_RegionLayout]) -> int:
+    """Token slots per block when every region can move single slots (numpy, a token dimension
+    that is neither the block one nor the last, which a byte view widens); 0 otherwise."""
+    slots = set()
+    for layout in layouts:
+        tensor, region = layout.region.tensor, layout.region
+        if (_is_torch(tensor) or region.token_dim is None or region.token_dim == region.block_dim
+                or region.token_dim >= tensor.ndim - 1):
+            return 0
+        slots.add(tensor.shape[region.token_dim])
+    return slots.pop() if len(slots) == 1 else 0
+
+
+def _token_rows(layout: _RegionLayout) -> np.ndarray:
+    """The region as [blocks, slots, rest...] (a view: writes go through)."""
+    region = layout.region
+    return np.moveaxis(region.tensor, (region.block_dim, region.token_dim), (0, 1))
 
 
 class BlockCopier:
@@ -106,6 +132,8 @@ class BlockCopier:
             self._backend.warm_up(max(1, initial // max(self.block_bytes, 1)), self._staging[0])
         rows = [layout.byte_rows() for layout in self.layouts if layout.block_bytes]
         self._byte_rows = rows if self.kind == "host" and all(r is not None for r in rows) else None
+        self.block_size = _token_slots(self.layouts) if self.kind == "host" else 0  # (0: whole blocks only)
+        self.token_bytes = self.block_bytes // self.block_size if self.block_size else 0
 
     @staticmethod
     def _kind(tensor: Any) -> str:
@@ -130,6 +158,46 @@ class BlockCopier:
         if nbytes:
             await self._run(nbytes, self._backend.gather, list(block_ids), out)
         return memoryview(out)
+
+    def token_frame_bytes(self, num_tokens: int) -> int:
+        return num_tokens * self.token_bytes
+
+    def _slots(self, table: Sequence[int], start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """(block ids, slots) of token positions [start, stop) of a request whose blocks are
+        `table` (position p: slot p % block_size of block table[p // block_size])."""
+        assert self.block_size, "this KV layout moves whole blocks only"
+        positions = np.arange(start, stop, dtype=np.int64)
+        if stop > len(table) * self.block_size or start < 0:
+            raise IndexError(f"tokens [{start}, {stop}) outside {len(table)} blocks")
+        blocks = np.asarray(table, dtype=np.int64)[positions // self.block_size] if len(positions) else positions
+        num_blocks = min(layout.region.tensor.shape[layout.region.block_dim] for layout in self.layouts)
+        if len(blocks) and not (0 <= blocks.min() and blocks.max() < num_blocks):
+            raise IndexError(f"block id out of range (pool of {num_blocks})")
+        return blocks, positions % self.block_size
+
+    async def gather_tokens(self, table: Sequence[int], start: int, stop: int, slot: int) -> memoryview:
+        """Token positions [start, stop) fused into staging buffer `slot` (token-fused order;
+        small: a block's worth at most, inline)."""
+        nbytes = self.token_frame_bytes(stop - start)
+        if self._staging[slot].nbytes < nbytes:
+            self._staging[slot] = self._backend.new_host_buffer(_grown(nbytes))
+        out = self._staging[slot][:nbytes]
+        blocks, slots = self._slots(table, start, stop)
+        for layout, chunk in _token_views(self.layouts, out, len(blocks), self.block_size):
+            rows = _token_rows(layout)
+            chunk.view(rows.dtype).reshape((len(blocks),) + rows.shape[2:])[...] = rows[blocks, slots]
+        return memoryview(out)
+
+    async def scatter_tokens(self, table: Sequence[int], start: int, stop: int,
+                             payload: memoryview | np.ndarray) -> None:
+        """Write a token-fused buffer into token positions [start, stop) of `table`'s blocks."""
+        flat = np.frombuffer(payload, dtype=np.uint8) if not isinstance(payload, np.ndarray) else payload.reshape(-1)
+        if flat.nbytes != self.token_frame_bytes(stop - start):
+            raise ValueError(f"{flat.nbytes} bytes do not fill {stop - start} token slots of {self.token_bytes}")
+        blocks, slots = self._slots(table, start, stop)
+        for layout, chunk in _token_views(self.layouts, flat, len(blocks), self.block_size):
+            rows = _token_rows(layout)
+            rows[blocks, slots] = chunk.view(rows.dtype).reshape((len(blocks),) + rows.shape[2:])
 
     def block_views(self, block_ids: Sequence[int]) -> list[memoryview] | None:
         """The fused bytes of these blocks as (writable) views of the KV memory itself, in fused
@@ -189,6 +257,15 @@ def _views(layouts: Sequence[_RegionLayout], flat: Any, num_blocks: int):
     offset = 0
     for layout in layouts:
         size = layout.block_bytes * num_blocks
+        yield layout, flat[offset : offset + size]
+        offset += size
+
+
+def _token_views(layouts: Sequence[_RegionLayout], flat: Any, num_tokens: int, block_size: int):
+    """(layout, slice of `flat` for that region) in token-fused order."""
+    offset = 0
+    for layout in layouts:
+        size = layout.block_bytes // block_size * num_tokens
         yield layout, flat[offset : offset + size]
         offset += size
 

@@ -117,6 +117,7 @@ class IncomingMigrations(IncomingLeases):
     def _commit_problem(self, m: IncomingMigration, commit: MigrationCommit) -> str | None:
         if commit.request.request_id != m.request_id:
             return f"commit for request {commit.request.request_id}, lease is for {m.request_id}"
-        if not m.kv_complete:
-            return f"KV incomplete: {m.filled} of {len(m.block_ids)} blocks written"
+        if not m.kv_complete(commit.num_computed_tokens):
+            return (f"KV incomplete: {m.filled_tokens} of {commit.num_computed_tokens} tokens written "
+                    f"({m.filled} of {len(m.block_ids)} blocks)")
         return None

@@ -230,8 +230,12 @@ class FrameConnection(asyncio.BufferedProtocol):
             self._lowat = 0
 
     def _payload_targets(self, header: FrameHeader) -> list[memoryview]:
-        """Lent blocks when the sink lends them, else a staging buffer of ours."""
-        if header.payload_len and self.receiver.sink_lends_blocks:
+        """Lent blocks when the sink lends them, else a staging buffer of ours. Never lent while
+        a staged frame waits for its scatter: the sink admits a lent frame now and a staged one
+        when it is scattered, so lending past one would admit them out of order (a token frame
+        is staged, the whole blocks after it lent)."""
+        staged_waiting = len(self._buffers) - len(self._free_buffers)
+        if header.payload_len and self.receiver.sink_lends_blocks and not staged_waiting:
             lent = self.sink.open_frame(header)
             if isinstance(lent, AckStatus):
                 self._refusal = lent  # still read (and drop) the payload: the stream goes on

@@ -1,5 +1,7 @@
 """The source's side of the KV data plane: one TCP connection per destination, a stage at a time,
-each shipped as frames (`kv_wire`) and answered by one ack per frame. The last stage's last frame
+each shipped as frames (`kv_wire`) and answered by one ack per frame: whole blocks, and where the
+KV layout has token slots, the computed slots of a block not yet full as token frames (a `StagePlan`:
+the rest of a block begun, whole blocks, the slots of the last). The last stage's last frame
 carries the COMMIT; its ack is the commit's answer, and a commit whose ack never came is in doubt
 (`CommitOutcomeUnknown`: the source asks again over NATS).
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 from services.llumlet.migration import kv_auth
 from services.llumlet.migration.copier import BlockCopier
+from services.llumlet.migration.kv_plan import Chunk, TokenRun
 from services.llumlet.migration.kv_wire import (
     ACK_SIZE,
     AckStatus,
@@ -35,6 +38,7 @@ from services.llumlet.migration.kv_wire import (
     frame_chunks,
     pack_crc,
     parse_address,
+    token_chunks,
 )
 from services.llumlet.migration.protocol import (
     CommitOutcomeUnknown,
@@ -147,6 +151,7 @@ class StageTransfer:
     num_frames: int
     seconds: float
     committed: bool = False  # its last frame carried the commit, and the destination committed
+    num_tokens: int = 0  # token slots sent in token frames (beside the whole blocks)
 
 
 class KVConnection:
@@ -199,8 +204,10 @@ class KVConnection:
 
     async def send_stage(self, migration_id: str, stage: int, lease_offset: int, block_ids: Sequence[int],
                          copier: BlockCopier, checksum: Checksum, between_frames: Callable[[], None],
-                         commit: bytes = b"") -> StageTransfer:
-        """Ship the blocks as frames and wait for every ack. `between_frames` raises to stop
+                         commit: bytes = b"", tokens: TokenRun | None = None,
+                         head: TokenRun | None = None) -> StageTransfer:
+        """Ship the blocks as frames (`head` as token frames before them, `tokens` after) and
+        wait for every ack. `between_frames` raises to stop
         early (the request is gone). Any failure closes the connection (its framing state is
         unknown) and raises a MigrationFailed subclass.
 
@@ -209,8 +216,17 @@ class KVConnection:
         committed, raises DestinationRefused when it surely did not (its ack said so), and
         CommitOutcomeUnknown when the commit may have gone out but no ack came back."""
         loop = asyncio.get_running_loop()
-        chunks = frame_chunks(block_ids, copier.block_bytes, self.limits.effective_frame_bytes())
+        frame_bytes = self.limits.effective_frame_bytes()
+        chunks: list[Chunk] = list(frame_chunks(block_ids, copier.block_bytes, frame_bytes))
         total = copier.frame_bytes(len(block_ids))
+        runs = [run for run in (head, tokens) if run is not None and run.num_tokens]
+        if runs:
+            if not copier.token_bytes:
+                raise ValueError("token frames need a KV layout with token slots")
+            by_token = [[(run, chunk) for chunk in token_chunks(run.start, run.stop, copier.token_bytes, frame_bytes)]
+                        if run in runs else [] for run in (head, tokens)]
+            chunks = by_token[0] + [c for c in chunks if c] + by_token[1]
+            total += copier.token_frame_bytes(sum(run.num_tokens for run in runs))
         started = loop.time()
         self._commit_out = False
         try:
@@ -230,7 +246,8 @@ class KVConnection:
             raise failure from exc
         if commit and last.status is not AckStatus.COMMITTED:  # (a receiver that ignored the commit)
             raise DestinationRefused(f"commit not acknowledged: {last.status.name}")
-        return StageTransfer(len(block_ids), total, len(chunks), loop.time() - started, bool(commit))
+        return StageTransfer(len(block_ids), total, len(chunks), loop.time() - started, bool(commit),
+                             sum(run.num_tokens for run in runs))
 
     def _failure(self, exc: BaseException, stage: int) -> BaseException:
         """What a stage that broke off with `exc` raises."""
@@ -244,16 +261,21 @@ class KVConnection:
             return DestinationGone(f"KV connection to {self.address} failed: {exc!r}")
         return exc
 
-    async def _send_frames(self, migration_id: str, stage: int, lease_offset: int, chunks: list[list[int]],
+    async def _send_frames(self, migration_id: str, stage: int, lease_offset: int, chunks: list[Chunk],
                            copier: BlockCopier, checksum: Checksum, between_frames: Callable[[], None],
                            commit: bytes) -> None:
+        """Block frames are lists of block ids; token frames (run, (start, stop)) tuples."""
         loop, sock = asyncio.get_running_loop(), self._sock
 
-        async def gather(chunk: list[int], slot: int) -> list[memoryview]:
+        async def gather(chunk: Chunk, slot: int) -> list[memoryview]:
+            if isinstance(chunk, tuple):
+                (run, (start, stop)) = chunk
+                return [await copier.gather_tokens(run.table, start, stop, slot)]
             return [await copier.gather(chunk, slot)]
 
-        def prepare(chunk: list[int], slot: int) -> asyncio.Future:
-            views = copier.block_views(chunk)  # plain host memory: sent from the blocks themselves
+        def prepare(chunk: Chunk, slot: int) -> asyncio.Future:
+            views = None if isinstance(chunk, tuple) else copier.block_views(chunk)  # plain host memory: sent
+            # from the blocks themselves
             if views is None:
                 return asyncio.ensure_future(gather(chunk, slot))
             ready = loop.create_future()  # (awaited without a trip around the event loop: a last
@@ -274,9 +296,14 @@ class KVConnection:
                 nbytes = sum(view.nbytes for view in views)
                 carried = commit if i + 1 == len(chunks) else b""
                 self._commit_out = bool(carried)  # from its first byte on, the destination may commit
-                header = FrameHeader(migration_id, stage, offset, len(chunk), nbytes, commit_len=len(carried))
+                if isinstance(chunk, tuple):
+                    start, stop = chunk[1]
+                    header = FrameHeader(migration_id, stage, start, stop - start, nbytes, commit_len=len(carried),
+                                         tokens=True)
+                else:
+                    header = FrameHeader(migration_id, stage, offset, len(chunk), nbytes, commit_len=len(carried))
+                    offset += len(chunk)
                 await send_frame(loop, sock, header, views, checksum, carried)
-                offset += len(chunk)
                 sent += nbytes
         finally:
             if not pending.done():
@@ -337,12 +364,14 @@ class KVSenderPool:
 
     async def send_stage(self, address: str, migration_id: str, stage: int, lease_offset: int,
                          block_ids: Sequence[int], copier: BlockCopier,
-                         between_frames: Callable[[], None] = lambda: None, commit: bytes = b"") -> StageTransfer:
-        """See `KVConnection.send_stage` (`commit`: the last frame carries the COMMIT)."""
+                         between_frames: Callable[[], None] = lambda: None, commit: bytes = b"",
+                         tokens: TokenRun | None = None, head: TokenRun | None = None) -> StageTransfer:
+        """See `KVConnection.send_stage` (`commit`: the last frame carries the COMMIT; `head` and
+        `tokens`: token frames before and after the blocks)."""
         connection = self.connection(address)
         async with connection.lock:
             return await connection.send_stage(migration_id, stage, lease_offset, block_ids, copier, self.checksum,
-                                               between_frames, commit)
+                                               between_frames, commit, tokens, head)
 
     def close(self) -> None:
         for connection in self._connections.values():

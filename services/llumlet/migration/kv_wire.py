@@ -6,10 +6,12 @@ A stage of a migration is shipped as one or more frames of at most `frame_bytes`
 migration's COMMIT. Every integer is big-endian.
 
     frame   = header | payload | trailer [| commit | commit trailer]
-    header  = magic "CKV3" | version u16 (3) | flags u16 (0) | migration id 16 B (a UUID) |
-              stage u32 | lease offset u32 | num blocks u32 | payload length u64 |
+    header  = magic "CKV4" | version u16 (4) | flags u16 | migration id 16 B (a UUID) |
+              stage u32 | lease offset u32 | count u32 | payload length u64 |
               commit length u32 | header crc32 u32 (of everything before it)
-    payload = the blocks' bytes in fused order (see `copier.BlockCopier`)
+    flags   = bit 0 TOKENS: a token frame (below); every other bit 0
+    payload = the blocks' bytes in fused order (see `copier.BlockCopier`); a token frame's: the
+              token slots' bytes in token-fused order (`BlockCopier.gather_tokens`)
     trailer = crc32 u32 of the payload
     commit  = (commit length > 0 only) the msgpack `MigrationCommit`, then its crc32 u32
 
@@ -19,6 +21,10 @@ migration's COMMIT. Every integer is big-endian.
 
 The lease offset is the index, in the destination lease's reservation order, of the frame's first
 block: source block i of the request lands in lease block i, so frames of a stage come in order.
+A token frame counts token slots instead (offset and count): token position p of the request lands
+in slot p % block_size of lease block p // block_size. It carries the slots of a block not yet
+full, so the last stage sends only the tokens computed since the previous one, not whole blocks
+(v3 had no token frames: its receivers would read one as blocks, so v3 is refused).
 
 The receiver answers every frame with one ack, in frame order:
 - a header that does not parse (bad magic, bad crc, another version such as v1/v2, a payload over
@@ -54,9 +60,10 @@ from dataclasses import dataclass
 
 from services.llumlet.migration.protocol import migration_id_bytes, migration_id_from_bytes
 
-MAGIC = b"CKV3"
-ACK_MAGIC = b"CKA3"
-VERSION = 3
+MAGIC = b"CKV4"
+ACK_MAGIC = b"CKA3"  # (unchanged since v3)
+VERSION = 4
+FLAG_TOKENS = 1
 _HEADER = struct.Struct("!4sHH16sIIIQI")  # everything but the trailing header crc
 HEADER_SIZE = _HEADER.size + 4
 _CRC = struct.Struct("!I")  # the payload's and the commit's trailers
@@ -162,9 +169,11 @@ class FrameHeader:
     payload_len: int
     payload_crc: int = 0  # carried by the trailer: known once the payload is in
     commit_len: int = 0  # bytes of the commit section after the trailer (0: no commit)
+    tokens: bool = False  # a token frame: lease_offset and num_blocks count token slots
 
     def pack(self) -> bytes:
-        head = _HEADER.pack(MAGIC, VERSION, 0, migration_id_bytes(self.migration_id), self.stage,
+        flags = FLAG_TOKENS if self.tokens else 0
+        head = _HEADER.pack(MAGIC, VERSION, flags, migration_id_bytes(self.migration_id), self.stage,
                             self.lease_offset, self.num_blocks, self.payload_len, self.commit_len)
         return head + zlib.crc32(head).to_bytes(4, "big")
 
@@ -174,14 +183,17 @@ class FrameHeader:
             raise FrameError(f"header of {len(raw)} bytes, expected {HEADER_SIZE}")
         head = bytes(raw[: _HEADER.size])
         magic, version = head[:4], int.from_bytes(head[4:6], "big")
-        if magic[:3] == MAGIC[:3] and (magic != MAGIC or version != VERSION):  # v1, v2 (other layouts)
+        if magic[:3] == MAGIC[:3] and (magic != MAGIC or version != VERSION):  # v1-v3 (other layouts)
             raise FrameError(f"unsupported frame version {magic!r}/{version} (this receiver speaks {VERSION})")
         if zlib.crc32(head) != int.from_bytes(raw[_HEADER.size :], "big"):
             raise FrameError("header checksum mismatch")
-        magic, version, _flags, mid, stage, offset, num_blocks, length, commit_len = _HEADER.unpack(head)
+        magic, version, flags, mid, stage, offset, num_blocks, length, commit_len = _HEADER.unpack(head)
         if magic != MAGIC:
             raise FrameError(f"bad magic {magic!r}")
-        return FrameHeader(migration_id_from_bytes(mid), stage, offset, num_blocks, length, commit_len=commit_len)
+        if flags & ~FLAG_TOKENS:
+            raise FrameError(f"unknown frame flags {flags:#x}")
+        return FrameHeader(migration_id_from_bytes(mid), stage, offset, num_blocks, length, commit_len=commit_len,
+                           tokens=bool(flags & FLAG_TOKENS))
 
 
 @dataclass(frozen=True)
@@ -228,6 +240,13 @@ def frame_chunks(block_ids: Sequence[int], block_bytes: int, frame_bytes: int) -
         return [[]]
     per_frame = max(1, frame_bytes // block_bytes) if block_bytes else len(block_ids)
     return [list(block_ids[i : i + per_frame]) for i in range(0, len(block_ids), per_frame)]
+
+
+def token_chunks(start: int, stop: int, token_bytes: int, frame_bytes: int) -> list[tuple[int, int]]:
+    """Split token positions [start, stop) into token frames of at most `frame_bytes` (at least
+    one slot each) as [start, stop) ranges."""
+    per_frame = max(1, frame_bytes // token_bytes) if token_bytes else max(1, stop - start)
+    return [(i, min(stop, i + per_frame)) for i in range(start, stop, per_frame)]
 
 
 def commit_section(commit: bytes) -> bytes:

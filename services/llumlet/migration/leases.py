@@ -64,7 +64,8 @@ class IncomingMigration(MigrationLifecycle):
     reason: str = ""
     block_ids: list[int] = field(default_factory=list)  # the lease, in reservation order
     granted: dict[int, list[int]] = field(default_factory=dict)  # stage → blocks reserved for it
-    filled: int = 0  # lease blocks written so far (frames arrive in order)
+    filled_tokens: int = 0  # lease token positions written so far (frames arrive in order)
+    block_size: int = 0  # token slots per block (the engine's)
     cached_blocks: int = 0  # leading lease blocks this engine's prefix cache held: pinned, never sent
     writers: int = 0  # scatters in flight: the lease must not be released under them
     release_pending: bool = False
@@ -72,8 +73,14 @@ class IncomingMigration(MigrationLifecycle):
     prealloc_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # a reservation may await the engine
 
     @property
-    def kv_complete(self) -> bool:
-        return not self.writers and self.filled == len(self.block_ids)
+    def filled(self) -> int:
+        """Lease blocks written whole so far."""
+        return self.filled_tokens // self.block_size if self.block_size else 0
+
+    def kv_complete(self, num_computed_tokens: int) -> bool:
+        """Every position whose KV the request has computed is written (slots past them, in a
+        block not yet full, are the request's to write)."""
+        return not self.writers and self.filled_tokens >= min(num_computed_tokens, len(self.block_ids) * self.block_size)
 
 
 class IncomingLeases:
@@ -121,7 +128,8 @@ class IncomingLeases:
         refusal = self._refuse_new(msg)
         if refusal is not None:
             return PreAllocGrant(ok=False, reason=refusal)
-        m = self._migrations[msg.migration_id] = IncomingMigration(msg.migration_id, msg.request_id, 0.0)
+        m = self._migrations[msg.migration_id] = IncomingMigration(msg.migration_id, msg.request_id, 0.0,
+                                                                   block_size=self.ops.block_size)
         async with m.prealloc_lock:
             return await self._prealloc(m, msg)
 
@@ -168,7 +176,8 @@ class IncomingLeases:
         """The first grant binds the request to the cached blocks of its prefix held here (issue
         18 §4): they lead the lease, count as written, and the source never sends them."""
         pinned = await self.ops.pin_cached_prefix(m.migration_id, msg.block_hashes, msg.num_blocks)
-        m.filled = m.cached_blocks = len(pinned)
+        m.cached_blocks = len(pinned)
+        m.filled_tokens = m.cached_blocks * m.block_size
         return pinned
 
     def _guard_more(self, m: IncomingMigration, more: int) -> str | None:
@@ -238,8 +247,15 @@ class IncomingLeases:
         m = self._migrations.get(header.migration_id)
         if m is None or m.status.is_over:
             return AckStatus.UNKNOWN_MIGRATION
-        if header.lease_offset != m.filled or header.lease_offset + header.num_blocks > len(m.block_ids):
-            return AckStatus.BAD_RANGE
+        if header.tokens:  # token positions: the next ones, within the lease
+            if header.lease_offset != m.filled_tokens or header.lease_offset + header.num_blocks > len(m.block_ids) * m.block_size:
+                return AckStatus.BAD_RANGE
+            if (header.num_blocks and not self.copier.token_bytes) or header.payload_len != self.copier.token_frame_bytes(header.num_blocks):
+                return AckStatus.BAD_SIZE
+            return AckStatus.OK
+        if header.num_blocks and (header.lease_offset * m.block_size != m.filled_tokens
+                                  or header.lease_offset + header.num_blocks > len(m.block_ids)):
+            return AckStatus.BAD_RANGE  # (an empty frame, a commit's carrier, writes nothing anywhere)
         if header.payload_len != self.copier.frame_bytes(header.num_blocks):
             return AckStatus.BAD_SIZE
         return AckStatus.OK
@@ -252,7 +268,10 @@ class IncomingLeases:
         start = header.lease_offset
         m.writers += 1
         try:
-            await self.copier.scatter(m.block_ids[start : start + header.num_blocks], payload)
+            if header.tokens:
+                await self.copier.scatter_tokens(m.block_ids, start, start + header.num_blocks, payload)
+            else:
+                await self.copier.scatter(m.block_ids[start : start + header.num_blocks], payload)
         except BaseException:
             self._unpin(m, header, landed=False)
             raise
@@ -264,6 +283,8 @@ class IncomingLeases:
         status = self.admit(header)
         if status is not AckStatus.OK:
             return status
+        if header.tokens:
+            return None  # (a block's few slots: staged, then scattered)
         m = self._migrations[header.migration_id]
         start = header.lease_offset
         views = self.copier.block_views(m.block_ids[start : start + header.num_blocks])
@@ -286,7 +307,7 @@ class IncomingLeases:
         if m.status.is_over:
             return AckStatus.UNKNOWN_MIGRATION
         if landed:
-            m.filled += header.num_blocks
+            m.filled_tokens += header.num_blocks if header.tokens else header.num_blocks * m.block_size
             m.expires_at = max(m.expires_at, self._clock() + self.limits.lease_s)
         return AckStatus.OK
 

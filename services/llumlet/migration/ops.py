@@ -49,10 +49,12 @@ class MigrationSnapshot:
 class KVRegion:
     """One device tensor of the KV cache (numpy array or torch tensor) whose dimension
     `block_dim` indexes blocks. A block's bytes in a fused buffer are the slice at that index,
-    regions one after another; both instances of a migration have the same layout."""
+    regions one after another; both instances of a migration have the same layout.
+    `token_dim` indexes a block's token slots (None: not known, so only whole blocks move)."""
 
     tensor: Any
     block_dim: int = 0
+    token_dim: int | None = None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ class StageRecord:
     seconds: float  # the copy: fusion, wire, scatter and acks
     prealloc_s: float  # the PRE-ALLOC round trip before it (last stage: only a top-up while suspended)
     final: bool
+    num_tokens: int = 0  # token slots sent in token frames (a block not yet full), beside num_blocks
 
 
 @dataclass(eq=False)
@@ -28,6 +29,7 @@ class OutgoingMigration(MigrationLifecycle):
     reason: str = ""
     stage: int = 0
     blocks_sent: int = 0  # request blocks [0, blocks_sent) are on the destination
+    tokens_sent: int = 0  # request token positions [0, tokens_sent) are (≥ blocks_sent whole blocks)
     cached_blocks: int = 0  # leading blocks the destination's prefix cache held: never sent
     lease_blocks: int = 0  # blocks the destination has reserved for us
     stage_lease_start: int = 0  # lease blocks reserved before the current stage

@@ -117,6 +117,10 @@ class MigrationLimits:
     # Data plane (TCP).
     connect_timeout_s: float = 2.0
     frame_bytes: int = 16 << 20  # stages are shipped in frames of at most this (one gathers while one is sent)
+    # Source: send a block not yet full by its computed token slots (token frames), where the KV
+    # layout allows it, so the last stage carries only the tokens computed since the stage before;
+    # False: whole blocks only, as device memory moves here. Receivers take both either way.
+    token_frames: bool = True
     max_frame_bytes: int = 256 << 20  # receiver: larger frames are refused (connection closed)
     # Cap on the data plane's rate (0: none), so migrations leave bandwidth to everything else;
     # frames then shrink to about `throttle_frame_s` worth of bytes, so the cap is smooth.

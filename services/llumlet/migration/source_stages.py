@@ -27,6 +27,7 @@ from services.llumlet.migration.commit_outcome import ask_commit, tell_abort
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.departures import Departures
 from services.llumlet.migration.handshake import DestinationLink
+from services.llumlet.migration.kv_plan import StagePlan, plan_tokens
 from services.llumlet.migration.kv_sender import KVSenderPool, StageTransfer
 from services.llumlet.migration.ops import LivePhase, MigratableEngine, MigrationSnapshot
 from services.llumlet.migration.outgoing import OutgoingMigration, StageRecord
@@ -82,6 +83,9 @@ class StageDriver:
         self.notices = CommitNotifier(ops, link, steps, clock)  # (where the destination holds a step)
         self._stopping = stopping  # the source is stopping: every check fails
         self._on_refused = on_refused  # (the destination's id) it refused or failed: back off from it
+        # Blocks not yet full go by token slot where the layout has them (host memory) and the
+        # limits allow it (the receiving side takes both whatever its own setting).
+        self._by_token = copier is not None and bool(copier.token_bytes) and limits.token_frames
 
     async def drive(self, m: OutgoingMigration) -> None:
         """Run `m` to its end: committed (released here) or aborted (resumed here)."""
@@ -114,13 +118,19 @@ class StageDriver:
         a reservation on vLLM waits for the destination's engine step in flight (2-5 ms), which
         would otherwise sit in the downtime.
 
+        Where the KV layout moves single token slots (`BlockCopier.token_bytes`: host memory) and
+        `limits.token_frames` allows it, a stage sends every token computed so far, the slots of
+        a block not yet full by token (token frames): the last stage then sends only the tokens
+        computed since the previous one, not the whole blocks they fall in. Stages are decided
+        in blocks as before.
+
         A request its llumlet suspended before (a hand-off) has only the last stage."""
         if m.suspended_at is not None:
             snapshot = self._check(m, LivePhase.SUSPENDED)
             upto = snapshot.num_blocks
             prealloc_s = await self._prealloc(m, upto, snapshot.num_computed_tokens // self.ops.block_size)
             self._check(m, LivePhase.SUSPENDED)
-            await self._last_stage(m, upto, prealloc_s)
+            await self._last_stage(m, upto, snapshot.num_computed_tokens, prealloc_s)
             return
         block_size, rule = self.ops.block_size, self.limits.stage_rule()
         while True:
@@ -131,7 +141,7 @@ class StageDriver:
                 break
             prealloc_s = await self._prealloc(m, snapshot.num_blocks, full)
             self._check(m, LivePhase.RUNNING)
-            await self._copy(m, full, LivePhase.RUNNING, prealloc_s, final=False)
+            await self._copy(m, full, snapshot.num_computed_tokens, prealloc_s)
         await self._prealloc(m, snapshot.num_blocks, full)  # (off the downtime)
         self._check(m, LivePhase.RUNNING)
         if await self.notices.notice(m):
@@ -143,14 +153,15 @@ class StageDriver:
                 await self._prealloc(m, snapshot.num_blocks)
                 self._check(m, LivePhase.RUNNING)
         await self._suspend(m)
-        upto = self._check(m, LivePhase.SUSPENDED).num_blocks  # everything, the partial block too
+        suspended = self._check(m, LivePhase.SUSPENDED)
+        upto = suspended.num_blocks  # everything, the partial block too
         if upto < m.lease_blocks:
             raise SourceAborted(f"request holds {upto} blocks, fewer than the {m.lease_blocks} reserved")
         prealloc_s = 0.0
         if upto > m.lease_blocks:
             prealloc_s = await self._prealloc(m, upto)
             self._check(m, LivePhase.SUSPENDED)
-        await self._last_stage(m, upto, prealloc_s)
+        await self._last_stage(m, upto, suspended.num_computed_tokens, prealloc_s)
 
     async def _suspend(self, m: OutgoingMigration) -> None:
         asked = self._clock()
@@ -163,21 +174,33 @@ class StageDriver:
         # before the last stage takes the loop, so the client does not get it a copy later.
         await asyncio.sleep(0)
 
-    async def _copy(self, m: OutgoingMigration, upto: int, phase: LivePhase, prealloc_s: float, final: bool) -> None:
-        """Copy request blocks [blocks_sent, upto) into lease blocks of the same indices."""
+    async def _copy(self, m: OutgoingMigration, upto: int, computed: int, prealloc_s: float) -> None:
+        """A live stage: request blocks [blocks_sent, upto) into lease blocks of the same indices
+        (with token slots: every position up to `computed`, whose KV is final)."""
         assert upto <= m.lease_blocks, (upto, m.lease_blocks)
-        block_ids = self.ops.block_ids_of(m.request_id)[m.blocks_sent : upto]
+        plan = self._pending(m, computed) if self._by_token else StagePlan(
+            None, m.blocks_sent, self.ops.block_ids_of(m.request_id)[m.blocks_sent : upto], None)
         started = self._clock()
         transfer = StageTransfer(0, 0, 0, 0.0)
-        if block_ids:
-            transfer = await self.senders.send_stage(m.kv_address, m.migration_id, m.stage, m.blocks_sent,
-                                                     block_ids, self.copier, lambda: self._check(m, phase))
-            self._check(m, phase)
-        m.stages.append(StageRecord(m.stage, len(block_ids), transfer.num_bytes, self._clock() - started,
-                                    prealloc_s, final))
+        if not plan.is_empty:
+            transfer = await self._send(m, plan, LivePhase.RUNNING)
+            self._check(m, LivePhase.RUNNING)
+        m.stages.append(StageRecord(m.stage, upto - m.blocks_sent, transfer.num_bytes, self._clock() - started,
+                                    prealloc_s, False, plan.num_tokens))
         m.blocks_sent = upto
+        m.tokens_sent = computed if self._by_token else upto * self.ops.block_size
         m.stage += 1
         m.stage_lease_start = m.lease_blocks
+
+    async def _send(self, m: OutgoingMigration, plan: StagePlan, phase: LivePhase, commit: bytes = b"") -> StageTransfer:
+        return await self.senders.send_stage(m.kv_address, m.migration_id, m.stage, plan.first_block, plan.block_ids,
+                                             self.copier, lambda: self._check(m, phase), commit, plan.tail, plan.head)
+
+    def _pending(self, m: OutgoingMigration, stop: int) -> StagePlan:
+        """What sends token positions [tokens_sent, stop), where the layout moves token slots."""
+        assert self._by_token and self.ops.block_size == self.copier.block_size, (self.ops.block_size,
+                                                                                 self.copier.block_size)
+        return plan_tokens(self.ops.block_ids_of(m.request_id), m.tokens_sent, stop, self.ops.block_size)
 
     async def _prealloc(self, m: OutgoingMigration, upto: int, full: int = 0) -> float:
         """Reserve lease blocks up to `upto` for this stage (again within a stage: a top-up);
@@ -197,6 +220,7 @@ class StageDriver:
             if grant.num_cached_blocks > len(hashes):
                 raise DestinationRefused(f"bad pre-alloc grant ({grant.num_cached_blocks} cached of {len(hashes)})")
             m.blocks_sent = m.cached_blocks = grant.num_cached_blocks  # there already: never sent
+            m.tokens_sent = m.blocks_sent * self.ops.block_size
         m.lease_blocks = upto
         m.kv_address = grant.kv_address
         m.dst_hold_max_s = grant.hold_max_s
@@ -217,32 +241,37 @@ class StageDriver:
 
     # -- the last stage, commit and abort ----------------------------------------------------------
 
-    async def _last_stage(self, m: OutgoingMigration, upto: int, prealloc_s: float) -> None:
-        """Copy the rest with the COMMIT in the last frame; that frame's ack answers it (the
-        downtime holds one TCP round trip, no NATS hop). Only when that ack is lost does the NATS
-        COMMIT (idempotent) learn the outcome; a refusal raises (→ abort, resumes here)."""
+    async def _last_stage(self, m: OutgoingMigration, upto: int, num_computed_tokens: int, prealloc_s: float) -> None:
+        """Copy the rest (every computed token, the request holding `upto` blocks) with the
+        COMMIT in the last frame; that frame's ack answers it (the downtime holds one TCP round
+        trip, no NATS hop). Only when that ack is lost does the NATS COMMIT (idempotent) learn
+        the outcome; a refusal raises (→ abort, resumes here)."""
         commit = self.ops.migration_commit(m.request_id, m.migration_id)
         commit.departures = self.departures.leaving(m.request_id, self.instance_id)
         commit.source_instance_id = self.instance_id
         assert upto <= m.lease_blocks, (upto, m.lease_blocks)
-        block_ids = self.ops.block_ids_of(m.request_id)[m.blocks_sent : upto]
+        if self._by_token:
+            plan = self._pending(m, max(m.tokens_sent, num_computed_tokens))
+        else:  # whole blocks, the partial last one included
+            plan = StagePlan(None, m.blocks_sent, self.ops.block_ids_of(m.request_id)[m.blocks_sent : upto], None)
         raw = encode(commit)
         asked = m.commit_sent_at = self._clock()
         m.commit_via, m.commit_sent = "frame", True
         try:
-            transfer = await self.senders.send_stage(m.kv_address, m.migration_id, m.stage, m.blocks_sent, block_ids,
-                                                     self.copier, lambda: self._check(m, LivePhase.SUSPENDED), raw)
+            transfer = await self._send(m, plan, LivePhase.SUSPENDED, raw)
             committed: bool | None = transfer.committed
             num_bytes = transfer.num_bytes
         except CommitOutcomeUnknown as exc:
             log.warning("migration %s: %s; asking over NATS", m.migration_id, exc)
             m.commit_via = "frame+nats"
             committed = await ask_commit(self.link, self.limits, m.dst, commit, self._clock)
-            num_bytes = self.copier.frame_bytes(len(block_ids))
+            num_bytes = self.copier.frame_bytes(len(plan.block_ids)) + self.copier.token_frame_bytes(plan.num_tokens)
         now = self._clock()
         # No re-check here: once committed, the request is the destination's whatever happens.
-        m.stages.append(StageRecord(m.stage, len(block_ids), num_bytes, now - asked, prealloc_s, True))
+        m.stages.append(StageRecord(m.stage, upto - m.blocks_sent, num_bytes, now - asked, prealloc_s, True,
+                                    plan.num_tokens))
         m.blocks_sent = upto
+        m.tokens_sent = max(m.tokens_sent, num_computed_tokens)
         m.stage += 1
         await self._committed(m, committed, asked)
 
@@ -263,9 +292,10 @@ class StageDriver:
         m.release_s = self._clock() - now
         m.finish(self._clock())
         log.info("migrated %s to %s in %d stages (downtime %.1f ms), commit via %s; KV: %d of %d blocks sent "
-                 "(%d bytes), %d cached there", m.request_id, m.dst, m.stage, 1e3 * (m.downtime_s or 0.0),
-                 m.commit_via, m.lease_blocks - m.cached_blocks, m.lease_blocks,
-                 sum(s.num_bytes for s in m.stages), m.cached_blocks)
+                 "(%d bytes for %d tokens), %d cached there", m.request_id, m.dst, m.stage,
+                 1e3 * (m.downtime_s or 0.0), m.commit_via, m.lease_blocks - m.cached_blocks, m.lease_blocks,
+                 sum(s.num_bytes for s in m.stages), m.tokens_sent - m.cached_blocks * self.ops.block_size,
+                 m.cached_blocks)
 
     async def _abort(self, m: OutgoingMigration, exc: MigrationFailed, in_doubt: bool = False) -> None:
         """End the migration here: the request resumes on the source, the destination gets an

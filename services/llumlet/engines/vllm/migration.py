@@ -88,6 +88,9 @@ class VllmMigration:
             if not kv_caches:
                 raise EngineError("vLLM registered no KV cache with Corral's connector (kv_connector off?)")
             # One tensor per layer, [num_blocks, kv_heads, block_size, 2·head_dim]: blocks on dim 0.
+            # Whole blocks only (no token dim): inside a block, CPU attention stores keys
+            # transposed ([head_dim, block_size]; an ISA kernel may pack it further), so one token's key
+            # spans the block and its slots are no tensor dimension (tests/vllm/test_vllm_kv_layout.py).
             self._regions = tuple(KVRegion(tensor, 0) for tensor in kv_caches.values())
         return self._regions
 
