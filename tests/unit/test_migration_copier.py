@@ -279,7 +279,7 @@ def test_strided_tensors_are_gathered_instead(any_piece_size) -> None:
 # -- token slots (the wire's token frames) -------------------------------------------------------
 
 
-async def test_token_slots_round_trip_into_other_blocks_and_touch_nothing_else() -> None:
+def test_token_slots_round_trip_into_other_blocks_and_touch_nothing_else() -> None:
     """[blocks, heads, slots, dim] (vLLM CPU's layout) and [blocks, slots, bytes] (the simulated
     engine's), two regions: positions [3, 10) of a 4-slot table land in the same positions of
     another table, and no other slot is written."""
@@ -289,9 +289,9 @@ async def test_token_slots_round_trip_into_other_blocks_and_touch_nothing_else()
     a = BlockCopier([KVRegion(src[0], 0, 2), KVRegion(src[1], 0, 1)])
     b = BlockCopier([KVRegion(dst[0], 0, 2), KVRegion(dst[1], 0, 1)])
     assert a.block_size == 4 and a.token_bytes == a.block_bytes // 4 == 3 * 6 + 8
-    fused = await a.gather_tokens([5, 2, 7], 3, 10, slot=0)
+    fused = a.gather_tokens([5, 2, 7], 3, 10, slot=0)
     assert fused.nbytes == a.token_frame_bytes(7)
-    await b.scatter_tokens([1, 8, 9], 3, 10, fused)
+    b.scatter_tokens([1, 8, 9], 3, 10, fused)
     expected = [np.zeros_like(x) for x in src]
     for p in range(3, 10):
         (s_block, d_block), slot = ([5, 2, 7][p // 4], [1, 8, 9][p // 4]), p % 4
@@ -299,9 +299,9 @@ async def test_token_slots_round_trip_into_other_blocks_and_touch_nothing_else()
         expected[1][d_block, slot] = src[1][s_block, slot]
     assert all(np.array_equal(x, y) for x, y in zip(dst, expected))
     with pytest.raises(ValueError):
-        await b.scatter_tokens([1, 8, 9], 3, 10, fused[:-1])
+        b.scatter_tokens([1, 8, 9], 3, 10, fused[:-1])
     with pytest.raises(IndexError):
-        await a.gather_tokens([5, 2], 3, 10, slot=0)  # past the table
+        a.gather_tokens([5, 2], 3, 10, slot=0)  # past the table
     a.close()
     b.close()
 
@@ -314,12 +314,12 @@ def test_layouts_without_token_slots_move_whole_blocks_only() -> None:
         copier.close()
 
 
-async def test_torch_cpu_token_slots_round_trip() -> None:
+def test_torch_cpu_token_slots_round_trip() -> None:
     torch = pytest.importorskip("torch")
     src = torch.arange(8 * 2 * 4 * 6, dtype=torch.float16).reshape(8, 2, 4, 6)
     dst = torch.zeros_like(src)
     a, b = BlockCopier([KVRegion(src, 0, 2)]), BlockCopier([KVRegion(dst, 0, 2)])
-    await b.scatter_tokens([3, 1], 2, 7, await a.gather_tokens([6, 0], 2, 7, slot=1))
+    b.scatter_tokens([3, 1], 2, 7, a.gather_tokens([6, 0], 2, 7, slot=1))
     assert torch.equal(dst[3, :, 2:], src[6, :, 2:]) and torch.equal(dst[1, :, :3], src[0, :, :3])
     assert dst[3, :, :2].abs().sum() == 0 and dst[1, :, 3:].abs().sum() == 0
     a.close()

@@ -393,25 +393,28 @@ async def test_garbage_or_foreign_commit_in_a_frame_ends_the_migration(setup) ->
     assert setup.engine.get_request("q") is None and setup.engine.num_reserved_blocks() == 0
 
 
-def test_token_frames_around_lent_blocks_land_in_order_through_a_receiver() -> None:
-    """Over a real connection: a token frame leaves a block begun; the next stage's head token
-    frame (staged: a few slots) is followed by whole blocks the receiver would lend (16 KiB
-    pieces) and a tail token frame. The sink admits a lent frame at its header and a staged one
-    at its scatter, so the receiver lends nothing while a staged frame waits: every frame is
-    admitted in order and the destination holds every computed token's bytes. On uvloop, as the
-    llumlets run: it reads the next header before the worker scatters a staged frame."""
-    uvloop.run(token_frames_around_lent_blocks())
+@pytest.mark.parametrize("kv_bytes_per_token", [64, 4096], ids=["blocks-staged", "blocks-lent"])
+def test_token_frames_around_whole_blocks_land_in_order_through_a_receiver(kv_bytes_per_token) -> None:
+    """Over a real connection: a token frame leaves a block begun; the next stage sends the rest
+    of it by token, whole blocks, and the slots of the last by token. Token frames are lent (a
+    buffer of the lease, scattered as the frame ends); whole blocks are lent where their pieces
+    are large (16 KiB) and staged where small (scattered by the connection's worker later). The
+    sink admits a lent frame at its header and a staged one at its scatter, so the receiver
+    lends nothing while a staged frame waits: every frame is admitted in order, and the
+    destination holds every computed token's bytes. On uvloop, as the llumlets run: it reads
+    the next header before the worker scatters a staged frame."""
+    uvloop.run(token_frames_around_whole_blocks(kv_bytes_per_token))
 
 
-async def token_frames_around_lent_blocks() -> None:
-    config = sim_config(kv_bytes_per_token=4096)
+async def token_frames_around_whole_blocks(kv_bytes_per_token: int) -> None:
+    config = sim_config(kv_bytes_per_token=kv_bytes_per_token)
     src, dst = SimEngine(config), SimEngine(config)
     src.add_request(gen("r", 30, 60))
     await decode_steps(src, 4)
     await src.migration_ops().suspend("r")
     blocks, computed = src.block_ids_of("r"), src.get_request("r").num_computed_tokens
     src_copier, dst_copier = BlockCopier(src.migration_ops().kv_regions()), BlockCopier(dst.migration_ops().kv_regions())
-    assert dst_copier.block_views([1, 2]) is not None  # (whole blocks here are lent)
+    assert (dst_copier.block_views([1, 2]) is not None) == (kv_bytes_per_token == 4096)  # (lent whole blocks)
     incoming = IncomingMigrations(dst.migration_ops(), dst_copier, LIMITS)
     receiver = KVReceiver(incoming, LIMITS, dst_copier.new_host_buffer)
     address = await receiver.start()

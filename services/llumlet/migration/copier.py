@@ -175,9 +175,10 @@ class BlockCopier:
             raise IndexError(f"block id out of range (pool of {num_blocks})")
         return blocks, positions % self.block_size
 
-    async def gather_tokens(self, table: Sequence[int], start: int, stop: int, slot: int) -> memoryview:
-        """Token positions [start, stop) fused into staging buffer `slot` (token-fused order;
-        small: a block's worth at most, inline)."""
+    def gather_tokens(self, table: Sequence[int], start: int, stop: int, slot: int) -> memoryview:
+        """Token positions [start, stop) fused into staging buffer `slot` (token-fused order).
+        Synchronous: a few slots, whose bytes go out at once (no trip around the event loop, in
+        the downtime every hop counts)."""
         nbytes = self.token_frame_bytes(stop - start)
         if self._staging[slot].nbytes < nbytes:
             self._staging[slot] = self._backend.new_host_buffer(_grown(nbytes))
@@ -188,9 +189,9 @@ class BlockCopier:
             chunk.view(rows.dtype).reshape((len(blocks),) + rows.shape[2:])[...] = rows[blocks, slots]
         return memoryview(out)
 
-    async def scatter_tokens(self, table: Sequence[int], start: int, stop: int,
-                             payload: memoryview | np.ndarray) -> None:
-        """Write a token-fused buffer into token positions [start, stop) of `table`'s blocks."""
+    def scatter_tokens(self, table: Sequence[int], start: int, stop: int, payload: memoryview | np.ndarray) -> None:
+        """Write a token-fused buffer into token positions [start, stop) of `table`'s blocks
+        (synchronous, as `gather_tokens`)."""
         flat = np.frombuffer(payload, dtype=np.uint8) if not isinstance(payload, np.ndarray) else payload.reshape(-1)
         if flat.nbytes != self.token_frame_bytes(stop - start):
             raise ValueError(f"{flat.nbytes} bytes do not fill {stop - start} token slots of {self.token_bytes}")

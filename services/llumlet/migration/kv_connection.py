@@ -232,8 +232,8 @@ class FrameConnection(asyncio.BufferedProtocol):
     def _payload_targets(self, header: FrameHeader) -> list[memoryview]:
         """Lent blocks when the sink lends them, else a staging buffer of ours. Never lent while
         a staged frame waits for its scatter: the sink admits a lent frame now and a staged one
-        when it is scattered, so lending past one would admit them out of order (a token frame
-        is staged, the whole blocks after it lent)."""
+        when it is scattered, so lending past one would admit them out of order (whole blocks
+        of small pieces are staged, the token frame after them lent)."""
         staged_waiting = len(self._buffers) - len(self._free_buffers)
         if header.payload_len and self.receiver.sink_lends_blocks and not staged_waiting:
             lent = self.sink.open_frame(header)

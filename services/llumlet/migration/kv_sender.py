@@ -267,15 +267,15 @@ class KVConnection:
         """Block frames are lists of block ids; token frames (run, (start, stop)) tuples."""
         loop, sock = asyncio.get_running_loop(), self._sock
 
-        async def gather(chunk: Chunk, slot: int) -> list[memoryview]:
-            if isinstance(chunk, tuple):
-                (run, (start, stop)) = chunk
-                return [await copier.gather_tokens(run.table, start, stop, slot)]
+        async def gather(chunk: list[int], slot: int) -> list[memoryview]:
             return [await copier.gather(chunk, slot)]
 
         def prepare(chunk: Chunk, slot: int) -> asyncio.Future:
-            views = None if isinstance(chunk, tuple) else copier.block_views(chunk)  # plain host memory: sent
-            # from the blocks themselves
+            if isinstance(chunk, tuple):  # a few token slots: gathered here and now
+                (run, (start, stop)) = chunk
+                views = [copier.gather_tokens(run.table, start, stop, slot)]
+            else:
+                views = copier.block_views(chunk)  # plain host memory: sent from the blocks themselves
             if views is None:
                 return asyncio.ensure_future(gather(chunk, slot))
             ready = loop.create_future()  # (awaited without a trip around the event loop: a last

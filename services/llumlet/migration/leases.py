@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from services.llumlet.migration.commit_hold import CommitHold
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.kv_wire import AckStatus, FrameHeader
@@ -68,6 +70,7 @@ class IncomingMigration(MigrationLifecycle):
     block_size: int = 0  # token slots per block (the engine's)
     cached_blocks: int = 0  # leading lease blocks this engine's prefix cache held: pinned, never sent
     writers: int = 0  # scatters in flight: the lease must not be released under them
+    token_buffer: np.ndarray | None = None  # a token frame being received (lent: `open_frame`)
     release_pending: bool = False
     ended_at: float | None = None
     prealloc_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # a reservation may await the engine
@@ -269,7 +272,7 @@ class IncomingLeases:
         m.writers += 1
         try:
             if header.tokens:
-                await self.copier.scatter_tokens(m.block_ids, start, start + header.num_blocks, payload)
+                self.copier.scatter_tokens(m.block_ids, start, start + header.num_blocks, payload)
             else:
                 await self.copier.scatter(m.block_ids[start : start + header.num_blocks], payload)
         except BaseException:
@@ -283,11 +286,13 @@ class IncomingLeases:
         status = self.admit(header)
         if status is not AckStatus.OK:
             return status
-        if header.tokens:
-            return None  # (a block's few slots: staged, then scattered)
         m = self._migrations[header.migration_id]
         start = header.lease_offset
-        views = self.copier.block_views(m.block_ids[start : start + header.num_blocks])
+        if header.tokens:  # a few slots: into a buffer of the lease, scattered at close_frame
+            m.token_buffer = np.empty(header.payload_len, dtype=np.uint8)
+            views = [memoryview(m.token_buffer)]
+        else:
+            views = self.copier.block_views(m.block_ids[start : start + header.num_blocks])
         if views is not None:
             m.writers += 1
         return views
@@ -296,6 +301,11 @@ class IncomingLeases:
         m = self._migrations.get(header.migration_id)
         if m is None:
             return AckStatus.UNKNOWN_MIGRATION
+        if header.tokens:
+            buffer, m.token_buffer = m.token_buffer, None
+            if ok and not m.status.is_over:  # (inline: a few slots, and the commit may follow)
+                self.copier.scatter_tokens(m.block_ids, header.lease_offset, header.lease_offset + header.num_blocks,
+                                           buffer)
         return self._unpin(m, header, landed=ok)
 
     def _unpin(self, m: IncomingMigration, header: FrameHeader, landed: bool) -> AckStatus:
