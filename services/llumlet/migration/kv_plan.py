@@ -48,8 +48,11 @@ class StagePlan:
 
 def plan_tokens(table: Sequence[int], sent: int, stop: int, block_size: int) -> StagePlan:
     """A stage that sends token positions [sent, stop) of a request whose blocks are `table`:
-    the rest of a block begun by token, whole blocks, then the slots of the block `stop` falls in."""
+    the rest of a block begun by token, whole blocks, then the slots of the block `stop` falls in.
+    With no whole block among them, one token frame for all (a last stage: one frame, one ack)."""
     assert 0 <= sent <= stop <= len(table) * block_size, (sent, stop, len(table))
+    if -(-sent // block_size) >= stop // block_size:  # no block wholly inside
+        return StagePlan(None, sent // block_size, [], TokenRun(table, sent, stop))
     pos, head = sent, None
     if pos % block_size:
         head = TokenRun(table, pos, min(stop, (pos // block_size + 1) * block_size))
