@@ -106,7 +106,8 @@ def print_summary(result: dict) -> None:
           f"[token frames: {result['settings']['limits']['token_frames']}]")
     for length in result["settings"]["lengths"]:
         print(f"{length:>6}  {result['live_downtime_ms_by_length'][length]:8.2f}  "
-              f"{result['live_stages_by_length'][length]:6.1f}  {result['live_last_stage_kib_by_length'][length]:15.1f}  "
+              f"{result['live_stages_by_length'][length]:6.1f}  "
+              f"{result['live_last_stage_kib_by_length'][length]:15.1f}  "
               f"{result['blocking_downtime_ms_by_length'][length]:12.1f}  "
               f"{result['recompute_ttft_ms_by_length'][length]:13.1f}")
     print_stalls(result["live_client_stall_ms_by_length"])

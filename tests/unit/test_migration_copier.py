@@ -308,7 +308,8 @@ def test_token_slots_round_trip_into_other_blocks_and_touch_nothing_else() -> No
 
 def test_layouts_without_token_slots_move_whole_blocks_only() -> None:
     pool = np.zeros((4, 2, 8), dtype=np.uint8)
-    for regions in ([KVRegion(pool)], [KVRegion(pool, 0, 2)], [KVRegion(pool, 0, 1), KVRegion(np.zeros((4, 3, 8), np.uint8), 0, 1)]):
+    other_slots = np.zeros((4, 3, 8), np.uint8)
+    for regions in ([KVRegion(pool)], [KVRegion(pool, 0, 2)], [KVRegion(pool, 0, 1), KVRegion(other_slots, 0, 1)]):
         copier = BlockCopier(regions)  # no token dim; the last (a byte view widens it); slots differ
         assert copier.token_bytes == 0 and copier.block_size == 0
         copier.close()

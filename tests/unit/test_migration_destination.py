@@ -19,7 +19,8 @@ from services.llumlet.migration.kv_wire import AckStatus, FrameHeader
 from services.llumlet.migration.protocol import ALREADY_COMMITTED, MigrationLimits, MigrationStatus, new_migration_id
 from services.llumlet.migration.protocol import DestinationRefused
 from shared.messages import MigrationAbort, PreAlloc, encode
-from tests.unit.migration_helpers import BLOCK_SIZE, FakeClock, decode_steps, export_kv, gen, import_kv, sim_config, verify_kv
+from tests.unit.migration_helpers import (BLOCK_SIZE, FakeClock, decode_steps, export_kv, gen, import_kv, sim_config,
+                                          verify_kv)
 
 LIMITS = MigrationLimits(lease_s=2.0, max_in=2)
 
@@ -241,6 +242,22 @@ async def test_token_frames_continue_the_lease_by_slot(setup) -> None:
     other.copier.close()
 
 
+async def test_a_token_frame_that_fails_to_land_fails_and_unpins_the_lease(setup, monkeypatch) -> None:
+    mid = new_migration_id()
+    await setup.prealloc(mid, 0, 2)
+    header = FrameHeader(mid, 0, 0, 3, setup.copier.token_frame_bytes(3), tokens=True)
+    (view,) = setup.incoming.open_frame(header)
+    assert view.nbytes == header.payload_len and setup.incoming.get(mid).writers == 1
+
+    def broken(*args) -> None:
+        raise RuntimeError("scatter broke")
+
+    monkeypatch.setattr(setup.copier, "scatter_tokens", broken)
+    assert setup.incoming.close_frame(header, ok=True) is AckStatus.FAILED
+    m = setup.incoming.get(mid)
+    assert m.writers == 0 and m.filled_tokens == 0 and m.token_buffer is None
+
+
 async def test_the_commit_needs_the_computed_tokens_written_not_the_slots_past_them(setup) -> None:
     mid = new_migration_id()
     await setup.prealloc(mid, 0, 2)
@@ -413,7 +430,8 @@ async def token_frames_around_whole_blocks(kv_bytes_per_token: int) -> None:
     await decode_steps(src, 4)
     await src.migration_ops().suspend("r")
     blocks, computed = src.block_ids_of("r"), src.get_request("r").num_computed_tokens
-    src_copier, dst_copier = BlockCopier(src.migration_ops().kv_regions()), BlockCopier(dst.migration_ops().kv_regions())
+    src_copier = BlockCopier(src.migration_ops().kv_regions())
+    dst_copier = BlockCopier(dst.migration_ops().kv_regions())
     assert (dst_copier.block_views([1, 2]) is not None) == (kv_bytes_per_token == 4096)  # (lent whole blocks)
     incoming = IncomingMigrations(dst.migration_ops(), dst_copier, LIMITS)
     receiver = KVReceiver(incoming, LIMITS, dst_copier.new_host_buffer)

@@ -83,7 +83,8 @@ class IncomingMigration(MigrationLifecycle):
     def kv_complete(self, num_computed_tokens: int) -> bool:
         """Every position whose KV the request has computed is written (slots past them, in a
         block not yet full, are the request's to write)."""
-        return not self.writers and self.filled_tokens >= min(num_computed_tokens, len(self.block_ids) * self.block_size)
+        capacity = len(self.block_ids) * self.block_size
+        return not self.writers and self.filled_tokens >= min(num_computed_tokens, capacity)
 
 
 class IncomingLeases:
@@ -251,9 +252,12 @@ class IncomingLeases:
         if m is None or m.status.is_over:
             return AckStatus.UNKNOWN_MIGRATION
         if header.tokens:  # token positions: the next ones, within the lease
-            if header.lease_offset != m.filled_tokens or header.lease_offset + header.num_blocks > len(m.block_ids) * m.block_size:
+            end = header.lease_offset + header.num_blocks
+            if header.lease_offset != m.filled_tokens or end > len(m.block_ids) * m.block_size:
                 return AckStatus.BAD_RANGE
-            if (header.num_blocks and not self.copier.token_bytes) or header.payload_len != self.copier.token_frame_bytes(header.num_blocks):
+            if header.num_blocks and not self.copier.token_bytes:
+                return AckStatus.BAD_SIZE  # (this layout has no token slots)
+            if header.payload_len != self.copier.token_frame_bytes(header.num_blocks):
                 return AckStatus.BAD_SIZE
             return AckStatus.OK
         if header.num_blocks and (header.lease_offset * m.block_size != m.filled_tokens
@@ -304,8 +308,13 @@ class IncomingLeases:
         if header.tokens:
             buffer, m.token_buffer = m.token_buffer, None
             if ok and not m.status.is_over:  # (inline: a few slots, and the commit may follow)
-                self.copier.scatter_tokens(m.block_ids, header.lease_offset, header.lease_offset + header.num_blocks,
-                                           buffer)
+                try:
+                    self.copier.scatter_tokens(m.block_ids, header.lease_offset,
+                                               header.lease_offset + header.num_blocks, buffer)
+                except Exception:  # (admitted, so a bug: the frame fails, the lease is unpinned)
+                    log.exception("token frame of migration %s failed", m.migration_id)
+                    self._unpin(m, header, landed=False)
+                    return AckStatus.FAILED
         return self._unpin(m, header, landed=ok)
 
     def _unpin(self, m: IncomingMigration, header: FrameHeader, landed: bool) -> AckStatus:

@@ -192,7 +192,8 @@ class StageDriver:
         m.stage += 1
         m.stage_lease_start = m.lease_blocks
 
-    async def _send(self, m: OutgoingMigration, plan: StagePlan, phase: LivePhase, commit: bytes = b"") -> StageTransfer:
+    async def _send(self, m: OutgoingMigration, plan: StagePlan, phase: LivePhase,
+                    commit: bytes = b"") -> StageTransfer:
         return await self.senders.send_stage(m.kv_address, m.migration_id, m.stage, plan.first_block, plan.block_ids,
                                              self.copier, lambda: self._check(m, phase), commit, plan.tail, plan.head)
 

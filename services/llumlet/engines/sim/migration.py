@@ -67,7 +67,8 @@ class SimMigration:
         self.block_size = engine.block_size
         pool = engine.kv_pool
         # [blocks, slots, bytes of a token]: a view of the pool (the same fused bytes as its rows)
-        self._regions = () if pool is None else (KVRegion(pool.data.reshape(pool.num_blocks, pool.block_size, -1), 0, 1),)
+        self._regions = () if pool is None else (
+            KVRegion(pool.data.reshape(pool.num_blocks, pool.block_size, -1), 0, 1),)
         self._migrated_in_at: dict[str, float] = {}  # request id → when it was committed here
         self._first_step_due: dict[str, float] = {}  # committed here, no token yet: its commit (monotonic)
 
