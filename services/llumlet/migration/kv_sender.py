@@ -151,7 +151,6 @@ class StageTransfer:
     num_frames: int
     seconds: float
     committed: bool = False  # its last frame carried the commit, and the destination committed
-    num_tokens: int = 0  # token slots sent in token frames (beside the whole blocks)
 
 
 class KVConnection:
@@ -219,14 +218,17 @@ class KVConnection:
         frame_bytes = self.limits.effective_frame_bytes()
         chunks: list[Chunk] = list(frame_chunks(block_ids, copier.block_bytes, frame_bytes))
         total = copier.frame_bytes(len(block_ids))
-        runs = [run for run in (head, tokens) if run is not None and run.num_tokens]
-        if runs:
+        def by_token(run: TokenRun | None) -> list[Chunk]:
+            if run is None or not run.num_tokens:
+                return []
             if not copier.token_bytes:
                 raise ValueError("token frames need a KV layout with token slots")
-            by_token = [[(run, chunk) for chunk in token_chunks(run.start, run.stop, copier.token_bytes, frame_bytes)]
-                        if run in runs else [] for run in (head, tokens)]
-            chunks = by_token[0] + [c for c in chunks if c] + by_token[1]
-            total += copier.token_frame_bytes(sum(run.num_tokens for run in runs))
+            return [(run, chunk) for chunk in token_chunks(run.start, run.stop, copier.token_bytes, frame_bytes)]
+
+        before, after = by_token(head), by_token(tokens)
+        if before or after:
+            chunks = before + [c for c in chunks if c] + after
+            total += sum(copier.token_frame_bytes(run.num_tokens) for run in (head, tokens) if run is not None)
         started = loop.time()
         self._commit_out = False
         try:
@@ -246,8 +248,7 @@ class KVConnection:
             raise failure from exc
         if commit and last.status is not AckStatus.COMMITTED:  # (a receiver that ignored the commit)
             raise DestinationRefused(f"commit not acknowledged: {last.status.name}")
-        return StageTransfer(len(block_ids), total, len(chunks), loop.time() - started, bool(commit),
-                             sum(run.num_tokens for run in runs))
+        return StageTransfer(len(block_ids), total, len(chunks), loop.time() - started, bool(commit))
 
     def _failure(self, exc: BaseException, stage: int) -> BaseException:
         """What a stage that broke off with `exc` raises."""
