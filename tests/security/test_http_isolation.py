@@ -4,7 +4,9 @@ chat, each beside a small probe request on a real gateway process (benchmarks/ht
 measures the same, with more probes). The probe's bounds are generous for a shared 2-core
 machine, where other load makes tens of ms of noise; the event loop's own CPU time in one stall
 (benchmarks/loop_stalls.py) is not inflated by that load, and is held to a few ms for the bodies
-that body_workers parses off the loop (on the loop, a million ids cost it ~25 ms here)."""
+that body_workers parses off the loop. Measured side by side (`--parse-workers 0,2`, this 2-core
+VM): on the loop, one stall of 45-220 ms CPU; off it, 4-10 ms (the /detokenize one closest to 10,
+and a CI run saw 10.9). The bound sits between, nearer the off-the-loop side."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ EXPECTED_STATUS = {
     "1.2M token ids to /detokenize (400: out of vocab)": 400,
 }
 # Parsed in a worker process: the event loop's CPU time in one stall beside them, at most (ms).
-OFF_THE_LOOP = {name: 10.0 for name in EXPECTED_STATUS if name.startswith("1.2M")}
+OFF_THE_LOOP = {name: 25.0 for name in EXPECTED_STATUS if name.startswith("1.2M")}
 
 
 @pytest.fixture(scope="module")
