@@ -41,6 +41,18 @@ def two_scheduler_cluster(chaos_nats, tiny_model_dir, tmp_path):
     cluster.stop()
 
 
+def dispatches_past_timeout(metrics: str) -> int:
+    """The gateway's dispatches that took longer than its 0.5 s scheduler timeout (a bucket bound)."""
+    count = bucket = None
+    for line in metrics.splitlines():
+        if line.startswith("corral:gateway_dispatch_duration_seconds_count"):
+            count = float(line.split()[-1])
+        elif line.startswith('corral:gateway_dispatch_duration_seconds_bucket{le="0.5"}'):
+            bucket = float(line.split()[-1])
+    assert count is not None and bucket is not None, "no dispatch histogram on the gateway"
+    return int(count - bucket)
+
+
 async def wait_log(cluster: Cluster, name: str, needle: str, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while not log_lines(cluster, name, needle):
@@ -96,6 +108,7 @@ async def test_a_frozen_scheduler_costs_one_timeout_then_requests_bypass_and_it_
     name = model_name(cluster)
     pid = cluster.procs["scheduler"].process.pid
     async with httpx.AsyncClient(base_url=cluster.base_url, timeout=60) as http:
+        waited_before = dispatches_past_timeout((await http.get("/metrics")).text)
         os.kill(pid, signal.SIGSTOP)
         try:
             frozen = []
@@ -103,6 +116,7 @@ async def test_a_frozen_scheduler_costs_one_timeout_then_requests_bypass_and_it_
                 frozen.append(asyncio.create_task(stream_completion(http, name, p, 20)))
                 await asyncio.sleep(0.1)
             frozen = await asyncio.gather(*frozen)
+            waited = dispatches_past_timeout((await http.get("/metrics")).text) - waited_before
         finally:
             os.kill(pid, signal.SIGCONT)
         # Thawed: within the breaker's open time (2 s after the failed probe) a request probes it.
@@ -113,11 +127,12 @@ async def test_a_frozen_scheduler_costs_one_timeout_then_requests_bypass_and_it_
             await asyncio.sleep(0.2)
         assert log_lines(cluster, "gateway", "answers again"), "the breaker never probed the scheduler back"
     ttfts = sorted(o.first_at - o.started for o in frozen)
-    slow = [t for t in ttfts if t >= 0.5]  # waited out the dispatch timeout
     print(f"\nscheduler SIGSTOP: TTFT median {ttfts[len(ttfts) // 2] * 1000:.0f} ms, "
-          f"{len(slow)} of {len(ttfts)} waited the 0.5 s dispatch timeout")
+          f"{waited} of {len(ttfts)} waited the 0.5 s dispatch timeout")
     assert judge(frozen).completed == len(frozen) and judge(after).completed == len(after)
     # The first timeout opens the breaker; one probe 1 s later times out too; the next is 2 s on.
-    assert len(slow) <= 2, ttfts
+    # (Counted by the gateway's own dispatch times: one released by the breaker opening waited
+    # up to 0.4 s, which by its TTFT a loaded machine can make look like a timeout.)
+    assert 1 <= waited <= 2, (waited, ttfts)
     assert ttfts[len(ttfts) // 2] < 0.25, ttfts
     assert not (left := await wait_blocks_back(cluster.nats_url, INSTANCES)), left
