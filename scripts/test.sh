@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up .venv (scripts/setup.sh) and runs the test suite. With arguments, they go to pytest as
 # they are. Without: the default run (everything but the `slow` and `chaos` markers), then, under
-# CI, the `slow` suites (the >= 1,000-examples-per-endpoint HTTP fuzz) and the `chaos` marker's
+# CI, the `slow` suites (the >= 1,000-examples-per-endpoint HTTP fuzz, the minutes-long real-vLLM
+# and live-policy tests, ~10 minutes) and the `chaos` marker's
 # long faults (a 150 s NATS outage, 1,000 cancelled streams; ~4 minutes) too. By hand:
 # `scripts/test.sh -m chaos`.
 set -euo pipefail

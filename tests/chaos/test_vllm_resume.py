@@ -15,6 +15,7 @@ from tests.support.observer import NatsObserver
 
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.slow,  # (a minute of real vLLM: CI's `slow` run)
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
 ]
 

@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from shared.embedded_nats import start_nats
 from tests.support.cluster import REPO, Cluster, free_port
@@ -23,6 +24,7 @@ def drain(nats_url: str, instance_id: str, timeout_s: float) -> subprocess.Compl
                           cwd=REPO, capture_output=True, text=True, timeout=timeout_s + 30)
 
 
+@pytest.mark.slow
 async def test_drain_migrates_a_running_request_away_and_returns_once_empty(tiny_model_dir, tmp_path):
     server = start_nats()
     cluster = Cluster(server.url, tiny_model_dir, tmp_path)

@@ -47,6 +47,7 @@ def test_loadgen_replays_a_trace_against_corral(sim_cluster, tiny_model_dir, tmp
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_loadgen_against_vllms_own_server(tiny_model_dir, tmp_path):
     pytest.importorskip("vllm")
     port = free_port()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import nats
+import pytest
 
 from shared import subjects
 from shared.embedded_nats import start_nats
@@ -166,6 +167,7 @@ async def long_prompt_ttft(model_dir: Path, log_dir: Path, migration: bool) -> t
         await live.stop()
 
 
+@pytest.mark.slow
 async def test_migration_places_a_long_prompt_that_fits_no_single_instance(tiny_model_dir, tmp_path):
     """The same scenario twice: scheduler migration off, then on."""
     without_ttft, without = await long_prompt_ttft(tiny_model_dir, tmp_path / "without", migration=False)
@@ -181,6 +183,7 @@ async def test_migration_places_a_long_prompt_that_fits_no_single_instance(tiny_
     assert with_ttft < 0.5 * without_ttft, (with_ttft, without_ttft)
 
 
+@pytest.mark.slow
 async def test_high_priority_requests_see_lower_ttft_and_tpot_under_load(tiny_model_dir, tmp_path):
     """High-priority requests jump the llumlets' queues and are never the preemption victims."""
     live = LiveCluster(tiny_model_dir, tmp_path)

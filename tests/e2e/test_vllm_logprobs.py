@@ -12,6 +12,7 @@ from tests.support.cluster import running_cluster
 
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.slow,  # (a minute of real vLLM: CI's `slow` run)
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
 ]
 

@@ -26,7 +26,7 @@ from shared.messages import MigrateOrder, encode
 from tests.support.cluster import Cluster, running_cluster
 from tests.support.stream_watch import StreamWatch
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # (minutes of real vLLM: CI's `slow` run)
 REPO = Path(__file__).resolve().parents[2]
 SELF_CHECK_PREFIX = "SELF-CHECK "
 

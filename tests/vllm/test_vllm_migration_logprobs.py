@@ -21,7 +21,7 @@ from shared.engine_model.views import StepOutput
 from shared.messages import MigrationCommit, TokenChunk, TokenLogprob, decode, decode_chunks, encode
 from tests.vllm.test_vllm_engine import make_request, random_prompt
 
-pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarning")]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 OUTPUT_LEN = 24
 TOP = 2

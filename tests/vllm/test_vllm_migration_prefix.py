@@ -26,7 +26,7 @@ from shared.messages import Ack, GenerateRequest, MigrateOrder, SamplingParams, 
 from tests.support.cluster import Cluster, free_port
 from tests.support.observer import NatsObserver
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # (minutes of real vLLM: CI's `slow` run)
 
 BLOCK_SIZE = 128  # vLLM's CPU default
 PROMPT = [(29 * i) % 370 + 7 for i in range(3 * BLOCK_SIZE + 20)]  # 3 full blocks and 20 tokens

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from tests.support.cluster import Cluster
 from tests.support.stream_watch import StreamWatch
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # (minutes of real vLLM: CI's `slow` run)
 
 PREFILL, DECODE = "vllm-prefill", "vllm-decode"
 LLUMLET = ("--max-model-len", "512", "--vllm-kv-cache-gib", "0.02", "--report-interval-s", "0.05")
