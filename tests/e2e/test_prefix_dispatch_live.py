@@ -65,6 +65,13 @@ def scheduler_metric(cluster: Cluster, name: str, **labels: str) -> float:
     return 0.0
 
 
+def instances_with_loads(cluster: Cluster) -> set[str]:
+    """The instances whose load reports the scheduler holds (its per-instance load gauges)."""
+    text = httpx.get(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=5).text
+    return {sample.labels["instance_id"] for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == "corral:instance_kv_blocks_free"}
+
+
 class KvWatch:
     """What the llumlets tell the schedulers about their caches (read-only)."""
 
@@ -173,8 +180,11 @@ async def test_a_restarted_scheduler_learns_the_caches_again(cluster):
         cluster.start_scheduler("--dispatch-policy", "corral-prefix", "--metrics-port", str(cluster.metrics_port))
 
         def knows_the_prompt() -> bool:
+            """The holder's cache, and every instance's load (a restarted scheduler may hear a
+            snapshot before the holder's next load report: it cannot dispatch there yet)."""
             try:
-                return scheduler_metric(cluster, "corral:instance_prefix_cache_blocks", instance_id=holder) >= 20
+                return (scheduler_metric(cluster, "corral:instance_prefix_cache_blocks", instance_id=holder) >= 20
+                        and instances_with_loads(cluster) >= set(INSTANCES))
             except httpx.HTTPError:
                 return False
 
