@@ -72,13 +72,10 @@ async def test_only_the_blocks_the_destination_lacks_cross_and_streams_stay_exac
         # Each computed token past them crossed once (a block not yet full by token slot).
         assert num_bytes == num_tokens * KV_BYTES_PER_TOKEN
         assert (sent - 2) * BLOCK_SIZE < num_tokens <= sent * BLOCK_SIZE
-    # A move without the cache would have sent every block of the lease; these saved at least
-    # the cached prefix. (How much that is of the whole depends on how many tokens were decoded
-    # before the move, which is timing: a slow machine migrates later. So no fixed ratio here.)
-    full_bytes = sum(int(lease) for _, _, _, lease, *_ in moves) * BLOCK_SIZE * KV_BYTES_PER_TOKEN
-    cached_bytes = sum(int(cached) for *_, cached in moves) * BLOCK_SIZE * KV_BYTES_PER_TOKEN
-    assert cached_bytes >= len(moves) * (prompt_blocks - 2) * BLOCK_SIZE * KV_BYTES_PER_TOKEN > 0
-    assert sum(int(num_bytes) for *_, num_bytes, _, _ in moves) <= full_bytes - cached_bytes
+    # So each move saved at least its cached prefix (a blind move sends the whole lease), and
+    # the prefix is there to save. (How much that is of the whole depends on how many tokens
+    # were decoded before the move, i.e. on timing: a slow machine migrates later. No ratio.)
+    assert prompt_blocks - 2 > 0, prompt_blocks
 
 
 async def test_pairing_takes_the_destination_that_holds_the_prefix(cluster, llumlets, tiny_model_dir):

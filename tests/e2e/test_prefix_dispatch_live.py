@@ -56,20 +56,17 @@ def cluster(tiny_model_dir, tmp_path_factory):
         server.stop()
 
 
-def scheduler_metric(cluster: Cluster, name: str, **labels: str) -> float:
+def scheduler_samples(cluster: Cluster) -> list:
+    """Every sample the scheduler exports (one scrape)."""
     text = httpx.get(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=5).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def scheduler_metric(cluster: Cluster, name: str, samples: list | None = None, **labels: str) -> float:
+    for sample in scheduler_samples(cluster) if samples is None else samples:
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+            return sample.value
     return 0.0
-
-
-def instances_with_loads(cluster: Cluster) -> set[str]:
-    """The instances whose load reports the scheduler holds (its per-instance load gauges)."""
-    text = httpx.get(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=5).text
-    return {sample.labels["instance_id"] for family in text_string_to_metric_families(text)
-            for sample in family.samples if sample.name == "corral:instance_kv_blocks_free"}
 
 
 class KvWatch:
@@ -183,10 +180,12 @@ async def test_a_restarted_scheduler_learns_the_caches_again(cluster):
             """The holder's cache, and every instance's load (a restarted scheduler may hear a
             snapshot before the holder's next load report: it cannot dispatch there yet)."""
             try:
-                return (scheduler_metric(cluster, "corral:instance_prefix_cache_blocks", instance_id=holder) >= 20
-                        and instances_with_loads(cluster) >= set(INSTANCES))
+                samples = scheduler_samples(cluster)
             except httpx.HTTPError:
                 return False
+            with_loads = {s.labels["instance_id"] for s in samples if s.name == "corral:instance_kv_blocks_free"}
+            return (scheduler_metric(cluster, "corral:instance_prefix_cache_blocks", samples, instance_id=holder) >= 20
+                    and with_loads >= set(INSTANCES))
 
         await until(knows_the_prompt, timeout_s=30)
         again, usage = await served_by(observer, http, prompt)
