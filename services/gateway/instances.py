@@ -16,6 +16,7 @@ from shared.instance_table import InstanceTable
 from shared.messages import DispatchRequest, LoadReport
 from shared.policy import account_dispatch
 from shared.silence import SilenceLimits
+from shared.unreported_dispatches import UnreportedDispatches
 
 
 class GatewayInstances:
@@ -24,13 +25,14 @@ class GatewayInstances:
         self.timeout_s = timeout_s
         self._clock = clock
         self._table = InstanceTable(timeout_s, clock)
+        self._unreported = UnreportedDispatches(clock)  # our own dispatches its reports do not show yet
         self._marked_dead: dict[str, float] = {}  # instance id -> when; until it reports again
         self._heard: dict[str, float] = {}  # instance id -> when its last report arrived
         self._latest = float("-inf")  # when the last report of any instance arrived
         self._limits = SilenceLimits(clock)
 
     def update(self, load: LoadReport) -> None:
-        if self._table.update(load):
+        if self._table.update(self._unreported.restore(load)):
             self._marked_dead.pop(load.instance_id, None)
             self._heard[load.instance_id] = self._latest = self._clock()
             self._limits.heard(load.instance_id)
@@ -78,6 +80,7 @@ class GatewayInstances:
         """Count a request we dispatched ourselves until the instance's next report includes it."""
         load = self._table.get(instance_id)
         if load is not None:
+            self._unreported.dispatched(load, request)
             self._table.replace_load(account_dispatch(load, request))
 
     def prefix_block_size(self) -> int | None:
@@ -105,3 +108,4 @@ class GatewayInstances:
         for instance_id in [i for i, t in self._heard.items() if now - t > older_than_s]:
             del self._heard[instance_id]
             self._limits.forget(instance_id)
+            self._unreported.forget(instance_id)

@@ -14,8 +14,9 @@ decoded and their context) over the model's decode-only time for that batch.
 As the simulator's it carries the prefill mixed into the steps; live it also carries how far the
 engine is from the profile (a faster engine than `gpu` gives a ratio below 1), for TBT only.
 
-Dispatches sent after an instance's latest report was built are added to what it shows
-(`unreported.py`: a report that overtook a dispatch would otherwise wipe it).
+The loads it reads count the dispatches sent after an instance's latest report was built: the
+scheduler's table holds each report with them added back (`shared/unreported_dispatches.py`; a
+report that overtook a dispatch would otherwise wipe it).
 
 With P/D roles (a live prefill instance), a request on a prefill instance decodes on the decode
 pool: its TBT is the pool's forecast at its hand-off (`shared.policy.decode_pool`), from the
@@ -36,7 +37,6 @@ from dataclasses import dataclass
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
-from services.global_scheduler.unreported import UnreportedDispatches
 from shared.engine_model.latency import LatencyModel
 from shared.messages import DispatchReply, DispatchRequest, InstanceRole, LoadReport, Refusal
 from shared.policy.admission import (
@@ -73,7 +73,6 @@ class DispatchAdmission:
         self._latency = LatencyFns(prefill_s=lambda n: model.prefill_ms(n) / 1e3 if n > 0 else 0.0,
                                    decode_s=lambda bs, ctx: model.decode_ms(bs, ctx) / 1e3)
         self._estimates = _Estimates(settings.prior_output_len)
-        self._unreported = UnreportedDispatches()
         self.rejections = Counter("corral:scheduler_admission_rejections",
                                   "Requests refused by admission control (429), by reason", ["reason"],
                                   registry=registry)
@@ -102,38 +101,26 @@ class DispatchAdmission:
             reason=Refusal.OVERLOADED,
         ), {}
 
-    def dispatched(self, load: LoadReport, request: DispatchRequest) -> None:
-        """The request goes to `load`'s instance (accounted on that load)."""
-        self._unreported.dispatched(load, request)
-
     def _outlook(self, load: LoadReport) -> InstanceOutlook:
         running_blocks = sum(level.running_blocks for level in load.by_priority)
         context = running_blocks * load.block_size / load.num_running if load.num_running else 0.0
-        missing = self._unreported.missing_from(load)
-        free = (load.num_blocks_free - load.waiting_demand_blocks - load.committed_blocks - load.reserved_blocks
-                - missing.blocks)
+        free = load.num_blocks_free - load.waiting_demand_blocks - load.committed_blocks - load.reserved_blocks
         generated = list(load.running_output_tokens[: load.num_running])
         generated += [0] * (load.num_running - len(generated))
         output = self._estimates.of(load)
-        return InstanceOutlook(load.instance_id, queued_prefill_tokens(load) + missing.prompt_tokens,
-                               load.num_waiting + missing.num, generated, context, output, free, load.block_size,
+        return InstanceOutlook(load.instance_id, queued_prefill_tokens(load), load.num_waiting, generated, context, output, free, load.block_size,
                                self._inflation(load), load.num_blocks_total,
                                hands_off=load.role is InstanceRole.PREFILL)
 
     def _decode_pool(self, loads: Sequence[LoadReport]) -> DecodePool | None:
         """With P/D roles, the decode pool and the requests on their way to it (the prefill
-        instances' reports, plus the dispatches to them the reports do not show yet)."""
+        instances' loads: their reports with the dispatches to them they do not show yet)."""
         decode = decode_loads(loads)
         if not decode:
             return None
         prefill = prefill_loads(loads)
         num, blocks = in_flight_of(prefill)
-        last_landing_s = 0.0
-        for load in prefill:
-            missing = self._unreported.missing_from(load)
-            num, blocks = num + missing.num, blocks + missing.blocks
-            queue_s = self._latency.prefill_s(queued_prefill_tokens(load) + missing.prompt_tokens)
-            last_landing_s = max(last_landing_s, queue_s)
+        last_landing_s = max((self._latency.prefill_s(queued_prefill_tokens(load)) for load in prefill), default=0.0)
         return DecodePool([self._outlook(load) for load in decode], num, blocks, last_landing_s)
 
     def _inflation(self, load: LoadReport) -> float:

@@ -20,6 +20,7 @@ from services.global_scheduler.migration_loop import MigrationLoop, MigrationPai
 from services.global_scheduler.dispatcher import DEFAULT_POLICY, NamedDispatch
 from services.global_scheduler.prefix_tracker import PrefixTracker
 from services.global_scheduler.roles import InstanceRoles
+from shared.unreported_dispatches import UnreportedDispatches
 from shared import bus_guard, subjects, tracing
 from shared.engine_model.report_cadence import RECEIVER_WARM_UP_S
 from shared.instance_table import InstanceTable
@@ -53,6 +54,7 @@ class GlobalScheduler:
         # Loads ranked by dispatch score as reports arrive: a dispatch reads the top, not every instance.
         self.index = DispatchIndex(config.policy)
         self.table = InstanceTable(config.instance_timeout_s, listener=self.index)
+        self.unreported = UnreportedDispatches()
         self.roles = InstanceRoles(self.table, config.guard, config.policy.headroom_blocks)  # P/D (issue 19 §2)
         self.nc: Client | None = None
         self.dispatch_nc: Client | None = None  # dispatch and hand-off queries, apart from the reports
@@ -134,8 +136,13 @@ class GlobalScheduler:
         self._heard_a_report.set()
         if self.table.get(report.instance_id) is None:
             log.info("instance %s joined (%s, %d blocks)", report.instance_id, report.engine, report.num_blocks_total)
-        self.table.update(report)
+        self.take_report(report)
         self.roles.saw(report)
+
+    def take_report(self, report: LoadReport) -> None:
+        """Into the table, with the dispatches it does not show yet added back
+        (`shared/unreported_dispatches.py`): for dispatch and admission alike."""
+        self.table.update(self.unreported.restore(report))
 
     async def _until_an_instance_reported(self) -> None:
         """Just started, no report yet: idle instances beat every 0.25 s, so an empty table may only
@@ -167,8 +174,7 @@ class GlobalScheduler:
         if decision.instance_id is None:
             return DispatchReply(rejected=decision.rejected, reason=decision.reason)
         chosen = self.table.get(decision.instance_id)
-        if self.admission is not None:  # (until the instance's reports show it)
-            self.admission.dispatched(chosen, request)
+        self.unreported.dispatched(chosen, request)  # (until the instance's reports show it)
         self.table.replace_load(account_dispatch(chosen, request))
         return DispatchReply(instance_id=decision.instance_id, predicted_ttft_s=predicted.get(decision.instance_id))
 
@@ -225,4 +231,5 @@ class GlobalScheduler:
             for instance_id in sorted(known - live):
                 log.warning("instance %s died or left: no load report for %.1f s; dropped", instance_id,
                             self.config.instance_timeout_s)
+                self.unreported.forget(instance_id)
             known = live

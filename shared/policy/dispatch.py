@@ -93,10 +93,15 @@ def choose_instance(
 def account_dispatch(load: LoadReport, request: DispatchRequest) -> LoadReport:
     """The load an instance will have once the request arrives, so that the requests dispatched
     between two reports do not all land on the instance that looked freest at the last one."""
-    demand = blocks_for_tokens(request.num_prompt_tokens + 1, load.block_size)
+    return account_prompt(load, request.num_prompt_tokens, request.priority)
+
+
+def account_prompt(load: LoadReport, num_prompt_tokens: int, priority: int) -> LoadReport:
+    """`account_dispatch` of a request known by its prompt's length and its priority."""
+    demand = blocks_for_tokens(num_prompt_tokens + 1, load.block_size)
     by_priority = list(load.by_priority)
     for i, level in enumerate(by_priority):
-        if level.priority == request.priority:
+        if level.priority == priority:
             by_priority[i] = msgspec.structs.replace(
                 level,
                 num_waiting=level.num_waiting + 1,
@@ -104,7 +109,7 @@ def account_dispatch(load: LoadReport, request: DispatchRequest) -> LoadReport:
             )
             break
     else:
-        by_priority.append(PriorityLoad(priority=request.priority, num_waiting=1, waiting_demand_blocks=demand))
+        by_priority.append(PriorityLoad(priority=priority, num_waiting=1, waiting_demand_blocks=demand))
     return msgspec.structs.replace(
         load,
         num_waiting=load.num_waiting + 1,

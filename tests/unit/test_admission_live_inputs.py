@@ -22,7 +22,6 @@ from services.gateway.streams import OutputStream
 from services.global_scheduler.admission import AdmissionSettings
 from services.global_scheduler.config import SchedulerConfig
 from services.global_scheduler.service import GlobalScheduler
-from services.global_scheduler.unreported import FORGET_AFTER_S, Unreported, UnreportedDispatches
 from services.llumlet.config import LlumletConfig
 from services.llumlet.engines.sim.engine import SimEngine
 from services.llumlet.service import Llumlet
@@ -118,7 +117,7 @@ A10 = LatencyModel("A10")
 def scheduler(load: LoadReport, policy: AdmissionPolicy = AdmissionPolicy.PREDICTED) -> GlobalScheduler:
     s = GlobalScheduler(SchedulerConfig(nats_url="nats://unused:4222", admission=AdmissionSettings(policy, SLO)))
     load.sent_at = time.time()
-    s.table.update(load)
+    s.take_report(load)
     return s
 
 
@@ -213,30 +212,14 @@ def test_a_report_that_overtook_two_dispatches_does_not_wipe_them():
     would take three more (measured live: a burst put five on one such instance)."""
     s = scheduler(report(1, accepted=0))
     assert [s.decide(DispatchRequest(f"r{i}", 500, 16)).instance_id for i in range(2)] == ["a", "a"]
-    s.table.update(report(2, accepted=0))  # built before the two arrived
+    s.take_report(report(2, accepted=0))  # built before the two arrived
     assert s.decide(DispatchRequest("r2", 500, 16)).instance_id == "a"
     assert s.decide(DispatchRequest("r3", 500, 16)).reason is Refusal.OVERLOADED
     # Once its reports show them (accepted, queued), they count once, not twice.
-    s.table.update(report(3, accepted=3, waiting=[32, 32, 32]))
+    s.take_report(report(3, accepted=3, waiting=[32, 32, 32]))
     assert s.decide(DispatchRequest("r4", 500, 16)).reason is Refusal.OVERLOADED
-    s.table.update(report(4, accepted=3, waiting=[32, 32]))  # one finished: room for one
+    s.take_report(report(4, accepted=3, waiting=[32, 32]))  # one finished: room for one
     assert s.decide(DispatchRequest("r5", 500, 16)).instance_id == "a"
-
-
-def test_unreported_dispatches_are_counted_off_by_accepted_orders_and_forgotten_in_time():
-    clock = [100.0]
-    unreported = UnreportedDispatches(clock=lambda: clock[0])
-    first = report(1, accepted=5)
-    assert unreported.missing_from(first) == Unreported()  # (the first look sets the count)
-    for i in range(3):
-        unreported.dispatched(first, DispatchRequest(f"r{i}", 100, 4))
-    assert unreported.missing_from(first).num == 0  # the table's own accounting on seq 1 has them
-    assert unreported.missing_from(report(2, accepted=5)) == Unreported(3, 300, 3 * 7)
-    assert unreported.missing_from(report(3, accepted=6)).num == 2
-    clock[0] += FORGET_AFTER_S + 0.1
-    assert unreported.missing_from(report(4, accepted=6)).num == 0  # never arrived: forgotten
-    unreported.dispatched(report(4, accepted=6), DispatchRequest("r9", 100, 4))
-    assert unreported.missing_from(report(5, accepted=0)).num == 0  # it restarted: nothing it held is left
 
 
 def test_with_no_instance_live_the_refusal_is_no_instance_not_overload():

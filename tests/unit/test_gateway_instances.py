@@ -51,6 +51,20 @@ def test_instance_is_alive_until_its_reports_stop_for_the_timeout(instances, clo
     assert instances.alive_count() == 0 and instances.is_silent("a", since=0.0)
 
 
+def test_a_report_built_before_our_own_dispatches_arrived_does_not_wipe_them(instances, clock):
+    """Bypass dispatch (no scheduler) accounts each request on the instance; a report that overtook
+    the generate orders keeps them until its accepted orders count them off."""
+    instances.update(report("a"))
+    for i in range(3):
+        instances.account("a", DispatchRequest(f"r{i}", 100, 4))
+    instances.update(report("a", seq=2))  # built before any arrived (none accepted)
+    assert instances.live_loads()[0].num_waiting == 3
+    arrived = msgspec.structs.replace(report("a", seq=3), num_accepted_total=2, num_waiting=2,
+                                      waiting_demand_blocks=14)
+    instances.update(arrived)  # two arrived and are in its queue: not counted twice
+    assert instances.live_loads()[0].num_waiting == 3
+
+
 def test_unknown_instance_gets_the_timeout_from_when_we_started_relying_on_it(instances, clock):
     since = clock.now
     clock.now += TIMEOUT_S - 0.1

@@ -1,10 +1,14 @@
-"""The dispatches an instance's latest load report does not show yet (admission control, issue 19 §1).
+"""The dispatches an instance's latest load report does not show yet.
 
 After a dispatch the scheduler counts the request into the instance's load (`account_dispatch`)
 until the next report replaces that load. But a report built before the request's generate order
 reached the instance (the gateway sends it after the reply; in a burst, tens of ms later) lands
-after the dispatch and wipes it: admission then saw room that was taken, and an instance took a
-prompt more than fits (measured live: one request of a burst waited a second for memory).
+after the dispatch and wipes it. Admission then saw room that was taken, and an instance took a
+prompt more than fits (measured live: one request of a burst waited a second for memory); dispatch
+saw a queue emptier than it was, and a burst leaned onto whichever instance each wiping report
+made look best (live: the holder of a cached system prompt took 16 of a 24-request burst where
+the queues it was sent grew alike). So every report is `restore`d before the scheduler's table
+takes it: the dispatches it does not show are accounted on it again, as when they were sent.
 
 An instance reports how many generate orders it has accepted (`num_accepted_total`); each one
 more counts off the oldest dispatch sent to it (orders arrive about in dispatch order). A dispatch
@@ -21,8 +25,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.engine_model.block_manager import blocks_for_tokens
 from shared.messages import DispatchRequest, LoadReport
+from shared.policy.dispatch import account_prompt
 
 FORGET_AFTER_S = 2.0
 
@@ -32,14 +36,7 @@ class Sent:
     at: float  # monotonic
     seq: int  # the report it was accounted on (a report of that seq still carries the accounting)
     prompt_tokens: int
-    blocks: int
-
-
-@dataclass(frozen=True)
-class Unreported:
-    num: int = 0
-    prompt_tokens: int = 0
-    blocks: int = 0
+    priority: int
 
 
 class UnreportedDispatches:
@@ -47,28 +44,45 @@ class UnreportedDispatches:
         self._clock = clock
         self._sent: dict[str, deque[Sent]] = {}
         self._accepted: dict[str, int] = {}  # each instance's num_accepted_total when last looked at
+        self._seq: dict[str, int] = {}  # each instance's report seq when last restored
 
     def dispatched(self, load: LoadReport, request: DispatchRequest) -> None:
         """`load`: the instance's load the dispatch is accounted on."""
-        blocks = blocks_for_tokens(request.num_prompt_tokens + 1, load.block_size)
         sent = self._sent.setdefault(load.instance_id, deque())
-        sent.append(Sent(self._clock(), load.seq, request.num_prompt_tokens, blocks))
+        sent.append(Sent(self._clock(), load.seq, request.num_prompt_tokens, request.priority))
 
-    def missing_from(self, load: LoadReport) -> Unreported:
-        """What was dispatched to the instance that `load` does not show."""
+    def restore(self, report: LoadReport) -> LoadReport:
+        """`report` with the dispatches to its instance it does not show accounted on it again. A
+        report older than the last one restored (reordered delivery, which the table drops) is
+        returned as it is: its count of accepted orders would count back what was counted off."""
+        last_seq = self._seq.get(report.instance_id)
+        if last_seq is not None and report.seq <= last_seq and report.seq > 1:  # (as `InstanceTable.update`)
+            return report
+        self._seq[report.instance_id] = report.seq
+        for sent in self._missing(report):
+            report = account_prompt(report, sent.prompt_tokens, sent.priority)
+        return report
+
+    def forget(self, instance_id: str) -> None:
+        """The instance left the table."""
+        for books in (self._sent, self._accepted, self._seq):
+            books.pop(instance_id, None)
+
+    def _missing(self, load: LoadReport) -> list[Sent]:
+        """What was dispatched to the instance that `load` does not show (counting off, first,
+        what its accepted orders show arrived)."""
         iid = load.instance_id
         last = self._accepted.get(iid)
         self._accepted[iid] = load.num_accepted_total
         sent = self._sent.get(iid)
         if not sent:
-            return Unreported()
+            return []
         if last is not None and load.num_accepted_total < last:  # it restarted: what it held is gone
             sent.clear()
-            return Unreported()
+            return []
         for _ in range(min(load.num_accepted_total - last, len(sent)) if last is not None else 0):
             sent.popleft()
         horizon = self._clock() - FORGET_AFTER_S
         while sent and sent[0].at < horizon:
             sent.popleft()
-        missing = [s for s in sent if s.seq < load.seq]
-        return Unreported(len(missing), sum(s.prompt_tokens for s in missing), sum(s.blocks for s in missing))
+        return [s for s in sent if s.seq < load.seq]

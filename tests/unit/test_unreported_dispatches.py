@@ -1,0 +1,68 @@
+"""The dispatches an instance's latest load report does not show yet (`unreported.py`): a report
+built before the generate orders arrived does not wipe them from the scheduler's table, for
+dispatch as for admission."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import msgspec
+
+from services.global_scheduler.config import SchedulerConfig
+from services.global_scheduler.service import GlobalScheduler
+from shared.unreported_dispatches import FORGET_AFTER_S, UnreportedDispatches
+from shared.messages import DispatchRequest, LoadReport
+from tests.unit.policy_helpers import make_load
+
+
+def report(instance_id: str, seq: int, accepted: int, total: int = 128) -> LoadReport:
+    load = make_load(instance_id, total=total)
+    return msgspec.structs.replace(load, seq=seq, sent_at=time.time(), num_accepted_total=accepted)
+
+
+def test_dispatches_are_added_back_until_accepted_orders_count_them_off_or_they_are_forgotten():
+    clock = [100.0]
+    unreported = UnreportedDispatches(clock=lambda: clock[0])
+    first = unreported.restore(report("a", 1, accepted=5))
+    assert first.num_waiting == 0  # (the first look sets the count)
+    for i in range(3):
+        unreported.dispatched(first, DispatchRequest(f"r{i}", 100, 4, priority=1))
+
+    def shown(seq: int, accepted: int) -> tuple[int, int]:
+        load = unreported.restore(report("a", seq, accepted))
+        level = {lv.priority: lv for lv in load.by_priority}.get(1)
+        assert (level.num_waiting if level else 0) == load.num_waiting  # by the dispatch's priority
+        return load.num_waiting, load.waiting_demand_blocks
+
+    assert shown(2, accepted=5) == (3, 3 * 7)  # 101 tokens: 7 blocks of 16 each
+    assert shown(3, accepted=6) == (2, 2 * 7)  # one arrived
+    stale = report("a", 2, accepted=5)
+    assert unreported.restore(stale) is stale  # reordered: the table drops it, and it counts back nothing
+    assert shown(4, accepted=6) == (2, 2 * 7)
+    clock[0] += FORGET_AFTER_S + 0.1
+    assert shown(5, accepted=6) == (0, 0)  # never arrived: forgotten
+    unreported.dispatched(report("a", 5, accepted=6), DispatchRequest("r9", 100, 4))
+    assert shown(6, accepted=0) == (0, 0)  # it restarted: nothing it held is left
+
+
+def test_a_burst_stays_spread_when_reports_built_before_its_orders_arrive():
+    """Two equal instances, and after each dispatch a report from `a` built before any order
+    reached it: without adding the dispatches back, each one makes `a` look empty again, and the
+    burst piles onto it."""
+    s = GlobalScheduler(SchedulerConfig(nats_url="nats://unused:4222"))
+    for iid in ("a", "b"):
+        s.take_report(report(iid, 1, accepted=0, total=1000))
+    chosen = []
+    for i in range(12):
+        chosen.append(s.decide(DispatchRequest(f"r{i}", 300, 16)).instance_id)
+        s.take_report(report("a", 2 + i, accepted=0, total=1000))
+    assert Counter(chosen) == Counter({"a": 6, "b": 6}), chosen
+
+
+def test_an_instance_that_left_is_forgotten():
+    unreported = UnreportedDispatches()
+    load = unreported.restore(report("a", 1, accepted=0))
+    unreported.dispatched(load, DispatchRequest("r0", 100, 4))
+    unreported.forget("a")
+    assert unreported.restore(report("a", 2, accepted=0)).num_waiting == 0
