@@ -203,9 +203,9 @@ async def test_a_burst_on_one_cached_system_prompt_is_not_piled_onto_its_holder(
         await asyncio.gather(*(complete(http, prompt, max_tokens=48) for prompt in burst))
         spread = observer.generate_orders - before
     assert sum(spread.values()) == 24
-    # prefix-only puts all 24 on the holder. corral-prefix took 9-13 when this was written, and
-    # 16 in 2 of 12 runs on 2026-12-01 (the holder's queue is the scheduler's own count of its
-    # dispatches until the next load report): under 3/4, not the 60 % first asked.
-    assert spread[holder] < 24 * 0.75, f"the holder {holder} took {spread[holder]} of 24: {dict(spread)}"
+    # prefix-only puts all 24 on the holder; corral-prefix 8-11 here. It took up to 16 while a
+    # report built before the burst's orders arrived wiped the scheduler's count of them (now
+    # added back: `shared/unreported_dispatches.py`).
+    assert spread[holder] < 24 * 0.6, f"the holder {holder} took {spread[holder]} of 24: {dict(spread)}"
     assert len(spread) == len(INSTANCES), f"an instance took nothing: {dict(spread)}"
     assert spread[holder] >= 2, f"the holder's cache was not used: {dict(spread)}"
