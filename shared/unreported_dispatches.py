@@ -6,9 +6,10 @@ reached the instance (the gateway sends it after the reply; in a burst, tens of 
 after the dispatch and wipes it. Admission then saw room that was taken, and an instance took a
 prompt more than fits (measured live: one request of a burst waited a second for memory); dispatch
 saw a queue emptier than it was, and a burst leaned onto whichever instance each wiping report
-made look best (live: the holder of a cached system prompt took 16 of a 24-request burst where
-the queues it was sent grew alike). So every report is `restore`d before the scheduler's table
-takes it: the dispatches it does not show are accounted on it again, as when they were sent.
+made look best (live, `corral-prefix`: the holder of a cached system prompt took 10-15 of a
+24-request burst, 8-11 once reports were restored). So every report is `restore`d before a table
+takes it (the scheduler's; the gateway's, for its own dispatch while the scheduler is away): the
+dispatches it does not show are accounted on it again, as when they were sent.
 
 An instance reports how many generate orders it has accepted (`num_accepted_total`); each one
 more counts off the oldest dispatch sent to it (orders arrive about in dispatch order). A dispatch
