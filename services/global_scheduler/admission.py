@@ -108,8 +108,8 @@ class DispatchAdmission:
         generated = list(load.running_output_tokens[: load.num_running])
         generated += [0] * (load.num_running - len(generated))
         output = self._estimates.of(load)
-        return InstanceOutlook(load.instance_id, queued_prefill_tokens(load), load.num_waiting, generated, context, output, free, load.block_size,
-                               self._inflation(load), load.num_blocks_total,
+        return InstanceOutlook(load.instance_id, queued_prefill_tokens(load), load.num_waiting, generated, context,
+                               output, free, load.block_size, self._inflation(load), load.num_blocks_total,
                                hands_off=load.role is InstanceRole.PREFILL)
 
     def _decode_pool(self, loads: Sequence[LoadReport]) -> DecodePool | None:
@@ -120,7 +120,8 @@ class DispatchAdmission:
             return None
         prefill = prefill_loads(loads)
         num, blocks = in_flight_of(prefill)
-        last_landing_s = max((self._latency.prefill_s(queued_prefill_tokens(load)) for load in prefill), default=0.0)
+        last_landing_s = max((self._latency.prefill_s(queued_prefill_tokens(load)) for load in prefill),
+                             default=0.0)
         return DecodePool([self._outlook(load) for load in decode], num, blocks, last_landing_s)
 
     def _inflation(self, load: LoadReport) -> float:
