@@ -37,10 +37,15 @@ class InstanceTable:
         self._entries: dict[str, _Entry] = {}  # in order of arrival: the order `live()` lists them
         self._by_seen: OrderedDict[str, None] = OrderedDict()  # least recently seen first
 
+    def takes(self, report: LoadReport) -> bool:
+        """Whether `update` stores it: not older than what we have (reordered delivery); a seq of
+        1 is an instance that restarted."""
+        entry = self._entries.get(report.instance_id)
+        return entry is None or report.seq > entry.report.seq or report.seq <= 1
+
     def update(self, report: LoadReport) -> bool:
         """Store a report; False if it is older than what we have (reordered delivery)."""
-        entry = self._entries.get(report.instance_id)
-        if entry is not None and report.seq <= entry.report.seq and report.seq > 1:
+        if not self.takes(report):
             return False
         self._entries[report.instance_id] = _Entry(report, self._clock())
         self._by_seen[report.instance_id] = None

@@ -45,7 +45,6 @@ class UnreportedDispatches:
         self._clock = clock
         self._sent: dict[str, deque[Sent]] = {}
         self._accepted: dict[str, int] = {}  # each instance's num_accepted_total when last looked at
-        self._seq: dict[str, int] = {}  # each instance's report seq when last restored
 
     def dispatched(self, load: LoadReport, request: DispatchRequest) -> None:
         """`load`: the instance's load the dispatch is accounted on."""
@@ -53,20 +52,16 @@ class UnreportedDispatches:
         sent.append(Sent(self._clock(), load.seq, request.num_prompt_tokens, request.priority))
 
     def restore(self, report: LoadReport) -> LoadReport:
-        """`report` with the dispatches to its instance it does not show accounted on it again. A
-        report older than the last one restored (reordered delivery, which the table drops) is
-        returned as it is: its count of accepted orders would count back what was counted off."""
-        last_seq = self._seq.get(report.instance_id)
-        if last_seq is not None and report.seq <= last_seq and report.seq > 1:  # (as `InstanceTable.update`)
-            return report
-        self._seq[report.instance_id] = report.seq
+        """`report` with the dispatches to its instance it does not show accounted on it again.
+        Only for a report its table takes (`InstanceTable.takes`): an older one, reordered, would
+        count back with its count of accepted orders what was counted off."""
         for sent in self._missing(report):
             report = account_prompt(report, sent.prompt_tokens, sent.priority)
         return report
 
     def forget(self, instance_id: str) -> None:
         """The instance left the table."""
-        for books in (self._sent, self._accepted, self._seq):
+        for books in (self._sent, self._accepted):
             books.pop(instance_id, None)
 
     def _missing(self, load: LoadReport) -> list[Sent]:

@@ -32,10 +32,12 @@ class GatewayInstances:
         self._limits = SilenceLimits(clock)
 
     def update(self, load: LoadReport) -> None:
-        if self._table.update(self._unreported.restore(load)):
-            self._marked_dead.pop(load.instance_id, None)
-            self._heard[load.instance_id] = self._latest = self._clock()
-            self._limits.heard(load.instance_id)
+        if not self._table.takes(load):  # (a reordered older one is dropped)
+            return
+        self._table.update(self._unreported.restore(load))
+        self._marked_dead.pop(load.instance_id, None)
+        self._heard[load.instance_id] = self._latest = self._clock()
+        self._limits.heard(load.instance_id)
 
     def death_limit_s(self, instance_id: str, base_s: float) -> float:
         """How long `silent_for` must say before the instance is dead: `base_s`, or longer for one

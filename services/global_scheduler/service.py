@@ -20,7 +20,6 @@ from services.global_scheduler.migration_loop import MigrationLoop, MigrationPai
 from services.global_scheduler.dispatcher import DEFAULT_POLICY, NamedDispatch
 from services.global_scheduler.prefix_tracker import PrefixTracker
 from services.global_scheduler.roles import InstanceRoles
-from shared.unreported_dispatches import UnreportedDispatches
 from shared import bus_guard, subjects, tracing
 from shared.engine_model.report_cadence import RECEIVER_WARM_UP_S
 from shared.instance_table import InstanceTable
@@ -41,6 +40,7 @@ from shared.metrics_server import serve_metrics
 from shared.nats_client import connect
 from shared.policy.dispatch import account_dispatch
 from shared.policy.dispatch_index import DispatchIndex
+from shared.unreported_dispatches import UnreportedDispatches
 
 log = logging.getLogger(__name__)
 _tracer = tracing.tracer("corral.global_scheduler")
@@ -142,7 +142,8 @@ class GlobalScheduler:
     def take_report(self, report: LoadReport) -> None:
         """Into the table, with the dispatches it does not show yet added back
         (`shared/unreported_dispatches.py`): for dispatch and admission alike."""
-        self.table.update(self.unreported.restore(report))
+        if self.table.takes(report):  # (a reordered older one is dropped)
+            self.table.update(self.unreported.restore(report))
 
     async def _until_an_instance_reported(self) -> None:
         """Just started, no report yet: idle instances beat every 0.25 s, so an empty table may only

@@ -1,6 +1,6 @@
-"""The dispatches an instance's latest load report does not show yet (`unreported.py`): a report
-built before the generate orders arrived does not wipe them from the scheduler's table, for
-dispatch as for admission."""
+"""The dispatches an instance's latest load report does not show yet
+(`shared/unreported_dispatches.py`): a report built before the generate orders arrived does not
+wipe them from the scheduler's table, for dispatch as for admission."""
 
 from __future__ import annotations
 
@@ -37,13 +37,23 @@ def test_dispatches_are_added_back_until_accepted_orders_count_them_off_or_they_
 
     assert shown(2, accepted=5) == (3, 3 * 7)  # 101 tokens: 7 blocks of 16 each
     assert shown(3, accepted=6) == (2, 2 * 7)  # one arrived
-    stale = report("a", 2, accepted=5)
-    assert unreported.restore(stale) is stale  # reordered: the table drops it, and it counts back nothing
     assert shown(4, accepted=6) == (2, 2 * 7)
     clock[0] += FORGET_AFTER_S + 0.1
     assert shown(5, accepted=6) == (0, 0)  # never arrived: forgotten
     unreported.dispatched(report("a", 5, accepted=6), DispatchRequest("r9", 100, 4))
     assert shown(6, accepted=0) == (0, 0)  # it restarted: nothing it held is left
+
+
+def test_a_reordered_older_report_is_dropped_before_it_counts_back_anything():
+    s = GlobalScheduler(SchedulerConfig(nats_url="nats://unused:4222"))
+    s.take_report(report("a", 1, accepted=0, total=1000))
+    for i in range(3):
+        assert s.decide(DispatchRequest(f"r{i}", 100, 4)).instance_id == "a"
+    s.take_report(report("a", 3, accepted=1))  # one arrived
+    assert s.table.get("a").num_waiting == 2
+    s.take_report(report("a", 2, accepted=0))  # reordered: dropped by the table, and not restored
+    s.take_report(report("a", 4, accepted=1))
+    assert s.table.get("a").num_waiting == 2  # (restored, the stale count would have counted off one more)
 
 
 def test_a_burst_stays_spread_when_reports_built_before_its_orders_arrive():
