@@ -309,7 +309,8 @@ async def stop_all(src, nc, recorder, dst_proc: subprocess.Popen, server) -> Non
     client recorder, the destination process and the NATS server."""
     try:
         if src is not None:
-            await asyncio.wait_for(src.stop(), 60)
+            async with asyncio.timeout(60):
+                await src.stop()
     except TimeoutError:
         print("the source llumlet did not stop within 60 s", file=sys.stderr)
     if nc is not None:

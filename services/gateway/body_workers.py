@@ -75,8 +75,9 @@ class _Worker:
         if self.process.stdin is not None:
             self.process.stdin.close()  # end of input: the worker's loop returns
         try:
-            await asyncio.wait_for(self.process.wait(), grace_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(grace_s):
+                await self.process.wait()
+        except TimeoutError:
             self.kill()
             await self.process.wait()
 
@@ -133,9 +134,9 @@ class BodyWorkers:
             worker = self._idle.pop() if self._idle else await self._spawn()
             self._busy.add(worker)
             try:
-                answer = await asyncio.wait_for(worker.run(msgspec.msgpack.encode((route, limits)), body),
-                                                self.timeout_s)
-            except (_WorkerLost, asyncio.TimeoutError) as exc:
+                async with asyncio.timeout(self.timeout_s):
+                    answer = await worker.run(msgspec.msgpack.encode((route, limits)), body)
+            except (_WorkerLost, TimeoutError) as exc:
                 worker.kill()
                 what = str(exc) if isinstance(exc, _WorkerLost) else f"took over {self.timeout_s:g} s"
                 log.error("body parser worker %d %s; it will be replaced", worker.process.pid, what)
@@ -165,9 +166,10 @@ class BodyWorkers:
         worker = _Worker(process)
         try:  # ready: a job's timeout then counts its parsing only, never the worker's start
             assert process.stdout is not None
-            ready = await asyncio.wait_for(process.stdout.readexactly(len(_READY)), STARTUP_TIMEOUT_S)
+            async with asyncio.timeout(STARTUP_TIMEOUT_S):
+                ready = await process.stdout.readexactly(len(_READY))
             assert ready == _READY, ready
-        except (OSError, AssertionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
+        except (OSError, AssertionError, asyncio.IncompleteReadError, TimeoutError) as exc:
             worker.kill()
             log.error("a body parser worker did not start: %r", exc)
             raise ApiError(503, _PARSE_FAILED.format("did not start"), headers={"retry-after": "1"}) from None

@@ -26,6 +26,7 @@ from nats.aio.client import Client
 
 from shared import subjects
 from shared.messages import AbortRequest, GatewayHeartbeat, encode
+from shared.event_waits import wait_set
 from shared.nats_client import connect
 
 log = logging.getLogger(__name__)
@@ -93,10 +94,7 @@ class ControlChannel:
                     await nc.publish(subject, payload)
                 except Exception as exc:  # (NATS away) the next beat tries again
                     log.debug("gateway heartbeat not sent: %s", exc)
-            try:
-                await asyncio.wait_for(stopping.wait(), self._interval_s)
-            except TimeoutError:
-                pass
+            await wait_set(stopping, self._interval_s)
 
     async def _send_aborts(self, nc: Client, aborts: asyncio.Queue[bytes]) -> None:
         while True:

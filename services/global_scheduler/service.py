@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import time
@@ -22,6 +21,7 @@ from services.global_scheduler.prefix_tracker import PrefixTracker
 from services.global_scheduler.roles import InstanceRoles
 from shared import bus_guard, subjects, tracing
 from shared.engine_model.report_cadence import RECEIVER_WARM_UP_S
+from shared.event_waits import wait_set
 from shared.instance_table import InstanceTable
 from shared.messages import (
     DispatchReply,
@@ -153,8 +153,7 @@ class GlobalScheduler:
             return
         left = RECEIVER_WARM_UP_S - (time.monotonic() - self._reports_subscribed_at)
         if left > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._heard_a_report.wait(), left)
+            await wait_set(self._heard_a_report, left)
 
     def decide(self, request: DispatchRequest) -> DispatchReply:
         predicted: dict[str, float] = {}  # admission's TTFT on each admitted instance

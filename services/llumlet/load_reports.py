@@ -23,6 +23,7 @@ from services.llumlet.served import ServedTally
 from shared import subjects
 from shared.engine_model.load_report import aggregate_views, build_load_report
 from shared.engine_model.report_cadence import report_due
+from shared.event_waits import wait_set
 from shared.messages import DrainSource, InstanceRole, LoadReport, encode
 
 
@@ -116,9 +117,6 @@ class LoadReporter:
 
     async def run(self) -> None:
         while True:
-            try:
-                await asyncio.wait_for(self._now.wait(), self.llumlet.config.report_interval_s)
-            except TimeoutError:
-                pass
+            await wait_set(self._now, self.llumlet.config.report_interval_s)
             self._now.clear()
             await self.publish()

@@ -21,6 +21,7 @@ from nats.errors import NoRespondersError
 
 from shared import subjects
 from shared.config import add_nats_argument, env
+from shared.event_waits import wait_set
 from shared.messages import Ack, DrainOrder, LoadReport, WireError, decode, encode
 from shared.nats_client import connect
 
@@ -78,9 +79,7 @@ async def drain_instance(nats_url: str, instance_id: str, timeout_s: float, abse
                                     remaining)
             changed.clear()
             wait_s = min(left, absent_after_s)
-            try:
-                await asyncio.wait_for(changed.wait(), wait_s)
-            except TimeoutError:
+            if not await wait_set(changed, wait_s):
                 if wait_s >= absent_after_s:  # silent that long: gone (else the deadline came first)
                     return DrainOutcome(True, f"{instance_id} stopped reporting: gone")
     finally:
@@ -90,7 +89,8 @@ async def drain_instance(nats_url: str, instance_id: str, timeout_s: float, abse
 async def _drain_within(nats_url: str, instance_id: str, timeout_s: float) -> DrainOutcome:
     """The whole drain, NATS connection included, ends by the deadline (a preStop hook must)."""
     try:
-        return await asyncio.wait_for(drain_instance(nats_url, instance_id, timeout_s), timeout_s + 5.0)
+        async with asyncio.timeout(timeout_s + 5.0):
+            return await drain_instance(nats_url, instance_id, timeout_s)
     except TimeoutError:
         return DrainOutcome(False, f"no answer from NATS at {nats_url} within {timeout_s + 5.0:g} s")
 

@@ -27,6 +27,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+from shared.event_waits import wait_set
 from shared.policy.commit_hold import DEFAULT_HOLD_STEP_SHARE, TYPICAL_STEP_WINDOW, CommitHoldRule
 
 
@@ -65,11 +66,7 @@ class StepClock:
 
     async def next_start(self, timeout_s: float) -> bool:
         """Wait for the next step to start (False: none within `timeout_s`, e.g. an idle engine)."""
-        try:
-            await asyncio.wait_for(self._start.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
+        return await wait_set(self._start, timeout_s)
 
 
 class CommitHold:

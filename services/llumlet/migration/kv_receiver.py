@@ -62,8 +62,9 @@ class KVReceiver:
             worker.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
         if self._server is not None:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self._server.wait_closed()
 
     def attach(self, connection: FrameConnection, worker: asyncio.Task) -> None:
         """A source connected; `worker` acks its frames (and outlives it by its last ones)."""

@@ -178,7 +178,8 @@ class KVConnection:
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            await asyncio.wait_for(loop.sock_connect(sock, sockaddr), self.limits.connect_timeout_s)
+            async with asyncio.timeout(self.limits.connect_timeout_s):
+                await loop.sock_connect(sock, sockaddr)
         except (TimeoutError, OSError) as exc:
             sock.close()
             raise DestinationGone(f"cannot connect to KV receiver {self.address}: {exc!r}") from exc

@@ -29,6 +29,7 @@ from services.llumlet.migration.ops import LivePhase, MigratableEngine
 from services.llumlet.migration.outgoing import OutgoingMigration
 from services.llumlet.migration.protocol import MigrationLimits, new_migration_id
 from services.llumlet.migration.source_stages import SourceHooks, StageDriver
+from shared.event_waits import wait_set
 from shared.messages import MigrateOrder
 from shared.policy.migration import may_move, select_request_to_migrate
 
@@ -119,10 +120,7 @@ class MigrationCoordinator:
                 # With a pair, look again soon (requests start decoding, the pair lapses);
                 # without one, only an order (or a migration ending) wakes us.
                 timeout_s = self.limits.idle_poll_s if self._pair is not None else None
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout_s)
-                except TimeoutError:
-                    pass
+                await wait_set(self._wake, timeout_s)
                 continue
             m = self._begin(request_id, dst)  # takes its slot now, before the task first runs
             if m is not None:
