@@ -31,6 +31,7 @@ from services.process_helpers import die_with_parent
 from shared import subjects
 from shared.embedded_nats import nats_server_binary
 from shared.messages import DispatchReply, DispatchRequest, decode, encode
+from shared.nats_client import request as nats_request
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,7 +79,7 @@ async def _dispatch_open_loop(nats_url: str, rate: float, seconds: float) -> tup
                                   max_tokens=128)
         started = time.perf_counter()
         try:
-            reply = decode((await nc.request(subjects.DISPATCH, encode(request), timeout=2.0)).data, DispatchReply)
+            reply = decode((await nats_request(nc, subjects.DISPATCH, encode(request), 2.0)).data, DispatchReply)
         except Exception:  # noqa: BLE001 - timeouts counted
             failures += 1
             return

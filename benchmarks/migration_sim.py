@@ -62,6 +62,7 @@ from services.llumlet.service import Llumlet
 from shared import subjects
 from shared.embedded_nats import start_nats
 from shared.messages import AbortRequest, GenerateRequest, LoadReport, SamplingParams, decode, encode
+from shared.nats_client import request as nats_request
 from benchmarks.raw_loopback import raw_links, beside_raw_copies, launch_destination, raw_port
 from benchmarks.client_stall import Chunks, record_client, source_stamps
 from benchmarks.migration_sim_report import report_line, summarize, print_summary
@@ -168,7 +169,7 @@ def request(request_id: str, prompt_len: int, max_tokens: int) -> GenerateReques
 
 
 async def submit(nc, instance_id: str, req: GenerateRequest) -> None:
-    reply = await nc.request(subjects.llumlet(instance_id, "generate"), encode(req), timeout=10)
+    reply = await nats_request(nc, subjects.llumlet(instance_id, "generate"), encode(req), 10)
     assert b"error" not in reply.data, reply.data
 
 

@@ -9,8 +9,10 @@ import random
 import nats
 from nats.aio.client import Client
 from nats.aio.client import Server as NatsServer
+from nats.aio.msg import Msg
 
 from shared import nats_auth
+from shared.cancellation import keeping_cancellation
 
 log = logging.getLogger(__name__)
 
@@ -85,3 +87,10 @@ async def flush_in_order(nc: Client, timeout_s: float = 5.0) -> None:
     reached the server; a second PING goes out after that SUB on the wire, and its PONG proves it."""
     await nc.flush(timeout=timeout_s)
     await nc.flush(timeout=timeout_s)
+
+
+async def request(nc: Client, subject: str, payload: bytes, timeout_s: float,
+                  headers: dict[str, str] | None = None) -> Msg:
+    """`nc.request` without losing a cancellation that arrives with the reply (nats-py waits for
+    it with `asyncio.wait_for`: `shared/cancellation.py`). Raises as `nc.request` does."""
+    return await keeping_cancellation(nc.request(subject, payload, timeout=timeout_s, headers=headers))

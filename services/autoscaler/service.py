@@ -31,7 +31,7 @@ from shared.messages import (
     decode_or_drop,
     encode,
 )
-from shared.nats_client import connect
+from shared.nats_client import connect, request as nats_request
 from shared.policy.scaling import ScaleAction, ScalingDecision, ScalingState, pool_scaling_decision, scaling_decision
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class Autoscaler:
     async def _drain(self, instance_id: str) -> None:
         try:
             order = DrainOrder(drain=True, by=DrainSource.AUTOSCALER)
-            reply = await self.nc.request(subjects.llumlet(instance_id, "drain"), encode(order), timeout=2.0)
+            reply = await nats_request(self.nc, subjects.llumlet(instance_id, "drain"), encode(order), 2.0)
             decode(reply.data, Ack)
         except (NoRespondersError, TimeoutError) as exc:
             log.warning("drain order to %s not acknowledged (%s); stopping it when it stops reporting", instance_id, exc)

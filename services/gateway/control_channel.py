@@ -26,7 +26,7 @@ from nats.aio.client import Client
 
 from shared import subjects
 from shared.messages import AbortRequest, GatewayHeartbeat, encode
-from shared.event_waits import wait_set
+from shared.cancellation import wait_set
 from shared.nats_client import connect
 
 log = logging.getLogger(__name__)

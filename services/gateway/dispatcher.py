@@ -23,6 +23,7 @@ from services.gateway.scheduler_breaker import SchedulerBreaker
 from services.gateway.errors import ApiError, refusal_error
 from shared import subjects, tracing
 from shared.messages import DispatchReply, DispatchRequest, Refusal, WireError, decode, encode
+from shared.nats_client import request as nats_request
 from shared.policy import PolicyConfig, choose_instance
 from shared.policy.disaggregation import dispatch_pool
 from shared.policy.dispatch import REJECT_NO_INSTANCE
@@ -102,8 +103,7 @@ class Dispatcher:
         """The scheduler's answer. A request asked while the breaker was closed stops waiting
         (`_BreakerOpened`) as soon as another's timeout opens it: requests in flight together
         pay one timeout between them, not one each. The probe waits its own timeout."""
-        asking = self._nc.request(subjects.DISPATCH, encode(request), timeout=self._timeout_s,
-                                  headers=tracing.inject())
+        asking = nats_request(self._nc, subjects.DISPATCH, encode(request), self._timeout_s, tracing.inject())
         if probe:
             return await asking
         if self._opened is None:

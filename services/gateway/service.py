@@ -37,7 +37,7 @@ from shared.messages import (
     AbortRequest, Ack, DispatchRequest, GenerateRequest, LoadReport, Refusal, WireError, decode, decode_chunks,
     decode_or_drop, encode,
 )
-from shared.nats_client import connect, flush_in_order
+from shared.nats_client import connect, flush_in_order, request as nats_request
 
 log = logging.getLogger(__name__)
 
@@ -335,8 +335,8 @@ class GatewayService:
         reports stopped): a request sent at the moment of death goes elsewhere at once."""
         assert self._nc is not None
         since = time.monotonic()
-        answer = asyncio.ensure_future(self._nc.request(subject, payload, timeout=self.config.generate_timeout_s,
-                                                        headers=tracing.inject()))
+        answer = asyncio.ensure_future(nats_request(self._nc, subject, payload, self.config.generate_timeout_s,
+                                                    tracing.inject()))
         try:
             while True:
                 done, _ = await asyncio.wait({answer}, timeout=0.05)

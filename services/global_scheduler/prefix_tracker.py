@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 
 from shared import subjects
 from shared.messages import KvCacheEvents, KvCacheSnapshot, decode_or_drop
-from shared.nats_client import flush_in_order
+from shared.nats_client import flush_in_order, request as nats_request
 from shared.prefix_index import GlobalPrefixIndex
 
 log = logging.getLogger(__name__)
@@ -136,8 +136,7 @@ class PrefixTracker:
     async def _request_snapshot(self, instance_id: str) -> None:
         """The snapshot itself comes on the instance's snapshot subject (to every scheduler)."""
         try:
-            await self._nc.request(subjects.llumlet(instance_id, "kv_snapshot"), b"",
-                                   timeout=SNAPSHOT_REQUEST_TIMEOUT_S)
+            await nats_request(self._nc, subjects.llumlet(instance_id, "kv_snapshot"), b"", SNAPSHOT_REQUEST_TIMEOUT_S)
         except NoRespondersError:  # no prefix cache there (or gone): not worth asking every tick
             self._no_cache[instance_id] = time.monotonic()
         except (TimeoutError, NatsError) as exc:  # slow or NATS away: the next tick asks again

@@ -38,6 +38,7 @@ from services.llumlet.migration.protocol import MigrationStatus
 from shared import subjects
 from shared.engine_model.views import StepOutput
 from shared.messages import HandoffAnswer, HandoffQuery, WireError, decode, encode
+from shared.nats_client import request as nats_request
 from shared.policy.disaggregation import HANDOFF_ATTEMPTS, HANDOFF_RETRY_AFTER_S
 
 log = logging.getLogger(__name__)
@@ -167,7 +168,7 @@ def nats_ask(nc: Callable[[], Client | None], timeout_s: float = ASK_TIMEOUT_S) 
         if client is None or not client.is_connected:
             return None
         try:
-            reply = await client.request(subjects.HANDOFF, encode(query), timeout=timeout_s)
+            reply = await nats_request(client, subjects.HANDOFF, encode(query), timeout_s)
             return decode(reply.data, HandoffAnswer)
         except NoRespondersError:
             log.warning("hand-off of %s: no global scheduler is running", query.request_id)

@@ -23,7 +23,7 @@ from services.llumlet.served import ServedTally
 from shared import subjects
 from shared.engine_model.load_report import aggregate_views, build_load_report
 from shared.engine_model.report_cadence import report_due
-from shared.event_waits import wait_set
+from shared.cancellation import wait_set
 from shared.messages import DrainSource, InstanceRole, LoadReport, encode
 
 

@@ -21,9 +21,9 @@ from nats.errors import NoRespondersError
 
 from shared import subjects
 from shared.config import add_nats_argument, env
-from shared.event_waits import wait_set
+from shared.cancellation import wait_set
 from shared.messages import Ack, DrainOrder, LoadReport, WireError, decode, encode
-from shared.nats_client import connect
+from shared.nats_client import connect, request as nats_request
 
 log = logging.getLogger("corral.drain")
 
@@ -60,8 +60,8 @@ async def drain_instance(nats_url: str, instance_id: str, timeout_s: float, abse
     try:
         await nc.subscribe(subjects.load_report(instance_id), cb=on_report)
         try:
-            reply = await nc.request(subjects.llumlet(instance_id, "drain"), encode(DrainOrder(drain=True)),
-                                     timeout=absent_after_s)
+            reply = await nats_request(nc, subjects.llumlet(instance_id, "drain"), encode(DrainOrder(drain=True)),
+                                       absent_after_s)
             ack = decode(reply.data, Ack)
             if not ack.ok:
                 return DrainOutcome(False, f"drain refused: {ack.error}")

@@ -36,7 +36,7 @@ class FakeBus:
     async def publish(self, subject: str, data: bytes) -> None:
         self.published.append(subject)
 
-    async def request(self, subject: str, data: bytes, timeout: float):
+    async def request(self, subject: str, data: bytes, timeout: float, headers: dict | None = None):
         self.requests.append(subject)
         self.request_payloads.append(data)
         return type("Reply", (), {"data": encode(Ack(ok=True))})()

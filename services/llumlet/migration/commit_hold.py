@@ -27,7 +27,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from shared.event_waits import wait_set
+from shared.cancellation import wait_set
 from shared.policy.commit_hold import DEFAULT_HOLD_STEP_SHARE, TYPICAL_STEP_WINDOW, CommitHoldRule
 
 

@@ -22,6 +22,7 @@ from services.llumlet.migration.destination import IncomingMigrations
 from services.llumlet.migration.protocol import DestinationGone, DestinationSlow, MigrationLimits, PreAllocGrant
 from shared import bus_guard, subjects
 from shared.messages import Ack, CommitNotice, MigrationAbort, MigrationCommit, PreAlloc, WireError, decode, encode
+from shared.nats_client import request as nats_request
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class NatsDestinationLink:
 
     async def _ask(self, dst: str, verb: str, msg: msgspec.Struct, reply_type: type[R], timeout_s: float) -> R:
         try:
-            reply = await self.nc.request(subjects.migration(dst, verb), encode(msg), timeout=timeout_s)
+            reply = await nats_request(self.nc, subjects.migration(dst, verb), encode(msg), timeout_s)
         except NoRespondersError as exc:
             raise DestinationGone(f"{dst} does not answer {verb} (no responders)") from exc
         except NatsTimeoutError as exc:

@@ -29,7 +29,7 @@ from services.llumlet.migration.ops import LivePhase, MigratableEngine
 from services.llumlet.migration.outgoing import OutgoingMigration
 from services.llumlet.migration.protocol import MigrationLimits, new_migration_id
 from services.llumlet.migration.source_stages import SourceHooks, StageDriver
-from shared.event_waits import wait_set
+from shared.cancellation import wait_set
 from shared.messages import MigrateOrder
 from shared.policy.migration import may_move, select_request_to_migrate
 

@@ -1,4 +1,4 @@
-"""A timed wait on an event never loses a cancellation (`shared/event_waits.py`): Python 3.11's
+"""A timed wait on an event never loses a cancellation (`shared/cancellation.py`): Python 3.11's
 `asyncio.wait_for` returns instead when the event is set in the iteration the cancellation
 arrives, and a service loop cancelled at stop would run on. The migrate-out loop hung a test
 run that way (its cancel swallowed as a refused migration woke it)."""
@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
+import re
 
 from services.llumlet.migration.departures import Departures
 from services.llumlet.migration.protocol import MigrationLimits
 from services.llumlet.migration.source import MigrationCoordinator
-from shared.event_waits import wait_set
+from shared.cancellation import wait_set
 from shared.messages import MigrateOrder
+from shared.nats_client import request as nats_request
 from tests.unit.test_migration_guards import NoHooks, RefusingLink, ResidenceOps
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -62,8 +64,49 @@ async def test_the_migrate_out_loop_stops_when_cancelled_as_an_order_wakes_it() 
     assert await parked_then_woken_and_cancelled(loop, lambda: coordinator.on_order(MigrateOrder("q", "other")))
 
 
+class WaitForClient:
+    """nats-py's `request`, as far as this matters: the reply future awaited with `wait_for`."""
+
+    def __init__(self) -> None:
+        self.reply: asyncio.Future[str] | None = None
+
+    async def request(self, subject: str, payload: bytes, timeout: float, headers: dict | None = None) -> str:
+        self.reply = asyncio.get_running_loop().create_future()
+        return await asyncio.wait_for(self.reply, timeout)
+
+
+async def test_a_nats_request_cancelled_as_its_reply_lands_ends_the_loop() -> None:
+    client = WaitForClient()
+
+    async def asking_loop() -> None:
+        while True:
+            await nats_request(client, "subject", b"", 10.0)
+
+    for _ in range(20):
+        task = asyncio.create_task(asking_loop())
+        assert await parked_then_woken_and_cancelled(task, lambda: client.reply.set_result("reply"))
+
+
+async def test_a_nats_request_not_cancelled_returns_its_reply() -> None:
+    client = WaitForClient()
+    asking = asyncio.create_task(nats_request(client, "subject", b"", 10.0))
+    await asyncio.sleep(0)
+    client.reply.set_result("reply")
+    assert await asking == "reply"
+
+
+def sources() -> list[pathlib.Path]:
+    return [path for top in ("services", "shared", "loadgen", "benchmarks") for path in (REPO / top).rglob("*.py")]
+
+
 def test_no_service_waits_with_asyncio_wait_for() -> None:
     """The one rule for timed waits: `wait_set` or `asyncio.timeout`, never `wait_for`."""
-    offenders = [str(path.relative_to(REPO)) for top in ("services", "shared", "loadgen", "benchmarks")
-                 for path in (REPO / top).rglob("*.py") if "asyncio.wait_for(" in path.read_text()]
+    assert [str(path.relative_to(REPO)) for path in sources() if "asyncio.wait_for(" in path.read_text()] == []
+
+
+def test_every_nats_request_keeps_its_cancellation() -> None:
+    """Through `shared.nats_client.request`, never a client's own `request`."""
+    direct = re.compile(r"\b(nc|client)\.request\(")
+    offenders = [str(path.relative_to(REPO)) for path in sources()
+                 if path != REPO / "shared" / "nats_client.py" and direct.search(path.read_text())]
     assert offenders == []
