@@ -1,4 +1,4 @@
-"""The dispatches an instance's latest load report does not show yet.
+"""The dispatches (and P/D hand-offs) an instance's latest load report does not show yet.
 
 After a dispatch the scheduler counts the request into the instance's load (`account_dispatch`)
 until the next report replaces that load. But a report built before the request's generate order
@@ -17,6 +17,13 @@ not yet counted off is missing from every report after the one it was accounted 
 that never arrive (refused there, the client gone, another gateway's or scheduler's order counted
 in their place) are forgotten after `FORGET_AFTER_S`: until then the instance looks busier than it
 is, the safe side for admission.
+
+A P/D hand-off is the same race one NATS round trip long: the scheduler accounts the decode
+instance's blocks for it (`account_handoff`) when it answers, and a report built before the
+hand-off's PRE-ALLOC landed wiped them, so hand-offs answered together could pile onto one decode
+instance. They are counted off by the migrations the instance has granted their first blocks
+(`num_migrations_in_total`; a migration that is no hand-off counts one off too: the side of
+showing less, as before this was kept).
 """
 
 from __future__ import annotations
@@ -24,61 +31,90 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 
 from shared.messages import DispatchRequest, LoadReport
+from shared.policy.disaggregation import account_handoff
 from shared.policy.dispatch import account_prompt
 
 FORGET_AFTER_S = 2.0
+
+
+class Arrival(Enum):
+    """What the instance counts when a kind of dispatch arrives there."""
+
+    ORDER = "num_accepted_total"  # a generate order accepted
+    MIGRATION = "num_migrations_in_total"  # a migration granted its first blocks
+
+    def count(self, load: LoadReport) -> int:
+        return getattr(load, self.value)
 
 
 @dataclass(frozen=True)
 class Sent:
     at: float  # monotonic
     seq: int  # the report it was accounted on (a report of that seq still carries the accounting)
-    prompt_tokens: int
-    priority: int
+    account: Callable[[LoadReport], LoadReport]  # accounts it on a load again
+
+
+@dataclass
+class _Unshown:
+    """One instance's dispatches of one kind, oldest first, and its count of their arrivals."""
+
+    sent: deque[Sent] = field(default_factory=deque)
+    arrived: int | None = None  # the count when last looked at
+
+    def missing(self, arrived: int, seq: int, horizon: float) -> list[Sent]:
+        """What a report of `seq` whose count is `arrived` does not show (counting off, first,
+        what the count says arrived; forgetting what was sent before `horizon`)."""
+        last, self.arrived = self.arrived, arrived
+        if not self.sent:
+            return []
+        if last is not None and arrived < last:  # it restarted: what it held is gone
+            self.sent.clear()
+            return []
+        for _ in range(min(arrived - last, len(self.sent)) if last is not None else 0):
+            self.sent.popleft()
+        while self.sent and self.sent[0].at < horizon:
+            self.sent.popleft()
+        return [s for s in self.sent if s.seq < seq]
 
 
 class UnreportedDispatches:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._sent: dict[str, deque[Sent]] = {}
-        self._accepted: dict[str, int] = {}  # each instance's num_accepted_total when last looked at
+        self._unshown: dict[str, dict[Arrival, _Unshown]] = {}
 
     def dispatched(self, load: LoadReport, request: DispatchRequest) -> None:
         """`load`: the instance's load the dispatch is accounted on."""
-        sent = self._sent.setdefault(load.instance_id, deque())
-        sent.append(Sent(self._clock(), load.seq, request.num_prompt_tokens, request.priority))
+        tokens, priority = request.num_prompt_tokens, request.priority
+        self._add(load, Arrival.ORDER, lambda report: account_prompt(report, tokens, priority))
+
+    def handed_off(self, load: LoadReport, num_blocks: int) -> None:
+        """A P/D hand-off of `num_blocks` answered with the instance of `load`."""
+        self._add(load, Arrival.MIGRATION, lambda report: account_handoff(report, num_blocks))
 
     def restore(self, report: LoadReport) -> LoadReport:
         """`report` with the dispatches to its instance it does not show accounted on it again.
         Only for a report its table takes (`InstanceTable.takes`): an older one, reordered, would
-        count back with its count of accepted orders what was counted off."""
-        for sent in self._missing(report):
-            report = account_prompt(report, sent.prompt_tokens, sent.priority)
+        count back with its counts of arrivals what was counted off."""
+        horizon = self._clock() - FORGET_AFTER_S
+        books = self._books(report.instance_id)
+        for arrival in Arrival:
+            for sent in books[arrival].missing(arrival.count(report), report.seq, horizon):
+                report = sent.account(report)
         return report
 
     def forget(self, instance_id: str) -> None:
         """The instance left the table."""
-        for books in (self._sent, self._accepted):
-            books.pop(instance_id, None)
+        self._unshown.pop(instance_id, None)
 
-    def _missing(self, load: LoadReport) -> list[Sent]:
-        """What was dispatched to the instance that `load` does not show (counting off, first,
-        what its accepted orders show arrived)."""
-        iid = load.instance_id
-        last = self._accepted.get(iid)
-        self._accepted[iid] = load.num_accepted_total
-        sent = self._sent.get(iid)
-        if not sent:
-            return []
-        if last is not None and load.num_accepted_total < last:  # it restarted: what it held is gone
-            sent.clear()
-            return []
-        for _ in range(min(load.num_accepted_total - last, len(sent)) if last is not None else 0):
-            sent.popleft()
-        horizon = self._clock() - FORGET_AFTER_S
-        while sent and sent[0].at < horizon:
-            sent.popleft()
-        return [s for s in sent if s.seq < load.seq]
+    def _add(self, load: LoadReport, arrival: Arrival, account: Callable[[LoadReport], LoadReport]) -> None:
+        self._books(load.instance_id)[arrival].sent.append(Sent(self._clock(), load.seq, account))
+
+    def _books(self, instance_id: str) -> dict[Arrival, _Unshown]:
+        books = self._unshown.get(instance_id)
+        if books is None:
+            books = self._unshown[instance_id] = {arrival: _Unshown() for arrival in Arrival}
+        return books

@@ -15,27 +15,19 @@ import msgspec
 
 from shared.instance_table import InstanceTable
 from shared.messages import DispatchRequest, HandoffAnswer, HandoffQuery, InstanceRole, LoadReport
-from shared.policy.disaggregation import dispatch_pool, handoff_destination
+from shared.policy.disaggregation import account_handoff, dispatch_pool, handoff_destination
 from shared.policy.migration import MigrationGuard
+from shared.unreported_dispatches import UnreportedDispatches
 
 NO_ROOM = "no decode instance has room"
 UNKNOWN_SOURCE = "the prefill instance is not in the load table"
 
 
-def account_handoff(load: LoadReport, num_blocks: int) -> LoadReport:
-    """The destination's load once a hand-off's PRE-ALLOC lands (its blocks reserved, one more
-    migration in), so that hand-offs answered between two reports spread as dispatches do."""
-    return msgspec.structs.replace(
-        load,
-        num_blocks_free=max(0, load.num_blocks_free - num_blocks),
-        reserved_blocks=load.reserved_blocks + num_blocks,
-        num_migrating=load.num_migrating + 1,
-    )
-
-
 class InstanceRoles:
-    def __init__(self, table: InstanceTable, guard: MigrationGuard, headroom_blocks: Mapping[int, int]) -> None:
+    def __init__(self, table: InstanceTable, guard: MigrationGuard, headroom_blocks: Mapping[int, int],
+                 unreported: UnreportedDispatches) -> None:
         self.table = table
+        self.unreported = unreported  # (a hand-off is accounted until the destination's reports show it)
         self.guard = guard
         self.headroom_blocks = headroom_blocks
         self.disaggregated = False  # an instance reported a role other than mixed (ever)
@@ -64,5 +56,7 @@ class InstanceRoles:
                                   query.max_num_tokens)
         if dst is None:
             return HandoffAnswer(reason=NO_ROOM)
-        self.table.replace_load(account_handoff(self.table.get(dst), query.num_blocks))
+        load = self.table.get(dst)
+        self.table.replace_load(account_handoff(load, query.num_blocks))
+        self.unreported.handed_off(load, query.num_blocks)
         return HandoffAnswer(dst_instance_id=dst)

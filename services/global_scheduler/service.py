@@ -55,7 +55,7 @@ class GlobalScheduler:
         self.index = DispatchIndex(config.policy)
         self.table = InstanceTable(config.instance_timeout_s, listener=self.index)
         self.unreported = UnreportedDispatches()
-        self.roles = InstanceRoles(self.table, config.guard, config.policy.headroom_blocks)  # P/D (issue 19 §2)
+        self.roles = InstanceRoles(self.table, config.guard, config.policy.headroom_blocks, self.unreported)  # P/D
         self.nc: Client | None = None
         self.dispatch_nc: Client | None = None  # dispatch and hand-off queries, apart from the reports
         self._reports_since_yield = 0

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import msgspec
+
 from shared.messages import InstanceRole, LoadReport
 from shared.policy.config import PolicyConfig
 from shared.policy.freeness import QueueDemand, freeness
@@ -102,6 +104,17 @@ def handoff_destination(
             return best.instance_id
     return None
 
+
+
+def account_handoff(load: LoadReport, num_blocks: int) -> LoadReport:
+    """The destination's load once a hand-off's PRE-ALLOC lands (its blocks reserved, one more
+    migration in), so that hand-offs answered between two reports spread as dispatches do."""
+    return msgspec.structs.replace(
+        load,
+        num_blocks_free=max(0, load.num_blocks_free - num_blocks),
+        reserved_blocks=load.reserved_blocks + num_blocks,
+        num_migrating=load.num_migrating + 1,
+    )
 
 
 def rebalancing_pairs(

@@ -9,7 +9,7 @@ import asyncio
 import msgspec
 
 from services.global_scheduler.migration_loop import MigrationPairer
-from services.global_scheduler.roles import NO_ROOM, UNKNOWN_SOURCE, InstanceRoles, account_handoff
+from services.global_scheduler.roles import NO_ROOM, UNKNOWN_SOURCE, InstanceRoles
 from services.llumlet.handoff import ATTEMPTS, HandoffOutcome, PrefillHandoff, first_tokens
 from services.llumlet.migration.ops import LivePhase, MigrationSnapshot
 from services.llumlet.migration.outgoing import OutgoingMigration
@@ -21,9 +21,11 @@ from shared.messages import (
     DispatchRequest, FinishReason, HandoffAnswer, HandoffQuery, InstanceRole, decode, encode,
 )
 from shared.policy.config import PolicyConfig
+from shared.policy.disaggregation import account_handoff
 from shared.policy.migration import DEFAULT_GUARD
 from tests.unit.migration_helpers import expected_tokens, verify_kv
 from tests.unit.migration_source_harness import make_harness  # noqa: F401 (a fixture)
+from shared.unreported_dispatches import UnreportedDispatches
 from tests.unit.policy_helpers import make_load
 
 
@@ -207,7 +209,7 @@ def test_a_prefill_instance_refuses_incoming_migrations():
 
 def roles_over(*loads) -> InstanceRoles:
     table = InstanceTable(60.0)
-    roles = InstanceRoles(table, DEFAULT_GUARD, PolicyConfig().headroom_blocks)
+    roles = InstanceRoles(table, DEFAULT_GUARD, PolicyConfig().headroom_blocks, UnreportedDispatches())
     for load in loads:
         table.update(load)
         roles.saw(load)

@@ -1,6 +1,7 @@
-"""The dispatches an instance's latest load report does not show yet
-(`shared/unreported_dispatches.py`): a report built before the generate orders arrived does not
-wipe them from the scheduler's table, for dispatch as for admission."""
+"""The dispatches (and P/D hand-offs) an instance's latest load report does not show yet
+(`shared/unreported_dispatches.py`): a report built before the generate orders (the hand-offs'
+PRE-ALLOCs) arrived does not wipe them from the scheduler's table, for dispatch as for admission
+and hand-off answers."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ import msgspec
 from services.global_scheduler.config import SchedulerConfig
 from services.global_scheduler.service import GlobalScheduler
 from shared.unreported_dispatches import FORGET_AFTER_S, UnreportedDispatches
-from shared.messages import DispatchRequest, LoadReport
+from shared.messages import DispatchRequest, HandoffQuery, InstanceRole, LoadReport
 from tests.unit.policy_helpers import make_load
 
 
-def report(instance_id: str, seq: int, accepted: int, total: int = 128) -> LoadReport:
+def report(instance_id: str, seq: int, accepted: int, total: int = 128, migrations_in: int = 0,
+           role: InstanceRole = InstanceRole.MIXED) -> LoadReport:
     load = make_load(instance_id, total=total)
-    return msgspec.structs.replace(load, seq=seq, sent_at=time.time(), num_accepted_total=accepted)
+    return msgspec.structs.replace(load, seq=seq, sent_at=time.time(), num_accepted_total=accepted,
+                                   num_migrations_in_total=migrations_in, role=role)
 
 
 def test_dispatches_are_added_back_until_accepted_orders_count_them_off_or_they_are_forgotten():
@@ -76,3 +79,36 @@ def test_an_instance_that_left_is_forgotten():
     unreported.dispatched(load, DispatchRequest("r0", 100, 4))
     unreported.forget("a")
     assert unreported.restore(report("a", 2, accepted=0)).num_waiting == 0
+
+
+def test_handoffs_are_added_back_until_the_instance_admits_their_migrations():
+    clock = [100.0]
+    unreported = UnreportedDispatches(clock=lambda: clock[0])
+    first = unreported.restore(report("d", 1, accepted=0, migrations_in=3))
+    for _ in range(2):
+        unreported.handed_off(first, 10)
+
+    def reserved(seq: int, migrations_in: int, accepted: int = 0) -> tuple[int, int, int]:
+        load = unreported.restore(report("d", seq, accepted, migrations_in=migrations_in))
+        return load.num_blocks_free, load.reserved_blocks, load.num_migrating
+
+    assert reserved(2, migrations_in=3) == (108, 20, 2)  # (128 free, as make_load builds it)
+    assert reserved(3, migrations_in=3, accepted=4) == (108, 20, 2)  # generate orders count off none
+    assert reserved(4, migrations_in=4) == (118, 10, 1)  # one admitted: its blocks show as reserved
+    clock[0] += FORGET_AFTER_S + 0.1
+    assert reserved(5, migrations_in=4) == (128, 0, 0)  # refused there: forgotten
+
+
+def test_handoffs_answered_together_spread_when_a_report_built_before_them_lands():
+    """Two equal decode instances, and after each answer a report from `d1` built before any
+    PRE-ALLOC reached it: without adding the hand-offs back, each one makes `d1` look empty
+    again, and the hand-offs pile onto it."""
+    s = GlobalScheduler(SchedulerConfig(nats_url="nats://unused:4222"))
+    s.take_report(report("p", 1, accepted=0, role=InstanceRole.PREFILL))
+    for iid in ("d1", "d2"):
+        s.take_report(report(iid, 1, accepted=0, total=1000, role=InstanceRole.DECODE))
+    chosen = []
+    for i in range(8):
+        chosen.append(s.roles.handoff(HandoffQuery("p", f"r{i}", 40)).dst_instance_id)
+        s.take_report(report("d1", 2 + i, accepted=0, total=1000, role=InstanceRole.DECODE))
+    assert Counter(chosen) == Counter({"d1": 4, "d2": 4}), chosen

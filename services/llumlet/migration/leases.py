@@ -107,6 +107,7 @@ class IncomingLeases:
         self._on_change = on_change
         self._clock = clock
         self._migrations: dict[str, IncomingMigration] = {}
+        self.num_admitted_total = 0  # migrations granted their first blocks (load reports carry it)
 
     # -- views ---------------------------------------------------------------------------------
 
@@ -167,6 +168,8 @@ class IncomingLeases:
                 self._end(m, MigrationStatus.ABORTED_DST, "no room")
                 return PreAllocGrant(ok=False, reason=f"no room for {more} more blocks")
             added = pinned + added
+            if not m.granted:  # its first grant: its reservation shows in reports from now on
+                self.num_admitted_total += 1
             m.block_ids += added
             granted = m.granted[msg.stage] = granted + added
             if added:

@@ -143,6 +143,10 @@ class LlumletMigration:
         return outgoing + (self.incoming.num_active if self.incoming is not None else 0)
 
     @property
+    def num_migrations_in_total(self) -> int:
+        return self.incoming.num_admitted_total if self.incoming is not None else 0
+
+    @property
     def reserved_blocks(self) -> int:
         return self.ops.num_reserved_blocks()
 
