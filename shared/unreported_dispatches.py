@@ -22,8 +22,8 @@ A P/D hand-off is the same race one NATS round trip long: the scheduler accounts
 instance's blocks for it (`account_handoff`) when it answers, and a report built before the
 hand-off's PRE-ALLOC landed wiped them, so hand-offs answered together could pile onto one decode
 instance. They are counted off by the migrations the instance has granted their first blocks
-(`num_migrations_in_total`; a migration that is no hand-off counts one off too: the side of
-showing less, as before this was kept).
+(`num_migrations_in_total`). A migration in that is no hand-off counts one off too: that errs
+toward showing less, as every report did before hand-offs were restored.
 """
 
 from __future__ import annotations
