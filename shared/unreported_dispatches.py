@@ -21,9 +21,11 @@ is, the safe side for admission.
 A P/D hand-off is the same race one NATS round trip long: the scheduler accounts the decode
 instance's blocks for it (`account_handoff`) when it answers, and a report built before the
 hand-off's PRE-ALLOC landed wiped them, so hand-offs answered together could pile onto one decode
-instance. They are counted off by the migrations the instance has granted their first blocks
-(`num_migrations_in_total`). A migration in that is no hand-off counts one off too: that errs
-toward showing less, as every report did before hand-offs were restored.
+instance. They are counted off by the new migrations the instance has answered
+(`num_migrations_asked_total`): once answered, a hand-off's blocks show in its reports (granted)
+or never will (refused: then it is not accounted on past that, and a retry is asked afresh). A
+migration in that is no hand-off counts one off too: that errs toward showing less, as every
+report did before hand-offs were restored.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class Arrival(Enum):
     """What the instance counts when a kind of dispatch arrives there."""
 
     ORDER = "num_accepted_total"  # a generate order accepted
-    MIGRATION = "num_migrations_in_total"  # a migration granted its first blocks
+    MIGRATION = "num_migrations_asked_total"  # a new migration answered, granted or refused
 
     def count(self, load: LoadReport) -> int:
         return getattr(load, self.value)

@@ -79,7 +79,7 @@ class LoadReporter:
             finished_output_tokens_total=served.finished_output_tokens,
             finished_output_histogram=served.output_histogram,
             num_accepted_total=served.num_accepted,
-            num_migrations_in_total=migration.num_migrations_in_total if migration is not None else 0,
+            num_migrations_asked_total=migration.num_migrations_asked_total if migration is not None else 0,
             step_time_s=served.step_time_s,
             step_decode_batch=served.decode_batch,
             step_decode_context=served.decode_context,

@@ -105,9 +105,10 @@ class LoadReport(Struct):
     # Generate orders it has accepted since it started: the scheduler's admission tells by it
     # which of its dispatches a report does not show yet (sent after the report was built).
     num_accepted_total: Count = 0
-    # Migrations into it granted their first blocks since it started (P/D hand-offs among them):
-    # the scheduler tells by it which of its hand-offs a report does not show yet.
-    num_migrations_in_total: Count = 0
+    # Migrations into it it has answered since it started, granted or refused (their first
+    # PRE-ALLOC; P/D hand-offs among them): the scheduler tells by it which of its hand-offs a
+    # report does not show yet.
+    num_migrations_asked_total: Count = 0
     # The leading block hashes (shared.prefix_hash) of the request this instance would migrate
     # out next: pairing prefers a destination whose cache holds them (issue 18 §4).
     migration_candidate_hashes: Annotated[list[BlockHash], Meta(max_length=MAX_CANDIDATE_HASHES)] = []

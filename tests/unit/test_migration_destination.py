@@ -73,15 +73,19 @@ async def test_repeated_prealloc_of_a_stage_reserves_once(setup) -> None:
     assert setup.engine.num_reserved_blocks() == 5
 
 
-async def test_a_migration_counts_as_admitted_at_its_first_grant_only(setup) -> None:
-    """Load reports carry the count (`num_migrations_in_total`): the scheduler counts off by it
-    the P/D hand-offs it accounted here that a report does not show yet."""
+async def test_a_migration_is_counted_once_when_its_first_prealloc_is_answered(setup) -> None:
+    """Load reports carry the count (`num_migrations_asked_total`): the scheduler counts off by it
+    the P/D hand-offs it accounted here that a report does not show yet. Once answered, a
+    migration's blocks show (granted) or never will (refused), so refusals count too."""
     mid = new_migration_id()
-    assert (await setup.prealloc(mid, 0, 5)).ok and setup.incoming.num_admitted_total == 1
+    assert (await setup.prealloc(mid, 0, 5)).ok and setup.incoming.num_asked_total == 1
     assert (await setup.prealloc(mid, 0, 5)).ok and (await setup.prealloc(mid, 1, 2)).ok  # repeated; next stage
-    assert not (await setup.prealloc(new_migration_id(), 0, 100, "big")).ok  # refused: never admitted
-    assert setup.incoming.num_admitted_total == 1
-    assert (await setup.prealloc(new_migration_id(), 0, 1, "b")).ok and setup.incoming.num_admitted_total == 2
+    assert setup.incoming.num_asked_total == 1
+    assert not (await setup.prealloc(new_migration_id(), 0, 100, "big")).ok  # no room
+    assert setup.incoming.num_asked_total == 2
+    assert (await setup.prealloc(new_migration_id(), 0, 1, "b")).ok  # (max_in 2: the second one in)
+    busy = await setup.prealloc(new_migration_id(), 0, 1, "c")
+    assert not busy.ok and "busy" in busy.reason and setup.incoming.num_asked_total == 4
 
 
 async def test_stage_out_of_order_is_refused(setup) -> None:

@@ -21,7 +21,7 @@ def report(instance_id: str, seq: int, accepted: int, total: int = 128, migratio
            role: InstanceRole = InstanceRole.MIXED) -> LoadReport:
     load = make_load(instance_id, total=total)
     return msgspec.structs.replace(load, seq=seq, sent_at=time.time(), num_accepted_total=accepted,
-                                   num_migrations_in_total=migrations_in, role=role)
+                                   num_migrations_asked_total=migrations_in, role=role)
 
 
 def test_dispatches_are_added_back_until_accepted_orders_count_them_off_or_they_are_forgotten():
@@ -81,7 +81,7 @@ def test_an_instance_that_left_is_forgotten():
     assert unreported.restore(report("a", 2, accepted=0)).num_waiting == 0
 
 
-def test_handoffs_are_added_back_until_the_instance_admits_their_migrations():
+def test_handoffs_are_added_back_until_the_instance_answers_their_migrations():
     clock = [100.0]
     unreported = UnreportedDispatches(clock=lambda: clock[0])
     first = unreported.restore(report("d", 1, accepted=0, migrations_in=3))
@@ -94,9 +94,9 @@ def test_handoffs_are_added_back_until_the_instance_admits_their_migrations():
 
     assert reserved(2, migrations_in=3) == (108, 20, 2)  # (128 free, as make_load builds it)
     assert reserved(3, migrations_in=3, accepted=4) == (108, 20, 2)  # generate orders count off none
-    assert reserved(4, migrations_in=4) == (118, 10, 1)  # one admitted: its blocks show as reserved
+    assert reserved(4, migrations_in=4) == (118, 10, 1)  # one answered: its blocks show (or never will)
     clock[0] += FORGET_AFTER_S + 0.1
-    assert reserved(5, migrations_in=4) == (128, 0, 0)  # refused there: forgotten
+    assert reserved(5, migrations_in=4) == (128, 0, 0)  # never asked there: forgotten
 
 
 def test_handoffs_answered_together_spread_when_a_report_built_before_them_lands():

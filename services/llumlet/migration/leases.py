@@ -107,7 +107,7 @@ class IncomingLeases:
         self._on_change = on_change
         self._clock = clock
         self._migrations: dict[str, IncomingMigration] = {}
-        self.num_admitted_total = 0  # migrations granted their first blocks (load reports carry it)
+        self.num_asked_total = 0  # new migrations answered, granted or refused (load reports carry it)
 
     # -- views ---------------------------------------------------------------------------------
 
@@ -130,13 +130,16 @@ class IncomingLeases:
         if m is not None:
             async with m.prealloc_lock:
                 return await self._prealloc(m, msg)
-        refusal = self._refuse_new(msg)
-        if refusal is not None:
-            return PreAllocGrant(ok=False, reason=refusal)
-        m = self._migrations[msg.migration_id] = IncomingMigration(msg.migration_id, msg.request_id, 0.0,
-                                                                   block_size=self.ops.block_size)
-        async with m.prealloc_lock:
-            return await self._prealloc(m, msg)
+        try:  # a new migration: once answered, its blocks show in reports (granted) or never will
+            refusal = self._refuse_new(msg)
+            if refusal is not None:
+                return PreAllocGrant(ok=False, reason=refusal)
+            m = self._migrations[msg.migration_id] = IncomingMigration(msg.migration_id, msg.request_id, 0.0,
+                                                                       block_size=self.ops.block_size)
+            async with m.prealloc_lock:
+                return await self._prealloc(m, msg)
+        finally:
+            self.num_asked_total += 1
 
     async def _prealloc(self, m: IncomingMigration, msg: PreAlloc) -> PreAllocGrant:
         if m.status.is_over:
@@ -168,8 +171,6 @@ class IncomingLeases:
                 self._end(m, MigrationStatus.ABORTED_DST, "no room")
                 return PreAllocGrant(ok=False, reason=f"no room for {more} more blocks")
             added = pinned + added
-            if not m.granted:  # its first grant: its reservation shows in reports from now on
-                self.num_admitted_total += 1
             m.block_ids += added
             granted = m.granted[msg.stage] = granted + added
             if added:

@@ -143,8 +143,8 @@ class LlumletMigration:
         return outgoing + (self.incoming.num_active if self.incoming is not None else 0)
 
     @property
-    def num_migrations_in_total(self) -> int:
-        return self.incoming.num_admitted_total if self.incoming is not None else 0
+    def num_migrations_asked_total(self) -> int:
+        return self.incoming.num_asked_total if self.incoming is not None else 0
 
     @property
     def reserved_blocks(self) -> int:
