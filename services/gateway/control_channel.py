@@ -25,8 +25,8 @@ import threading
 from nats.aio.client import Client
 
 from shared import subjects
-from shared.messages import AbortRequest, GatewayHeartbeat, encode
 from shared.cancellation import wait_set
+from shared.messages import AbortRequest, GatewayHeartbeat, encode
 from shared.nats_client import connect
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from services.global_scheduler.dispatcher import DEFAULT_POLICY, NamedDispatch
 from services.global_scheduler.prefix_tracker import PrefixTracker
 from services.global_scheduler.roles import InstanceRoles
 from shared import bus_guard, subjects, tracing
-from shared.engine_model.report_cadence import RECEIVER_WARM_UP_S
 from shared.cancellation import wait_set
+from shared.engine_model.report_cadence import RECEIVER_WARM_UP_S
 from shared.instance_table import InstanceTable
 from shared.messages import (
     DispatchReply,

@@ -21,9 +21,9 @@ from services.llumlet.metrics import LlumletMetrics
 from services.llumlet.migration.runtime import LlumletMigration
 from services.llumlet.served import ServedTally
 from shared import subjects
+from shared.cancellation import wait_set
 from shared.engine_model.load_report import aggregate_views, build_load_report
 from shared.engine_model.report_cadence import report_due
-from shared.cancellation import wait_set
 from shared.messages import DrainSource, InstanceRole, LoadReport, encode
 
 

@@ -20,8 +20,8 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from shared import subjects
-from shared.config import add_nats_argument, env
 from shared.cancellation import wait_set
+from shared.config import add_nats_argument, env
 from shared.messages import Ack, DrainOrder, LoadReport, WireError, decode, encode
 from shared.nats_client import connect, request as nats_request
 
