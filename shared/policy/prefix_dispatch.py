@@ -5,10 +5,12 @@ the two cache-affinity baselines, as pure functions over load reports and a pref
   prefill of what is queued ahead there + prefill of the request's uncached suffix (its longest
   cached prefix from the index), plus a recompute charge: where less of the prefix is cached than
   on its best holder, the prefill done again there also delays whoever queues behind it, so that
-  extra prefill is counted once more (`recompute_weight`). Instances that keep room for the
-  request after their queue (dispatch freeness >= 0) rank ahead of those without, whatever their
-  cache holds; the queue term grows with every request dispatched there (`account_dispatch`), so
-  affinity alone never piles a popular prefix onto one instance.
+  extra prefill is counted once more (`recompute_weight`). An instance without room for the
+  request after its queue (dispatch freeness < 0, or too few blocks left for its uncached suffix)
+  is charged the wait for the blocks it lacks (`room_wait_weight`; infinite: instances with room
+  always first, whatever the others' queues or caches). The queue and the missing blocks grow
+  with every request dispatched there (`account_dispatch`), so affinity alone never piles a
+  popular prefix onto one instance.
 - `choose_longest_prefix` (prefix-only): the longest cached prefix wins, ties by dispatch
   freeness: what a pure cache-affinity router does (it piles).
 - `choose_min_kv_cost` (kv-cost): NVIDIA Dynamo's KV router cost, weight × prefill blocks
@@ -25,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from shared.messages import DispatchRequest, LoadReport
 from shared.policy.config import PolicyConfig
@@ -55,13 +57,28 @@ class PrefixContext:
     # rate and P99 TTFT closer to prefix-only's where it does not pile; 4 (in a first form of the
     # charge) piled a live burst.
     recompute_weight: float = 1.0
+    # corral-prefix: an instance without room for the request waits for running requests to free
+    # the blocks it lacks. A saturated instance frees blocks no faster than it fills them, at
+    # most at its prefill pace, so that wait is at least the prefill of as many tokens as the
+    # missing blocks hold: charged this many times (inf: instances with room always rank first,
+    # the strict tier). With the strict tier a burst piled onto the last instances with room
+    # (queues predicted at 5 s beside instances 64 blocks short with 0.2 s) on simulated A100s.
+    room_wait_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not (self.recompute_weight >= 0.0 and math.isfinite(self.recompute_weight)):
             raise ValueError(f"recompute weight must be a finite number >= 0, got {self.recompute_weight}")
+        if not self.room_wait_weight >= 0.0:
+            raise ValueError(f"room wait weight must be a number >= 0 or inf, got {self.room_wait_weight}")
+
+    @property
+    def rooms_first(self) -> bool:
+        """The strict tier: every instance with room ahead of every instance without."""
+        return math.isinf(self.room_wait_weight)
 
 
 DEFAULT_RECOMPUTE_WEIGHT = PrefixContext.recompute_weight
+DEFAULT_ROOM_WAIT_WEIGHT = PrefixContext.room_wait_weight
 
 
 def matched_blocks(request: DispatchRequest, index: PrefixIndex) -> Mapping[str, int]:
@@ -120,8 +137,14 @@ def choose_by_predicted_ttft(
                           config, context)
 
 
-# (no room for it, predicted TTFT + recompute charge, -dispatch score, instance id): ascending = better.
-TtftRank = tuple[bool, float, float, str]
+class TtftRank(NamedTuple):
+    """One instance's place in a decision; ascending = better."""
+
+    behind_rooms: bool  # without room, under the strict tier: after every instance with room
+    cost_s: float  # predicted TTFT + recompute charge (+ the room wait's charge, unless strict)
+    neg_score: float  # -dispatch score: the freer instance first among near-equal costs
+    instance_id: str
+    uncharged_s: float  # cost_s without the room wait's charge: a lower bound an index may walk by
 
 
 def ttft_rank(load: LoadReport, request: DispatchRequest, config: PolicyConfig, context: PrefixContext,
@@ -129,27 +152,39 @@ def ttft_rank(load: LoadReport, request: DispatchRequest, config: PolicyConfig, 
     """`least_prefill`: `least_prefill_s` of the decision."""
     score = dispatch_score(load, config.headroom_blocks)
     uncached = request.num_prompt_tokens - cached_tokens(load, request, matched)
-    # Room after the queue and this request's new blocks: the freeness rule.
-    has_room = score >= 0 and _free_after_queue(load) >= blocks_for_tokens(uncached + 1, load.block_size)
+    missing = missing_blocks(load, score, blocks_for_tokens(uncached + 1, load.block_size))
     queue_s, own_s = _prefill_terms_s(load, request, context, matched)  # predicted TTFT = their sum
     cost = queue_s + own_s + context.recompute_weight * max(0.0, own_s - least_prefill)
-    return (not has_room, cost, -score, load.instance_id)
+    if missing and context.rooms_first:
+        return TtftRank(True, cost, -score, load.instance_id, cost)
+    wait = context.room_wait_weight * context.prefill_s(missing * load.block_size) if missing else 0.0
+    return TtftRank(False, cost + wait, -score, load.instance_id, cost)
+
+
+def missing_blocks(load: LoadReport, score: float, request_blocks: int) -> int:
+    """Blocks the instance lacks to take the request after its queue (0: it has room): the
+    request's new blocks beyond those left after the queue's claims, or the dispatch freeness
+    deficit (which counts the priority headroom), whichever is larger. A draining instance (its
+    score -inf) takes work only when none serving may: it lacks all the request's blocks."""
+    if score < 0:
+        deficit = request_blocks if math.isinf(score) else math.ceil(-score)
+    else:
+        deficit = 0
+    return max(request_blocks - _free_after_queue(load), deficit, 0)
 
 
 def pick_predicted(ranked: list[TtftRank], request: DispatchRequest, config: PolicyConfig,
                    context: PrefixContext) -> DispatchDecision:
-    """The choice among ranked instances: the best class (room first), its lowest prediction, and
-    near-equal predictions (`ttft_tie_s`) broken by freeness, then by the request's hash. Needs
-    every instance of the best class within the tie band; the others may be left out."""
+    """The choice among ranked instances: the best class (room first, under the strict tier), its
+    lowest cost, and near-equal costs (`ttft_tie_s`) broken by freeness, then by the request's
+    hash. Needs every instance of the best class within the tie band; the others may be left out."""
     ranked.sort()
-    first_no_room, best_ttft, _, _ = ranked[0]
-    tied = [iid for no_room, ttft, _, iid in ranked
-            if no_room == first_no_room and ttft <= best_ttft + context.ttft_tie_s]
-    if len(tied) > 1:  # near-equal predictions: the freer instance, then the request's hash
-        band = set(tied)
-        best_score = min(neg for no_room, ttft, neg, iid in ranked if iid in band)
-        tied = [iid for no_room, ttft, neg, iid in ranked if iid in band and neg <= best_score + config.tie_epsilon]
-    return DispatchDecision(pick_tied(tied, request))
+    best = ranked[0]
+    band = [r for r in ranked if r.behind_rooms == best.behind_rooms and r.cost_s <= best.cost_s + context.ttft_tie_s]
+    if len(band) > 1:  # near-equal costs: the freer instance, then the request's hash
+        freest = min(r.neg_score for r in band)
+        band = [r for r in band if r.neg_score <= freest + config.tie_epsilon]
+    return DispatchDecision(pick_tied([r.instance_id for r in band], request))
 
 
 def choose_longest_prefix(

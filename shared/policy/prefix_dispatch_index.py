@@ -6,9 +6,11 @@ An instance holding none of the request's prefix is ranked by `prefill_s(queued)
 prefill_s(prompt)` plus a recompute charge that is the same for all of them: among those, the
 order is their queues' (`prefill_s` never decreases). So a
 decision ranks the holders the prefix index names (O(holders)), then walks the rest from the
-shortest queue and stops at the first predicted past the tie band of the best instance with room:
-nothing further can tie with it. Instances without room rank after any with room whatever their
-prediction, so with every instance short of room the walk is the whole fleet, as the scan. The
+shortest queue and stops at the first whose cost before any room wait's charge is past the tie
+band of the best ranked so far (in the first class): nothing further can tie with it, since a
+charge only adds. Under the strict tier (`PrefixContext.rooms_first`) instances without room rank
+after any with room whatever their prediction, so with every instance short of room the walk is
+the whole fleet, as the scan. The
 walk passes over what the scan leaves out (excluded, too short a context, draining while another
 serves). tests/unit/test_prefix_dispatch_index.py checks it against the scan on random fleets.
 """
@@ -67,14 +69,14 @@ class PrefixDispatchIndex:
         least_s = least_prefill_s(request, self.context, matched)
         holders = {iid for iid, blocks in matched.items() if blocks > 0}
         ranked: list[TtftRank] = []
-        best_with_room = float("inf")
+        best_first_class = float("inf")  # lowest cost among instances not behind the rooms
         for iid in holders:
             load = self._loads.get(iid)
             if load is not None and load.draining == draining and eligible(load):
                 rank = ttft_rank(load, request, self.config, self.context, matched, least_s)
                 ranked.append(rank)
-                if not rank[0]:
-                    best_with_room = min(best_with_room, rank[1])
+                if not rank.behind_rooms:
+                    best_first_class = min(best_first_class, rank.cost_s)
         tie_s = self.context.ttft_tie_s
         for _, iid in pool:
             if iid in holders:
@@ -83,11 +85,11 @@ class PrefixDispatchIndex:
             if not eligible(load):
                 continue
             rank = ttft_rank(load, request, self.config, self.context, matched, least_s)
-            if rank[1] > best_with_room + tie_s:
-                break  # every later one is predicted later still: none ties with the best with room
+            if rank.uncharged_s > best_first_class + tie_s:
+                break  # every later one costs more still: none ties with the best
             ranked.append(rank)
-            if not rank[0]:
-                best_with_room = min(best_with_room, rank[1])
+            if not rank.behind_rooms:
+                best_first_class = min(best_first_class, rank.cost_s)
         return pick_predicted(ranked, request, self.config, self.context)
 
     def _pool(self, eligible) -> SortedList | None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
 
 from shared.messages import DispatchRequest
 from shared.policy.config import PolicyConfig
-from shared.policy.dispatch import account_dispatch
+from shared.policy.dispatch import account_dispatch, dispatch_score
 from shared.policy.prefix_dispatch import (
     PrefixContext,
     choose_by_predicted_ttft,
@@ -17,6 +18,7 @@ from shared.policy.prefix_dispatch import (
     kv_cost,
     least_prefill_s,
     matched_blocks,
+    missing_blocks,
     predicted_ttft_s,
     ttft_rank,
 )
@@ -54,8 +56,9 @@ def request(i: int, suffix_len: int = 32) -> DispatchRequest:
     return DispatchRequest(f"req-{i}", len(tokens), 16, block_hashes=block_hashes(tokens, BS), prefix_block_size=BS)
 
 
-def context(held: dict[str, set[int]], recompute_weight: float = 1.0) -> PrefixContext:
-    return PrefixContext(DictIndex(held), prefill_s, recompute_weight=recompute_weight)
+def context(held: dict[str, set[int]], recompute_weight: float = 1.0, room_wait_weight: float = 1.0) -> PrefixContext:
+    return PrefixContext(DictIndex(held), prefill_s, recompute_weight=recompute_weight,
+                         room_wait_weight=room_wait_weight)
 
 
 SYSTEM_HASHES = set(block_hashes(SYSTEM, BS))
@@ -98,7 +101,7 @@ def test_the_charge_is_what_an_instance_computes_beyond_the_best_holder():
     req = request(4)
     matched = matched_blocks(req, ctx.index)
     least = least_prefill_s(req, ctx, matched)
-    cost = {n: ttft_rank(load, req, CONFIG, ctx, matched, least)[1] for n, load in loads.items()}
+    cost = {n: ttft_rank(load, req, CONFIG, ctx, matched, least).cost_s for n, load in loads.items()}
     own = {n: predicted_ttft_s(load, req, ctx) for n, load in loads.items()}
     assert cost["a"] == own["a"]  # the best holder pays nothing more
     assert abs((cost["b"] - own["b"]) - 320 * 1e-4) < 1e-9  # the 320 tokens it lacks, once more
@@ -106,7 +109,7 @@ def test_the_charge_is_what_an_instance_computes_beyond_the_best_holder():
     # Without a cached prefix anywhere nobody is charged.
     cold = request(5)
     nothing = context({})
-    assert ttft_rank(loads["c"], cold, CONFIG, nothing, {}, least_prefill_s(cold, nothing, {}))[1] == \
+    assert ttft_rank(loads["c"], cold, CONFIG, nothing, {}, least_prefill_s(cold, nothing, {})).cost_s == \
         predicted_ttft_s(loads["c"], cold, nothing)
 
 
@@ -116,12 +119,53 @@ def test_a_recompute_weight_that_is_not_a_finite_non_negative_number_is_refused(
             context({}, recompute_weight=bad)
 
 
-def test_an_instance_without_room_loses_to_one_with_room_whatever_it_caches():
+def test_under_the_strict_tier_an_instance_without_room_loses_to_one_with_room_whatever_it_caches():
     full = make_load("a", total=100, running={0: (4, 98)})  # holds the prefix, two blocks free
     roomy = make_load("b", total=200, running={0: (4, 60)}, waiting=[30])  # room for all 43 blocks
-    ctx = context({"a": SYSTEM_HASHES})
+    ctx = context({"a": SYSTEM_HASHES}, room_wait_weight=math.inf)
     assert predicted_ttft_s(full, request(2), ctx) < predicted_ttft_s(roomy, request(2), ctx)
     assert choose_by_predicted_ttft([full, roomy], request(2), CONFIG, ctx).instance_id == "b"
+
+
+def test_an_instance_without_room_is_charged_the_prefill_of_the_tokens_its_missing_blocks_hold():
+    # "a" lacks blocks for the 672-token prompt (43 blocks needed, 10 free); "b" has room.
+    short = make_load("a", total=100, running={0: (4, 90)})
+    roomy = make_load("b", total=200, running={0: (4, 60)})
+    for weight in (0.0, 1.0, 2.5):
+        ctx = context({}, room_wait_weight=weight)
+        least = least_prefill_s(request(2), ctx, {})
+        rank_a, rank_b = (ttft_rank(load, request(2), CONFIG, ctx, {}, least) for load in (short, roomy))
+        assert missing_blocks(short, dispatch_score(short, CONFIG.headroom_blocks), 43) == 33
+        assert rank_a.cost_s == pytest.approx(predicted_ttft_s(short, request(2), ctx) + weight * prefill_s(33 * BS))
+        assert rank_b.cost_s == pytest.approx(predicted_ttft_s(roomy, request(2), ctx))
+        assert not rank_a.behind_rooms and not rank_b.behind_rooms
+    # With room, a queue that costs more than the missing blocks' wait loses; one that costs less wins.
+    ctx = context({})
+    assert choose_by_predicted_ttft([short, make_load("b", total=2000, waiting=[40])], request(2), CONFIG,
+                                    ctx).instance_id == "a"  # 640 queued tokens against 528 missing
+    assert choose_by_predicted_ttft([short, make_load("b", total=2000, waiting=[30])], request(2), CONFIG,
+                                    ctx).instance_id == "b"
+
+
+@pytest.mark.parametrize("weight", [1.0, math.inf])
+def test_a_burst_is_not_piled_onto_the_last_instance_with_room(weight):
+    # Seven instances a few blocks short, with short queues; one with room and a long queue (the
+    # simulated A100 fleet at saturation). The strict tier sends the whole burst behind that
+    # queue; the room wait's charge spreads it, and each instance's missing blocks grow with what
+    # it is sent, so the short ones are not piled either.
+    loads = {f"i{k}": make_load(f"i{k}", total=1000, running={0: (20, 995)}) for k in range(7)}
+    loads["roomy"] = make_load("roomy", total=4000, running={0: (20, 900)}, waiting=[200] * 3)
+    ctx = context({}, room_wait_weight=weight)
+    picks = Counter()
+    for i in range(16):
+        req = request(i)
+        iid = choose_by_predicted_ttft(list(loads.values()), req, CONFIG, ctx).instance_id
+        picks[iid] += 1
+        loads[iid] = account_dispatch(loads[iid], req)
+    if math.isinf(weight):
+        assert picks == {"roomy": 16}
+    else:
+        assert len(picks) >= 6 and max(picks.values()) <= 4, picks
 
 
 def test_one_dominant_system_prompt_is_spread_not_piled():

@@ -3,6 +3,7 @@ fleets and prefix holdings, and walks few instances when some have room."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -27,8 +28,9 @@ class StubIndex:
         return self.answer
 
 
-def _context(index: StubIndex, tie_s: float = 1e-3) -> PrefixContext:
-    return PrefixContext(index, prefill_s=lambda n: 0.255e-3 * n + 8.2e-3 if n > 0 else 0.0, ttft_tie_s=tie_s)
+def _context(index: StubIndex, tie_s: float = 1e-3, room_wait_weight: float = 1.0) -> PrefixContext:
+    return PrefixContext(index, prefill_s=lambda n: 0.255e-3 * n + 8.2e-3 if n > 0 else 0.0, ttft_tie_s=tie_s,
+                         room_wait_weight=room_wait_weight)
 
 
 def _random_load(rng: random.Random, instance_id: str):
@@ -46,12 +48,13 @@ def _random_request(rng: random.Random, ids: list[str], i: int) -> DispatchReque
                            exclude=exclude, block_hashes=[1, 2, 3], prefix_block_size=16)
 
 
+@pytest.mark.parametrize("room_wait_weight", [1.0, 0.0, 5.0, math.inf])
 @pytest.mark.parametrize("seed", range(40))
-def test_index_equals_scan_on_random_fleets(seed):
+def test_index_equals_scan_on_random_fleets(seed, room_wait_weight):
     rng = random.Random(seed)
     config = PolicyConfig(tie_epsilon=rng.choice([1e-6, 0.5, 5.0]))
     prefixes = StubIndex()
-    context = _context(prefixes, tie_s=rng.choice([1e-3, 0.0, 0.05]))
+    context = _context(prefixes, tie_s=rng.choice([1e-3, 0.0, 0.05]), room_wait_weight=room_wait_weight)
     index = PrefixDispatchIndex(config, context)
     loads = {}
     ids = [f"i{k}" for k in range(rng.randint(0, 30))]
