@@ -5,6 +5,7 @@
         [--mooncake-rates 4,8,12,16] [--conversation-requests 600]
         [--policies round-robin,infaas++,llumnix-base,corral,prefix-only,kv-cost,corral-prefix]
         [--workloads conversation,system-prompts,mooncake] [--gpu A10 --num-blocks 851] [--recompute-weight 1]
+        [--room-wait-weight 1]
         [--out results/prefix_dispatch.json]
 
 16 × LLaMA-7B on A10 (851 blocks of 16 tokens, prompts cut to 8k; `--gpu A100 --num-blocks 7000`
@@ -46,9 +47,9 @@ from loadgen.simulator.cluster import ClusterSimulator
 from loadgen.simulator.config import SimConfig
 from loadgen.simulator.workload import WorkloadSpec, build_workload
 from benchmarks.migration_prefix import with_system_prompts
-from shared.config import non_negative_number
+from shared.config import non_negative_number, non_negative_or_inf
 from shared.policy.baselines import get_policy
-from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT
+from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT
 from shared.prefix_hash import trace_block_hashes
 
 MOONCAKE = "/work/shared/data/traces/mooncake_synthetic_first400.jsonl"
@@ -101,9 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recompute-weight", type=non_negative_number, default=DEFAULT_RECOMPUTE_WEIGHT,
                         help="corral-prefix's charge for prefill done again away from a prefix's best holder "
                              "(default %(default)s; 0: by the request's own predicted TTFT alone)")
+    parser.add_argument("--room-wait-weight", type=non_negative_or_inf, default=DEFAULT_ROOM_WAIT_WEIGHT,
+                        help="corral-prefix's charge for the blocks an instance lacks, in prefill time of the "
+                             "tokens they hold (default %(default)s; inf: instances with room always first)")
     parser.add_argument("--out", default="results/prefix_dispatch.json")
     args = parser.parse_args(argv)
-    base = SimConfig(num_instances=args.instances, gpu=args.gpu, prefix_recompute_weight=args.recompute_weight)
+    base = SimConfig(num_instances=args.instances, gpu=args.gpu, prefix_recompute_weight=args.recompute_weight,
+                     prefix_room_wait_weight=args.room_wait_weight)
     config = replace(base, scheduler=replace(base.scheduler, enable_prefix_caching=True, num_blocks=args.num_blocks))
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -129,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "runs": runs, "checks": checks,
+    settings = {k: "inf" if v == float("inf") else v for k, v in vars(args).items()}  # (strict JSON)
+    out.write_text(json.dumps({"args": settings, "runs": runs, "checks": checks,
                                "wall_s": time.perf_counter() - started}, indent=1))
     print(f"wrote {out}", file=sys.stderr)
     return 0

@@ -1,7 +1,7 @@
 """What one prefix-aware dispatch decision costs, with the global prefix index, by fleet size.
 
     .venv/bin/python -m benchmarks.prefix_dispatch_cost [--instances 16,1000] [--decisions 2000]
-        [--prompt-blocks 512] [--out results/prefix_dispatch_cost.json]
+        [--prompt-blocks 512] [--room-wait-weight 1] [--out results/prefix_dispatch_cost.json]
 
 Each instance's index entry holds a random share of 20 shared system-prompt chains (plus its
 own blocks, 851 in all: an A10's KV cache); each decision is one request of `--prompt-blocks`
@@ -23,10 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
+from shared.config import non_negative_or_inf
 from shared.messages import DispatchRequest, KvCacheEvents
 from shared.policy.config import PolicyConfig
 from shared.policy.dispatch import choose_instance
-from shared.policy.prefix_dispatch import PrefixContext, choose_by_predicted_ttft
+from shared.policy.prefix_dispatch import DEFAULT_ROOM_WAIT_WEIGHT, PrefixContext, choose_by_predicted_ttft
 from shared.policy.prefix_dispatch_index import PrefixDispatchIndex
 from shared.prefix_index import GlobalPrefixIndex
 from tests.unit.policy_helpers import make_load
@@ -34,7 +35,8 @@ from tests.unit.policy_helpers import make_load
 BLOCK = 16
 
 
-def run(num_instances: int, decisions: int, prompt_blocks: int, seed: int = 0) -> dict:
+def run(num_instances: int, decisions: int, prompt_blocks: int, room_wait_weight: float = DEFAULT_ROOM_WAIT_WEIGHT,
+        seed: int = 0) -> dict:
     rng = random.Random(seed)
     systems = [[rng.getrandbits(63) for _ in range(prompt_blocks)] for _ in range(20)]
     index = GlobalPrefixIndex()
@@ -49,7 +51,7 @@ def run(num_instances: int, decisions: int, prompt_blocks: int, seed: int = 0) -
         used = rng.randrange(0, 700)
         loads.append(make_load(iid, total=851, max_model_len=16384, running={0: (rng.randrange(1, 30), used)},
                                waiting=[rng.randrange(1, 60) for _ in range(rng.randrange(0, 4))]))
-    context = PrefixContext(index, lambda tokens: tokens * 1e-4)
+    context = PrefixContext(index, lambda tokens: tokens * 1e-4, room_wait_weight=room_wait_weight)
     config = PolicyConfig(headroom_blocks={})
     indexed = PrefixDispatchIndex(config, context)
     for load in loads:
@@ -80,11 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--instances", default="16,1000")
     parser.add_argument("--decisions", type=int, default=2000)
     parser.add_argument("--prompt-blocks", type=int, default=512)
+    parser.add_argument("--room-wait-weight", type=non_negative_or_inf, default=DEFAULT_ROOM_WAIT_WEIGHT,
+                        help="corral-prefix's charge for the blocks an instance lacks (inf: rooms first)")
     parser.add_argument("--out", default="results/prefix_dispatch_cost.json")
     args = parser.parse_args(argv)
     rows = []
     for n in (int(x) for x in args.instances.split(",")):
-        row = run(n, args.decisions, args.prompt_blocks)
+        row = run(n, args.decisions, args.prompt_blocks, args.room_wait_weight)
         rows.append(row)
         print(f"{n:5d} instances: predicted-ttft mean {row['predicted-ttft']['mean_ms']:.3f} ms "
               f"P99 {row['predicted-ttft']['p99_ms']:.3f} ms | its index mean "
@@ -93,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['freeness-only']['mean_ms']:.3f} ms P99 {row['freeness-only']['p99_ms']:.3f} ms", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    settings = {k: "inf" if v == float("inf") else v for k, v in vars(args).items()}  # (strict JSON)
+    out.write_text(json.dumps({"args": settings, "rows": rows}, indent=1))
     return 0
 
 

@@ -51,3 +51,13 @@ def non_negative_number(text: str) -> float:
     if not (value >= 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
+
+
+def non_negative_or_inf(text: str) -> float:
+    """argparse type of a number >= 0 or `inf`: a clear message, not a traceback."""
+    if text.strip().lower() == "inf":
+        return math.inf
+    try:
+        return non_negative_number(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0 or inf, got {text!r}") from None

@@ -7,6 +7,7 @@ Wire it into `loadgen` with `register(subparsers)`, or build your own parser wit
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -19,7 +20,7 @@ from loadgen.simulator.report import format_table, results_document, write_json,
 from loadgen.simulator.slo import SLO_HEADER, slo_metrics, slo_row
 from loadgen.simulator.sweep import run_sweep
 from loadgen.simulator.workload import Workload, WorkloadSpec
-from shared.config import non_negative_number
+from shared.config import non_negative_number, non_negative_or_inf
 from shared.engine_model.config import STEP_MODES, SchedulerConfig
 from shared.policy.commit_hold import CommitHoldRule
 from shared.policy.baselines import POLICIES, POLICY_NAMES, PREFIX_POLICY_NAMES, SchedulingPolicy, get_policy
@@ -92,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          default=defaults_sim.prefix_recompute_weight, metavar="W",
                          help="corral-prefix: prefill done again away from a prefix's best holder counts W times "
                               "more (default %(default)s; 0: the request's own TTFT only)")
+    cluster.add_argument("--prefix-room-wait-weight", type=non_negative_or_inf,
+                         default=defaults_sim.prefix_room_wait_weight, metavar="W",
+                         help="corral-prefix: an instance without room is charged W times the prefill of the "
+                              "tokens its missing blocks hold (default %(default)s; inf: instances with room first)")
     cluster.add_argument("--max-model-len", type=int, default=engine.max_model_len,
                          help="longer prompts are cut to fit (a warning says how many)")
     cluster.add_argument("--max-num-batched-tokens", type=int, default=engine.max_num_batched_tokens, metavar="N",
@@ -249,6 +254,7 @@ def build_config(args: argparse.Namespace) -> SimConfig:
                                       enable_prefix_caching=args.prefix_caching),
             kv_bytes_per_token=args.kv_bytes_per_token,
             prefix_recompute_weight=args.prefix_recompute_weight,
+            prefix_room_wait_weight=args.prefix_room_wait_weight,
             report_interval_s=args.report_interval_s,
             migration_interval_s=args.migration_interval_s,
             policy=policy,
@@ -329,4 +335,6 @@ def _band(text: str) -> tuple[float, float]:
 def _settings_of(config: SimConfig) -> dict:
     settings = asdict(config)
     settings["policy"]["headroom_blocks"] = {str(k): v for k, v in config.policy.headroom_blocks.items()}
+    if math.isinf(config.prefix_room_wait_weight):  # (strict JSON has no Infinity)
+        settings["prefix_room_wait_weight"] = "inf"
     return settings

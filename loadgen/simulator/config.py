@@ -21,7 +21,7 @@ from shared.policy.migration import (
     StageRule,
 )
 from shared.policy.commit_hold import DEFAULT_HOLD, CommitHoldRule
-from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT
+from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT
 
 KV_BYTES_PER_TOKEN_LLAMA_7B = 2 * 32 * 4096 * 2  # K and V × layers × hidden × fp16 = 0.5 MiB
 
@@ -107,6 +107,8 @@ class SimConfig:
     # corral-prefix's charge for prefill done again away from a prefix's best holder (as the
     # scheduler's --prefix-recompute-weight).
     prefix_recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT
+    # and its charge for the blocks an instance lacks (as --prefix-room-wait-weight; inf: rooms first)
+    prefix_room_wait_weight: float = DEFAULT_ROOM_WAIT_WEIGHT
 
     def __post_init__(self) -> None:
         if self.num_instances < 1:

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from shared import subjects
 from services.global_scheduler.admission import AdmissionSettings
 from services.global_scheduler.dispatcher import DISPATCH_POLICY_NAMES
-from shared.config import add_nats_argument, env, non_negative_number
+from shared.config import add_nats_argument, env, non_negative_number, non_negative_or_inf
 from shared.engine_model.latency import SIMPLE_MODELS
 from shared.policy.admission import ADMISSION_POLICY_NAMES, AdmissionPolicy, Slo, SloConfig, priority_slos
 from shared.policy.config import PolicyConfig
 from shared.policy.migration import DEFAULT_GUARD, MigrationGuard
-from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT
+from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT
 
 
 @dataclass
@@ -38,6 +38,7 @@ class SchedulerConfig:
     dispatch_policy: str = "corral"
     dispatch_gpu: str = "A10"
     prefix_recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT  # corral-prefix's (shared.policy.prefix_dispatch)
+    prefix_room_wait_weight: float = DEFAULT_ROOM_WAIT_WEIGHT  # (inf: instances with room first)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=env("PREFIX_RECOMPUTE_WEIGHT", str(DEFAULT_RECOMPUTE_WEIGHT)), metavar="W",
                         help="corral-prefix: prefill done again away from a prefix's best holder counts W times "
                              "more (default %(default)s; 0: the request's own TTFT only)")
+    parser.add_argument("--prefix-room-wait-weight", type=non_negative_or_inf,
+                        default=env("PREFIX_ROOM_WAIT_WEIGHT", str(DEFAULT_ROOM_WAIT_WEIGHT)), metavar="W",
+                        help="corral-prefix: an instance without room is charged W times the prefill of the tokens "
+                             "its missing blocks hold (default %(default)s; inf: instances with room first)")
     gate = parser.add_argument_group("admission control (429 when no instance can meet the SLO)")
     gate.add_argument("--admission", choices=ADMISSION_POLICY_NAMES, default=env("ADMISSION", "none"))
     gate.add_argument("--slo-ttft-s", type=float, default=env("SLO_TTFT_S", None), help="TTFT target")
@@ -109,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         dispatch_policy=args.dispatch_policy,
         dispatch_gpu=args.dispatch_gpu,
         prefix_recompute_weight=args.prefix_recompute_weight,
+        prefix_room_wait_weight=args.prefix_room_wait_weight,
     )
 
 

@@ -72,7 +72,8 @@ class GlobalScheduler:
         self.prefixes = PrefixTracker(lambda: (load.instance_id for load in self.table.live()), self.metrics.registry)
         self.named_dispatch = (NamedDispatch(config.dispatch_policy, config.policy, self.table.live,
                                              self.prefixes.index, config.dispatch_gpu, self.metrics.registry,
-                                             table=self.table, recompute_weight=config.prefix_recompute_weight)
+                                             table=self.table, recompute_weight=config.prefix_recompute_weight,
+                                             room_wait_weight=config.prefix_room_wait_weight)
                                if config.dispatch_policy != DEFAULT_POLICY else None)
 
     def _standing_pairs(self) -> int:

@@ -116,3 +116,19 @@ def test_the_step_token_budget_shapes_the_steps():
         return max(chunks)
 
     assert max_prefill_chunk("256") == 256 and max_prefill_chunk("4096") > 256
+
+
+def test_the_room_wait_weight_is_a_flag_inf_included_and_a_bad_one_a_usage_error(tmp_path, capsys):
+    args = parse("--dataset", "random:200:20", "--num-requests", "20", "--rate", "2", "--instances", "2",
+                 "--prefix-caching", "--policy", "corral-prefix", "--prefix-room-wait-weight", "inf",
+                 "--out", str(tmp_path / "r.json"), "--quiet")
+    assert cli.build_config(args).prefix_room_wait_weight == float("inf")
+    assert cli.run(args) == 0
+    document = json.loads((tmp_path / "r.json").read_text(), parse_constant=lambda name: pytest.fail(name))
+    assert document["settings"]["cluster"]["prefix_room_wait_weight"] == "inf"
+    assert cli.build_config(parse("--dataset", "random:200:20", "--rate", "1")).prefix_room_wait_weight == 1.0
+    for bad in ("-1", "nan", "x"):
+        with pytest.raises(SystemExit) as exit_info:
+            parse("--dataset", "random:200:20", "--rate", "1", "--prefix-room-wait-weight", bad)
+        assert exit_info.value.code == 2
+        assert "--prefix-room-wait-weight" in capsys.readouterr().err

@@ -103,3 +103,27 @@ def test_the_schedulers_recompute_weight_flag_reaches_corral_prefix():
             scheduler.table.update(load)
         chosen[scheduler.config.prefix_recompute_weight] = scheduler.decide(request("r")).instance_id
     assert chosen == {0.0: "a", 1.0: "b"}
+
+
+def test_the_schedulers_room_wait_weight_flag_reaches_corral_prefix():
+    """`--prefix-room-wait-weight W`: an instance a few blocks short of room with no queue takes
+    the request by default (its wait for those blocks is charged), and `inf` keeps every instance
+    with room first, behind whatever queue it has. A bad value is a clear usage error."""
+    from services.cli import build_parser
+    from services.global_scheduler.config import config_from_args
+    from services.global_scheduler.service import GlobalScheduler
+
+    chosen = {}
+    for weight in (["--prefix-room-wait-weight", "inf"], []):
+        args = build_parser().parse_args(["scheduler", "--dispatch-policy", "corral-prefix", *weight])
+        scheduler = GlobalScheduler(config_from_args(args))
+        # "short": 21 blocks needed, 10 free and the headroom short; "roomy": 3,200 tokens queued.
+        for load in (make_load("short", total=400, running={0: (4, 390)}),
+                     make_load("roomy", total=4000, waiting=[200])):
+            scheduler.table.update(load)
+        chosen[scheduler.config.prefix_room_wait_weight] = scheduler.decide(request("r", hashes=[])).instance_id
+    assert chosen == {float("inf"): "roomy", 1.0: "short"}
+    for bad in ("-1", "nan", "x"):
+        with pytest.raises(SystemExit) as exit_info:
+            build_parser().parse_args(["scheduler", "--prefix-room-wait-weight", bad])
+        assert exit_info.value.code == 2
