@@ -62,7 +62,7 @@ class PrefixContext:
     # most at its prefill pace, so that wait is at least the prefill of as many tokens as the
     # missing blocks hold: charged this many times (inf: instances with room always rank first,
     # the strict tier). With the strict tier a burst piled onto the last instances with room
-    # (queues predicted at 5 s beside instances 64 blocks short with 0.2 s) on simulated A100s.
+    # (a queue predicted at 5 s beside an instance 64 blocks short predicting 0.3 s) on simulated A100s.
     room_wait_weight: float = 1.0
 
     def __post_init__(self) -> None:
