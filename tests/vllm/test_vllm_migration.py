@@ -156,6 +156,15 @@ def test_adapter_moves_resumes_and_frees_on_one_engine(tiny_model_dir):
     assert not result["corrupted_matches"], "zeroed KV gave the same tokens: the check has no teeth"
     assert result["short_reservation"] is None
     assert result["free_after"] == result["free_before"] and result["reserved_after"] == 0, result
+    assert len(result["seen_before_step"]) == 4, result
+    for phase, physical, demand, lease_blocks in result["seen_before_step"]:
+        assert (phase, physical, demand) == ("running", lease_blocks, 0), result["seen_before_step"]
+
+
+def _view_of(engine, request_id: str, lease_blocks: int) -> list:
+    """[phase, physical blocks, demand blocks, lease blocks] of the request's view in the report."""
+    (view,) = [v for v in engine.request_views() if v.request_id == request_id]
+    return [view.phase.value, view.physical_blocks, view.demand_blocks, lease_blocks]
 
 
 async def _self_check(model_dir: str) -> dict:
@@ -172,6 +181,7 @@ async def _self_check(model_dir: str) -> dict:
     copier = BlockCopier(ops.kv_regions())  # the KV tensors exist once the engine started
     tokens: dict[str, dict[int, int]] = defaultdict(dict)
     finished: set[str] = set()
+    seen_before_step: list[list] = []
 
     async def step_until(predicate) -> None:
         while not predicate():
@@ -205,6 +215,12 @@ async def _self_check(model_dir: str) -> dict:
         commit = ops.migration_commit(request_id, f"m-{request_id}")
         assert await ops.release_migrated(request_id)
         ops.add_migrated(commit, lease)
+        # Before its first step here (queued for the engine thread, then in vLLM's queue) it is
+        # reported running on its lease's blocks, not as a queued prompt.
+        lease_blocks = full + len(rest)
+        seen_before_step.append(_view_of(engine, request_id, lease_blocks))
+        await engine.on_engine_thread(lambda driver: driver.apply_commands_and_snapshot())
+        seen_before_step.append(_view_of(engine, request_id, lease_blocks))
 
     prompt = [(7 * i) % 300 + 3 for i in range(70)]
     add("reference")
@@ -232,6 +248,7 @@ async def _self_check(model_dir: str) -> dict:
         "free_before": free_before,
         "free_after": engine.num_free_blocks(),
         "reserved_after": ops.num_reserved_blocks(),
+        "seen_before_step": seen_before_step,
     }
     await engine.stop()
     return result

@@ -361,11 +361,19 @@ class VllmDriver:
         if tracked is None:
             return None
         num_tokens = vllm_request.num_tokens
+        # A migrated-in request queued in vLLM for its first step here holds its KV in its lease
+        # and needs no prefill: reported running on those blocks, as the simulator's `add_migrated`
+        # counts it (and as the destination's own guard does), not as a queue that keeps the
+        # scheduler's hand-off guard off this instance for a step.
+        adopted = phase is RequestPhase.WAITING and self.leases.is_adopted(vllm_request.request_id)
+        if adopted:
+            phase = RequestPhase.RUNNING
         return RequestView(
             request_id=tracked.request_id,
             priority=tracked.priority,
             phase=phase,
-            physical_blocks=self.probe.num_blocks_of(vllm_request.request_id),
+            physical_blocks=(self.leases.num_adopted_blocks(vllm_request.request_id) if adopted
+                             else self.probe.num_blocks_of(vllm_request.request_id)),
             # A queued request (new or preempted) needs its whole sequence plus the next token.
             demand_blocks=blocks_for(num_tokens + 1, self.block_size) if phase is RequestPhase.WAITING else 0,
             num_tokens=num_tokens,

@@ -184,15 +184,21 @@ class VllmEngine:
         shared = self._shared
         with shared.lock:
             snapshot = shared.snapshot
-            queued = [c.tracked for c in shared.commands if isinstance(c, AddCommand)]
-            queued_ids = {t.request_id for t in queued}
+            queued = [c for c in shared.commands if isinstance(c, AddCommand)]
+            queued_ids = {c.tracked.request_id for c in queued}
             seen = [v for v in (*snapshot.waiting, *snapshot.running) if v.request_id in shared.requests]
         seen = [v for v in seen if v.request_id not in queued_ids]  # an id reused after an abort
-        waiting = [v for v in seen if v.phase is RequestPhase.WAITING]
-        waiting += [self._queued_view(t) for t in queued]
-        return waiting + [v for v in seen if v.phase is RequestPhase.RUNNING]
+        views = seen + [self._queued_view(c) for c in queued]
+        waiting = [v for v in views if v.phase is RequestPhase.WAITING]
+        return waiting + [v for v in views if v.phase is RequestPhase.RUNNING]
 
-    def _queued_view(self, tracked: Tracked) -> RequestView:
+    def _queued_view(self, command: AddCommand) -> RequestView:
+        tracked = command.tracked
+        if command.load is not None:  # migrated in: its KV is in its lease, it decodes at the next step
+            return RequestView(request_id=tracked.request_id, priority=tracked.priority, phase=RequestPhase.RUNNING,
+                               physical_blocks=command.load.num_blocks, demand_blocks=0,
+                               num_tokens=len(command.prompt_token_ids),
+                               num_output_tokens=len(tracked.prior_output_token_ids))
         return RequestView(
             request_id=tracked.request_id,
             priority=tracked.priority,

@@ -88,6 +88,11 @@ class DestinationLeases:
         """A migrated request whose KV still sits in its lease (it needs no blocks of the pool's to join)."""
         return internal_id in self._adopted
 
+    def num_adopted_blocks(self, internal_id: str) -> int:
+        """Blocks of the lease holding an adopted request's KV (0: none adopted)."""
+        lease_id = self._adopted.get(internal_id)
+        return len(self._blocks.get(lease_id, ())) if lease_id is not None else 0
+
     def release_loaded(self, step_started: float) -> None:
         """After a step: the leases the connector copied from go back to the pool."""
         loaded, self._kv_state.loaded = self._kv_state.loaded, []

@@ -252,7 +252,8 @@ class VllmMigration:
         tracked = Tracked(request.request_id, request.priority, len(request.prompt_token_ids), request=request,
                           num_delivered=len(outputs), prior_output_token_ids=outputs,
                           prior_preemptions=commit.num_preemptions)
-        command = continuation(tracked, request, outputs, MigratedLoad(lease_id, commit.num_computed_tokens))
+        command = continuation(tracked, request, outputs,
+                               MigratedLoad(lease_id, commit.num_computed_tokens, num_blocks=lease_blocks))
         self.engine.queue_add(tracked, command)
         with self._shared.lock:  # the request owns the blocks now; the driver frees them once loaded
             del self._lease_sizes[lease_id]

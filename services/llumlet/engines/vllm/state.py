@@ -100,6 +100,7 @@ class MigratedLoad:
     lease_id: str
     num_tokens: int
     committed_at: float = field(default_factory=time.monotonic)  # (for the load's timing log)
+    num_blocks: int = 0  # the lease's blocks (for the load report until vLLM has the request)
 
 
 @dataclass(frozen=True)
