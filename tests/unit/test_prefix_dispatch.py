@@ -64,6 +64,18 @@ def context(held: dict[str, set[int]], recompute_weight: float = 1.0, room_wait_
 SYSTEM_HASHES = set(block_hashes(SYSTEM, BS))
 
 
+def dispatch_burst(choose, loads: dict, ctx: PrefixContext, num_requests: int) -> Counter:
+    """Requests `request(0..n-1)` chosen one after another, each dispatch accounted on the
+    chosen instance's load before the next (as the scheduler and simulator do): picks per instance."""
+    picks = Counter()
+    for i in range(num_requests):
+        req = request(i)
+        iid = choose(list(loads.values()), req, CONFIG, ctx).instance_id
+        picks[iid] += 1
+        loads[iid] = account_dispatch(loads[iid], req)
+    return picks
+
+
 def test_equal_loads_go_to_the_instance_holding_the_prefix():
     loads = [make_load(n, total=1000) for n in ("a", "b", "c")]
     ctx = context({"b": SYSTEM_HASHES})
@@ -155,13 +167,7 @@ def test_a_burst_is_not_piled_onto_the_last_instance_with_room(weight):
     # it is sent, so the short ones are not piled either.
     loads = {f"i{k}": make_load(f"i{k}", total=1000, running={0: (20, 995)}) for k in range(7)}
     loads["roomy"] = make_load("roomy", total=4000, running={0: (20, 900)}, waiting=[200] * 3)
-    ctx = context({}, room_wait_weight=weight)
-    picks = Counter()
-    for i in range(16):
-        req = request(i)
-        iid = choose_by_predicted_ttft(list(loads.values()), req, CONFIG, ctx).instance_id
-        picks[iid] += 1
-        loads[iid] = account_dispatch(loads[iid], req)
+    picks = dispatch_burst(choose_by_predicted_ttft, loads, context({}, room_wait_weight=weight), 16)
     if math.isinf(weight):
         assert picks == {"roomy": 16}
     else:
@@ -175,12 +181,7 @@ def test_one_dominant_system_prompt_is_spread_not_piled():
     ctx = context({"i0": SYSTEM_HASHES})
     for choose, piles in ((choose_by_predicted_ttft, False), (choose_longest_prefix, True)):
         loads = {n: make_load(n, total=2000) for n in (f"i{k}" for k in range(8))}
-        picks = Counter()
-        for i in range(64):
-            req = request(i)
-            iid = choose(list(loads.values()), req, CONFIG, ctx).instance_id
-            picks[iid] += 1
-            loads[iid] = account_dispatch(loads[iid], req)
+        picks = dispatch_burst(choose, loads, ctx, 64)
         if piles:
             assert picks == {"i0": 64}
         else:
