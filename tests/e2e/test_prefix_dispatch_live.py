@@ -13,7 +13,6 @@ of the module's own.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 
 import httpx
@@ -28,6 +27,7 @@ from shared.nats_client import flush_in_order
 from shared.prefix_hash import block_hashes
 from tests.support.cluster import Cluster, free_port
 from tests.support.observer import NatsObserver
+from tests.support.polling import wait_until
 
 BLOCK = 16
 INSTANCES = ("px-0", "px-1", "px-2")
@@ -97,15 +97,6 @@ class KvWatch:
         return next((iid for iid, held in self.held.items() if set(hashes) <= held), None)
 
 
-async def until(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition not met in time")
-
-
 async def complete(http: httpx.AsyncClient, prompt: list[int], max_tokens: int = 4) -> dict:
     reply = await http.post("/v1/completions", json={"model": "tiny-llama", "prompt": prompt,
                                                      "max_tokens": max_tokens, "ignore_eos": True})
@@ -135,7 +126,7 @@ async def test_a_repeated_prompt_goes_where_its_prefix_is_cached(cluster):
                 prompt = prompt_of(seed)
                 first, usage = await served_by(observer, http, prompt)
                 assert usage["prompt_tokens_details"]["cached_tokens"] == 0
-                await until(lambda: watch.holder(block_hashes(prompt, BLOCK)) == first)
+                await wait_until(lambda: watch.holder(block_hashes(prompt, BLOCK)) == first, 10.0, 0.05)
                 await asyncio.sleep(0.2)  # the scheduler got the same message; let it apply it
                 again, usage = await served_by(observer, http, prompt[:-5] + [9, 9, 9])  # same prefix, new tail
                 assert again == first, f"prompt {seed}: cached on {first}, sent to {again}"
@@ -157,9 +148,10 @@ async def test_a_lost_event_is_healed_by_a_snapshot(cluster):
         # An event numbered far ahead, as if many were lost, claiming a block px-1 never held.
         forged = KvCacheEvents("px-1", 10**9, BLOCK, stored=[12345])
         await nc.publish(subjects.kv_events("px-1"), encode(forged))
-        await until(lambda: any(s.instance_id == "px-1" for s in watch.snapshots))
+        await wait_until(lambda: any(s.instance_id == "px-1" for s in watch.snapshots), 10.0, 0.05)
         snapshot = next(s for s in watch.snapshots if s.instance_id == "px-1")
-        await until(lambda: scheduler_metric(cluster, "corral:scheduler_prefix_index_out_of_sync") == 0)
+        await wait_until(lambda: scheduler_metric(cluster, "corral:scheduler_prefix_index_out_of_sync") == 0,
+                         10.0, 0.05)
         assert scheduler_metric(cluster, "corral:scheduler_kv_events_total", outcome="gap") == gaps + 1
         assert 12345 not in snapshot.block_hashes
         assert scheduler_metric(cluster, "corral:instance_prefix_cache_blocks", instance_id="px-1") == \
@@ -187,7 +179,7 @@ async def test_a_restarted_scheduler_learns_the_caches_again(cluster):
             return (scheduler_metric(cluster, "corral:instance_prefix_cache_blocks", samples, instance_id=holder) >= 20
                     and with_loads >= set(INSTANCES))
 
-        await until(knows_the_prompt, timeout_s=30)
+        await wait_until(knows_the_prompt, 30.0, 0.05)
         again, usage = await served_by(observer, http, prompt)
         assert again == holder and usage["prompt_tokens_details"]["cached_tokens"] == 20 * BLOCK
 

@@ -34,6 +34,7 @@ from shared.messages import (
     encode,
 )
 from shared.nats_client import flush_in_order
+from tests.support.polling import wait_until
 
 
 CHAT = "/v1/chat/completions"
@@ -206,7 +207,4 @@ def text_of(tokenizer: ModelTokenizer, ids: list[int]) -> str:
 
 
 async def eventually(predicate: Callable[[], bool], timeout_s: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
+    await wait_until(predicate, timeout_s, interval_s=0.02)

@@ -23,6 +23,7 @@ from services.llumlet.migration.kv_wire import (
 )
 from services.llumlet.migration.ops import KVRegion
 from services.llumlet.migration.protocol import DestinationGone, MigrationLimits, new_migration_id
+from tests.support.polling import wait_until  # noqa: F401 (the transfer tests import it from here)
 
 
 BLOCK_BYTES = 256
@@ -99,12 +100,6 @@ async def closed_by_peer(reader: asyncio.StreamReader) -> bool:
         return await asyncio.wait_for(reader.read(), 2.0) == b""
     except ConnectionResetError:  # closed with our bytes still unread
         return True
-
-
-async def wait_until(predicate, timeout_s: float = 2.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.005)
 
 
 async def write_and_hang_up(address: str, data: bytes) -> None:

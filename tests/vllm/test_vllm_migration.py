@@ -24,6 +24,7 @@ import pytest
 from shared import subjects
 from shared.messages import MigrateOrder, encode
 from tests.support.cluster import Cluster, running_cluster
+from tests.support.polling import poll
 from tests.support.stream_watch import StreamWatch
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # (minutes of real vLLM: CI's `slow` run)
@@ -53,12 +54,7 @@ class Watch(StreamWatch):
         return live[0] if len(live) == 1 else None
 
     async def until(self, predicate, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if predicate():
-                return True
-            await asyncio.sleep(0.005)
-        return False
+        return await poll(predicate, timeout_s)
 
     async def move(self, request_id: str, src: str, dst: str, timeout_s: float = 10.0) -> None:
         """Pair src → dst until the request publishes from dst, then cancel the pair. The order is

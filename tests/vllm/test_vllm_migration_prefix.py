@@ -10,10 +10,8 @@ is ordered directly (MigrateOrder), with the scheduler's pairing off.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import re
-import time
 import uuid
 
 import httpx
@@ -25,6 +23,7 @@ from shared import subjects
 from shared.messages import Ack, GenerateRequest, MigrateOrder, SamplingParams, decode, decode_chunks, encode
 from tests.support.cluster import Cluster, free_port
 from tests.support.observer import NatsObserver
+from tests.support.polling import poll
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # (minutes of real vLLM: CI's `slow` run)
 
@@ -98,12 +97,7 @@ class Streams:
         return [seen[i] for i in range(len(seen))]
 
     async def until(self, predicate, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if predicate():
-                return True
-            await asyncio.sleep(0.005)
-        return False
+        return await poll(predicate, timeout_s)
 
 
 def counters(cluster: Cluster, instance_id: str) -> dict[str, float]:
