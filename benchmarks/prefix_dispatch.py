@@ -5,7 +5,7 @@
         [--mooncake-rates 4,8,12,16] [--conversation-requests 600]
         [--policies round-robin,infaas++,llumnix-base,corral,prefix-only,kv-cost,corral-prefix]
         [--workloads conversation,system-prompts,mooncake] [--gpu A10 --num-blocks 851] [--recompute-weight 1]
-        [--room-wait-weight 1]
+        [--room-wait-weight 1] [--saturation-weight 4]
         [--out results/prefix_dispatch.json]
 
 16 × LLaMA-7B on A10 (851 blocks of 16 tokens, prompts cut to 8k; `--gpu A100 --num-blocks 7000`
@@ -49,7 +49,7 @@ from loadgen.simulator.workload import WorkloadSpec, build_workload
 from benchmarks.migration_prefix import with_system_prompts
 from shared.config import non_negative_number, non_negative_or_inf
 from shared.policy.baselines import get_policy
-from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT
+from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT
 from shared.prefix_hash import trace_block_hashes
 
 MOONCAKE = "/work/shared/data/traces/mooncake_synthetic_first400.jsonl"
@@ -105,10 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--room-wait-weight", type=non_negative_or_inf, default=DEFAULT_ROOM_WAIT_WEIGHT,
                         help="corral-prefix's charge for the blocks an instance lacks, in prefill time of the "
                              "tokens they hold (default %(default)s; inf: instances with room always first)")
+    parser.add_argument("--saturation-weight", type=non_negative_number, default=DEFAULT_SATURATION_WEIGHT,
+                        help="corral-prefix: how much the recompute charge rises while every instance has prefill "
+                             "queued (default %(default)s; 0: never)")
     parser.add_argument("--out", default="results/prefix_dispatch.json")
     args = parser.parse_args(argv)
     base = SimConfig(num_instances=args.instances, gpu=args.gpu, prefix_recompute_weight=args.recompute_weight,
-                     prefix_room_wait_weight=args.room_wait_weight)
+                     prefix_room_wait_weight=args.room_wait_weight, prefix_saturation_weight=args.saturation_weight)
     config = replace(base, scheduler=replace(base.scheduler, enable_prefix_caching=True, num_blocks=args.num_blocks))
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]

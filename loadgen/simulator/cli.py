@@ -97,6 +97,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          default=defaults_sim.prefix_room_wait_weight, metavar="W",
                          help="corral-prefix: an instance without room is charged W times the prefill of the "
                               "tokens its missing blocks hold (default %(default)s; inf: instances with room first)")
+    cluster.add_argument("--prefix-saturation-weight", type=non_negative_number,
+                         default=defaults_sim.prefix_saturation_weight, metavar="K",
+                         help="corral-prefix: while every instance has prefill queued, the recompute charge's weight "
+                              "is raised by K times the shortest queue over the request's own prefill (default "
+                              "%(default)s; 0: never raised)")
     cluster.add_argument("--max-model-len", type=int, default=engine.max_model_len,
                          help="longer prompts are cut to fit (a warning says how many)")
     cluster.add_argument("--max-num-batched-tokens", type=int, default=engine.max_num_batched_tokens, metavar="N",
@@ -255,6 +260,7 @@ def build_config(args: argparse.Namespace) -> SimConfig:
             kv_bytes_per_token=args.kv_bytes_per_token,
             prefix_recompute_weight=args.prefix_recompute_weight,
             prefix_room_wait_weight=args.prefix_room_wait_weight,
+            prefix_saturation_weight=args.prefix_saturation_weight,
             report_interval_s=args.report_interval_s,
             migration_interval_s=args.migration_interval_s,
             policy=policy,

@@ -99,7 +99,8 @@ class ClusterSimulator:
         self._hash_prompts = config.scheduler.enable_prefix_caching or policy.dispatch.uses_prefix_index
         self.prefix = PrefixContext(SimPrefixIndex(self.instances), self._prefill_s,
                                     recompute_weight=config.prefix_recompute_weight,
-                                    room_wait_weight=config.prefix_room_wait_weight)
+                                    room_wait_weight=config.prefix_room_wait_weight,
+                                    saturation_weight=config.prefix_saturation_weight)
         # P/D hand-offs ride the migration machinery even under a policy that never rebalances.
         self.migrator = Migrator(self) if policy.migration or config.disaggregated else None
         self.handoffs = Handoffs(self, self.migrator) if config.disaggregated else None

@@ -21,7 +21,7 @@ from shared.policy.migration import (
     StageRule,
 )
 from shared.policy.commit_hold import DEFAULT_HOLD, CommitHoldRule
-from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT
+from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT
 
 KV_BYTES_PER_TOKEN_LLAMA_7B = 2 * 32 * 4096 * 2  # K and V × layers × hidden × fp16 = 0.5 MiB
 
@@ -109,6 +109,8 @@ class SimConfig:
     prefix_recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT
     # and its charge for the blocks an instance lacks (as --prefix-room-wait-weight; inf: rooms first)
     prefix_room_wait_weight: float = DEFAULT_ROOM_WAIT_WEIGHT
+    # and how much the recompute charge rises while every instance is queued (--prefix-saturation-weight)
+    prefix_saturation_weight: float = DEFAULT_SATURATION_WEIGHT
 
     def __post_init__(self) -> None:
         if self.num_instances < 1:

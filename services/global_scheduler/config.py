@@ -15,7 +15,9 @@ from shared.engine_model.latency import SIMPLE_MODELS
 from shared.policy.admission import ADMISSION_POLICY_NAMES, AdmissionPolicy, Slo, SloConfig, priority_slos
 from shared.policy.config import PolicyConfig
 from shared.policy.migration import DEFAULT_GUARD, MigrationGuard
-from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT
+from shared.policy.prefix_dispatch import (
+    DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT,
+)
 
 
 @dataclass
@@ -39,6 +41,7 @@ class SchedulerConfig:
     dispatch_gpu: str = "A10"
     prefix_recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT  # corral-prefix's (shared.policy.prefix_dispatch)
     prefix_room_wait_weight: float = DEFAULT_ROOM_WAIT_WEIGHT  # (inf: instances with room first)
+    prefix_saturation_weight: float = DEFAULT_SATURATION_WEIGHT  # (0: the recompute charge never raised)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=env("PREFIX_ROOM_WAIT_WEIGHT", str(DEFAULT_ROOM_WAIT_WEIGHT)), metavar="W",
                         help="corral-prefix: an instance without room is charged W times the prefill of the tokens "
                              "its missing blocks hold (default %(default)s; inf: instances with room first)")
+    parser.add_argument("--prefix-saturation-weight", type=non_negative_number,
+                        default=env("PREFIX_SATURATION_WEIGHT", str(DEFAULT_SATURATION_WEIGHT)), metavar="K",
+                        help="corral-prefix: while every instance has prefill queued, the recompute charge's weight "
+                             "is raised by K times the shortest queue over the request's own prefill (default "
+                             "%(default)s; 0: never raised)")
     gate = parser.add_argument_group("admission control (429 when no instance can meet the SLO)")
     gate.add_argument("--admission", choices=ADMISSION_POLICY_NAMES, default=env("ADMISSION", "none"))
     gate.add_argument("--slo-ttft-s", type=float, default=env("SLO_TTFT_S", None), help="TTFT target")
@@ -115,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         dispatch_gpu=args.dispatch_gpu,
         prefix_recompute_weight=args.prefix_recompute_weight,
         prefix_room_wait_weight=args.prefix_room_wait_weight,
+        prefix_saturation_weight=args.prefix_saturation_weight,
     )
 
 

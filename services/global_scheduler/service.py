@@ -73,7 +73,8 @@ class GlobalScheduler:
         self.named_dispatch = (NamedDispatch(config.dispatch_policy, config.policy, self.table.live,
                                              self.prefixes.index, config.dispatch_gpu, self.metrics.registry,
                                              table=self.table, recompute_weight=config.prefix_recompute_weight,
-                                             room_wait_weight=config.prefix_room_wait_weight)
+                                             room_wait_weight=config.prefix_room_wait_weight,
+                                             saturation_weight=config.prefix_saturation_weight)
                                if config.dispatch_policy != DEFAULT_POLICY else None)
 
     def _standing_pairs(self) -> int:

@@ -4,7 +4,8 @@ on them (issue 17 §3's "not a scan of every instance", for issue 18's rule).
 
 An instance holding none of the request's prefix is ranked by `prefill_s(queued) +
 prefill_s(prompt)` plus a recompute charge that is the same for all of them: among those, the
-order is their queues' (`prefill_s` never decreases). So a
+order is their queues' (`prefill_s` never decreases; the recompute charge's weight, raised while
+every instance is queued, is one per decision: the pool's shortest queue). So a
 decision ranks the holders the prefix index names (O(holders)), then walks the rest from the
 shortest queue and stops at the first whose cost before any room wait's charge is past the tie
 band of the best ranked so far (in the first class): nothing further can tie with it, since a
@@ -23,7 +24,14 @@ from shared.messages import DispatchRequest, LoadReport
 from shared.policy.config import PolicyConfig
 from shared.policy.dispatch import DispatchDecision, dispatchable, fits_model
 from shared.policy.prefix_dispatch import (
-    PrefixContext, TtftRank, least_prefill_s, matched_blocks, pick_predicted, queued_prefill_tokens, ttft_rank,
+    PrefixContext,
+    TtftRank,
+    least_prefill_s,
+    matched_blocks,
+    pick_predicted,
+    queued_prefill_tokens,
+    recompute_weight_for,
+    ttft_rank,
 )
 
 
@@ -67,13 +75,16 @@ class PrefixDispatchIndex:
         draining = pool is self._draining
         matched = matched_blocks(request, self.context.index)
         least_s = least_prefill_s(request, self.context, matched)
+        # The shortest queue the scan's min finds: the first instance of the pool it may take.
+        shortest = next(queued for queued, iid in pool if eligible(self._loads[iid]))
+        weight = recompute_weight_for(request, self.context, shortest)
         holders = {iid for iid, blocks in matched.items() if blocks > 0}
         ranked: list[TtftRank] = []
         best_first_class = float("inf")  # lowest cost among instances not behind the rooms
         for iid in holders:
             load = self._loads.get(iid)
             if load is not None and load.draining == draining and eligible(load):
-                rank = ttft_rank(load, request, self.config, self.context, matched, least_s)
+                rank = ttft_rank(load, request, self.config, self.context, matched, least_s, weight)
                 ranked.append(rank)
                 if not rank.behind_rooms:
                     best_first_class = min(best_first_class, rank.cost_s)
@@ -84,7 +95,7 @@ class PrefixDispatchIndex:
             load = self._loads[iid]
             if not eligible(load):
                 continue
-            rank = ttft_rank(load, request, self.config, self.context, matched, least_s)
+            rank = ttft_rank(load, request, self.config, self.context, matched, least_s, weight)
             if rank.uncharged_s > best_first_class + tie_s:
                 break  # every later one costs more still: none ties with the best
             ranked.append(rank)

@@ -12,6 +12,7 @@ from loadgen.simulator import cli
 from loadgen.simulator.cluster import ClusterSimulator
 from loadgen.simulator.workload import WorkloadSpec, build_workload
 from shared.policy.baselines import get_policy
+from shared.policy.prefix_dispatch import DEFAULT_SATURATION_WEIGHT
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -132,3 +133,14 @@ def test_the_room_wait_weight_is_a_flag_inf_included_and_a_bad_one_a_usage_error
             parse("--dataset", "random:200:20", "--rate", "1", "--prefix-room-wait-weight", bad)
         assert exit_info.value.code == 2
         assert "--prefix-room-wait-weight" in capsys.readouterr().err
+
+
+def test_the_saturation_weight_is_a_flag_and_a_bad_one_a_usage_error(capsys):
+    base = ("--dataset", "random:200:20", "--rate", "1")
+    assert cli.build_config(parse(*base, "--prefix-saturation-weight", "0")).prefix_saturation_weight == 0.0
+    assert cli.build_config(parse(*base)).prefix_saturation_weight == DEFAULT_SATURATION_WEIGHT
+    for bad in ("-1", "nan", "inf", "x"):
+        with pytest.raises(SystemExit) as exit_info:
+            parse(*base, "--prefix-saturation-weight", bad)
+        assert exit_info.value.code == 2
+        assert "--prefix-saturation-weight" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from shared.messages import DispatchRequest
 from shared.policy.config import PolicyConfig
 from shared.policy.dispatch import account_dispatch, dispatch_score
 from shared.policy.prefix_dispatch import (
+    DEFAULT_SATURATION_WEIGHT,
     PrefixContext,
     choose_by_predicted_ttft,
     choose_longest_prefix,
@@ -20,6 +21,7 @@ from shared.policy.prefix_dispatch import (
     matched_blocks,
     missing_blocks,
     predicted_ttft_s,
+    recompute_weight_for,
     ttft_rank,
 )
 from shared.prefix_hash import block_hashes
@@ -56,9 +58,10 @@ def request(i: int, suffix_len: int = 32) -> DispatchRequest:
     return DispatchRequest(f"req-{i}", len(tokens), 16, block_hashes=block_hashes(tokens, BS), prefix_block_size=BS)
 
 
-def context(held: dict[str, set[int]], recompute_weight: float = 1.0, room_wait_weight: float = 1.0) -> PrefixContext:
+def context(held: dict[str, set[int]], recompute_weight: float = 1.0, room_wait_weight: float = 1.0,
+            saturation_weight: float = DEFAULT_SATURATION_WEIGHT) -> PrefixContext:
     return PrefixContext(DictIndex(held), prefill_s, recompute_weight=recompute_weight,
-                         room_wait_weight=room_wait_weight)
+                         room_wait_weight=room_wait_weight, saturation_weight=saturation_weight)
 
 
 SYSTEM_HASHES = set(block_hashes(SYSTEM, BS))
@@ -157,6 +160,31 @@ def test_an_instance_without_room_is_charged_the_prefill_of_the_tokens_its_missi
                                     ctx).instance_id == "a"  # 640 queued tokens against 528 missing
     assert choose_by_predicted_ttft([short, make_load("b", total=2000, waiting=[30])], request(2), CONFIG,
                                     ctx).instance_id == "b"
+
+
+def test_the_recompute_charge_rises_only_while_every_instance_has_a_queue():
+    req = request(0)  # 672 tokens (67.2 ms of prefill), 640 of them cached where the prefix is
+    ctx = context({})
+    assert recompute_weight_for(req, ctx, 0) == ctx.recompute_weight == 1.0  # an idle instance: as before
+    # The shortest queue, 336 tokens, is half the request's own prefill.
+    assert recompute_weight_for(req, ctx, 336) == pytest.approx(1.0 + DEFAULT_SATURATION_WEIGHT * 0.5)
+    assert recompute_weight_for(req, context({}, recompute_weight=2.0), 336) == pytest.approx(
+        2.0 * (1.0 + DEFAULT_SATURATION_WEIGHT * 0.5))
+    assert recompute_weight_for(req, context({}, saturation_weight=0.0), 336) == 1.0
+    assert recompute_weight_for(req, context({}, recompute_weight=0.0), 336) == 0.0
+    with pytest.raises(ValueError, match="saturation weight"):
+        context({}, saturation_weight=-1.0)
+    # The holder's queue is 200 ms longer than the other instance's (51.2 ms): unraised, the
+    # prefill done again there (64 ms, charged twice) costs less, and the request leaves its
+    # prefix; with every instance queued the charge rises and keeps it there. An idle instance
+    # anywhere takes it at the charge as before.
+    holder, other = make_load("h", total=2000, waiting=[32, 125]), make_load("o", total=2000, waiting=[32])
+    held = {"h": SYSTEM_HASHES}
+    assert choose_by_predicted_ttft([holder, other], req, CONFIG, context(held, saturation_weight=0.0)).instance_id \
+        == "o"
+    assert choose_by_predicted_ttft([holder, other], req, CONFIG, context(held)).instance_id == "h"
+    assert choose_by_predicted_ttft([holder, other, make_load("c", total=2000)], req, CONFIG,
+                                    context(held)).instance_id == "c"
 
 
 @pytest.mark.parametrize("weight", [1.0, math.inf])

@@ -11,7 +11,7 @@ from msgspec.structs import replace
 
 from shared.messages import DispatchRequest, Refusal
 from shared.policy import PolicyConfig, account_dispatch
-from shared.policy.prefix_dispatch import PrefixContext, choose_by_predicted_ttft
+from shared.policy.prefix_dispatch import DEFAULT_SATURATION_WEIGHT, PrefixContext, choose_by_predicted_ttft
 from shared.policy.prefix_dispatch_index import PrefixDispatchIndex
 from tests.unit.policy_helpers import make_load
 
@@ -28,9 +28,10 @@ class StubIndex:
         return self.answer
 
 
-def _context(index: StubIndex, tie_s: float = 1e-3, room_wait_weight: float = 1.0) -> PrefixContext:
+def _context(index: StubIndex, tie_s: float = 1e-3, room_wait_weight: float = 1.0,
+             saturation_weight: float = DEFAULT_SATURATION_WEIGHT) -> PrefixContext:
     return PrefixContext(index, prefill_s=lambda n: 0.255e-3 * n + 8.2e-3 if n > 0 else 0.0, ttft_tie_s=tie_s,
-                         room_wait_weight=room_wait_weight)
+                         room_wait_weight=room_wait_weight, saturation_weight=saturation_weight)
 
 
 def _random_load(rng: random.Random, instance_id: str):
@@ -48,13 +49,15 @@ def _random_request(rng: random.Random, ids: list[str], i: int) -> DispatchReque
                            exclude=exclude, block_hashes=[1, 2, 3], prefix_block_size=16)
 
 
+@pytest.mark.parametrize("saturation_weight", [DEFAULT_SATURATION_WEIGHT, 0.0, 20.0])
 @pytest.mark.parametrize("room_wait_weight", [1.0, 0.0, 5.0, math.inf])
 @pytest.mark.parametrize("seed", range(40))
-def test_index_equals_scan_on_random_fleets(seed, room_wait_weight):
+def test_index_equals_scan_on_random_fleets(seed, room_wait_weight, saturation_weight):
     rng = random.Random(seed)
     config = PolicyConfig(tie_epsilon=rng.choice([1e-6, 0.5, 5.0]))
     prefixes = StubIndex()
-    context = _context(prefixes, tie_s=rng.choice([1e-3, 0.0, 0.05]), room_wait_weight=room_wait_weight)
+    context = _context(prefixes, tie_s=rng.choice([1e-3, 0.0, 0.05]), room_wait_weight=room_wait_weight,
+                       saturation_weight=saturation_weight)
     index = PrefixDispatchIndex(config, context)
     loads = {}
     ids = [f"i{k}" for k in range(rng.randint(0, 30))]

@@ -10,6 +10,7 @@ from services.global_scheduler.dispatcher import NamedDispatch
 from shared.messages import DispatchRequest, KvCacheSnapshot
 from shared.policy.config import PolicyConfig
 from shared.policy.dispatch import account_dispatch
+from shared.policy.prefix_dispatch import DEFAULT_SATURATION_WEIGHT
 from shared.prefix_index import GlobalPrefixIndex
 from tests.unit.policy_helpers import make_load
 
@@ -126,4 +127,28 @@ def test_the_schedulers_room_wait_weight_flag_reaches_corral_prefix():
     for bad in ("-1", "nan", "x"):
         with pytest.raises(SystemExit) as exit_info:
             build_parser().parse_args(["scheduler", "--prefix-room-wait-weight", bad])
+        assert exit_info.value.code == 2
+
+
+def test_the_schedulers_saturation_weight_flag_reaches_corral_prefix():
+    """`--prefix-saturation-weight K`: with every instance queued, the recompute charge rises and
+    a request stays with its prefix behind a queue it would leave with 0. A bad value is a clear
+    usage error."""
+    from services.cli import build_parser
+    from services.global_scheduler.config import config_from_args
+    from services.global_scheduler.service import GlobalScheduler
+
+    chosen = {}
+    for weight in (["--prefix-saturation-weight", "0"], []):
+        args = build_parser().parse_args(["scheduler", "--dispatch-policy", "corral-prefix", *weight])
+        scheduler = GlobalScheduler(config_from_args(args))
+        scheduler.prefixes.index.restore(KvCacheSnapshot("b", 0, 16, CHAIN))
+        # The holder's queue is 800 tokens longer than a's 208: more than twice its cached prefill.
+        for load in (make_load("a", total=4000, waiting=[13]), make_load("b", total=4000, waiting=[13, 50])):
+            scheduler.table.update(load)
+        chosen[scheduler.config.prefix_saturation_weight] = scheduler.decide(request("r")).instance_id
+    assert chosen == {0.0: "a", DEFAULT_SATURATION_WEIGHT: "b"}
+    for bad in ("-1", "nan", "inf", "x"):
+        with pytest.raises(SystemExit) as exit_info:
+            build_parser().parse_args(["scheduler", "--prefix-saturation-weight", bad])
         assert exit_info.value.code == 2
