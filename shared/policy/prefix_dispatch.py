@@ -70,8 +70,9 @@ class PrefixContext:
     # recompute charge's weight rises, up to (1 + this) times (`recompute_weight_for`; 0: never).
     # With no idle capacity the prefill done again delays the requests that reach the fleet
     # before it drains. An idle instance anywhere turns it off, so a burst onto one holder
-    # spreads as before. 4 on the simulated sweeps: at A100 high load corral-prefix's P99 TTFT
-    # went below every other policy's and its hit rate up by 4-8 points; no A10 rate lost.
+    # spreads as before. 4 on the simulated sweeps: at A100 high load its P99 TTFT fell by up to
+    # 31 % (the lowest of every policy at every rate and seed since) and its hit rate rose 5-8
+    # points; on A10s it stayed within 1.05x of the best other at every rate.
     saturation_weight: float = 4.0
 
     def __post_init__(self) -> None:
