@@ -72,7 +72,7 @@ class PrefixContext:
     # before it drains. An idle instance anywhere turns it off, so a burst onto one holder
     # spreads as before. 4 on the simulated sweeps: at A100 high load its P99 TTFT fell by up to
     # 31 % (the lowest of every policy at every rate and seed since) and its hit rate rose 5-8
-    # points; on A10s it stayed within 1.05x of the best other at every rate.
+    # points; on A10s it stayed within 1.05x of the best other at every rate on seed means.
     saturation_weight: float = 4.0
 
     def __post_init__(self) -> None:
