@@ -100,8 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--prefix-saturation-weight", type=non_negative_number,
                          default=defaults_sim.prefix_saturation_weight, metavar="K",
                          help="corral-prefix: while every instance has prefill queued, the recompute charge's weight "
-                              "is raised by K times the shortest queue over the request's own prefill (default "
-                              "%(default)s; 0: never raised)")
+                              "rises, up to (1 + K)-fold once the shortest queue is as long as the request's own "
+                              "prefill (default %(default)s; 0: never)")
     cluster.add_argument("--max-model-len", type=int, default=engine.max_model_len,
                          help="longer prompts are cut to fit (a warning says how many)")
     cluster.add_argument("--max-num-batched-tokens", type=int, default=engine.max_num_batched_tokens, metavar="N",

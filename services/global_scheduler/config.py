@@ -85,8 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-saturation-weight", type=non_negative_number,
                         default=env("PREFIX_SATURATION_WEIGHT", str(DEFAULT_SATURATION_WEIGHT)), metavar="K",
                         help="corral-prefix: while every instance has prefill queued, the recompute charge's weight "
-                             "is raised by K times the shortest queue over the request's own prefill (default "
-                             "%(default)s; 0: never raised)")
+                             "rises, up to (1 + K)-fold once the shortest queue is as long as the request's own "
+                             "prefill (default %(default)s; 0: never)")
     gate = parser.add_argument_group("admission control (429 when no instance can meet the SLO)")
     gate.add_argument("--admission", choices=ADMISSION_POLICY_NAMES, default=env("ADMISSION", "none"))
     gate.add_argument("--slo-ttft-s", type=float, default=env("SLO_TTFT_S", None), help="TTFT target")
