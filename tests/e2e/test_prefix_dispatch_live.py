@@ -196,7 +196,7 @@ async def test_a_burst_on_one_cached_system_prompt_is_not_piled_onto_its_holder(
         spread = observer.generate_orders - before
     assert sum(spread.values()) == 24
     # prefix-only puts all 24 on the holder. corral-prefix took 9-11 here while its recompute
-    # charge stayed flat, and takes 10-14 since it rises with every instance queued (the holder
+    # charge stayed flat, and takes 11-14 since it rises with every instance queued (the holder
     # prefills 8 tokens a request, the others 328; `recompute_weight_for`); once, beside two
     # simulator sweeps, 15 or more. It took up to 16 while a report built before the burst's
     # orders arrived wiped the scheduler's count of them (now added back:
