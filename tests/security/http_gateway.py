@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ import uvicorn
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 from services.gateway.tokenizer import ModelTokenizer
+from tests.support.cluster import free_port
 from tests.unit.test_gateway_sse import ScriptedGateway, chunks_for
 
 
@@ -40,16 +40,10 @@ def scripted_gateway(model_dir: Path, max_model_len: int | None = None, **config
     return gateway
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def served(gateway: ScriptedGateway) -> Iterator[tuple[str, int]]:
     """(host, port) of the gateway served on a thread until the block ends."""
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(gateway), host="127.0.0.1", port=port, log_config=None,
                                            access_log=False, lifespan="off"))
 

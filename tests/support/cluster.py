@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,7 +21,31 @@ from services.process_helpers import die_with_parent
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(part) for part in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
+    """A port nothing listens on now, below the kernel's ephemeral range where there is room.
+    A port from `bind(0)` is an ephemeral one: once we close it the kernel may hand it to the next
+    `bind(0)` or outgoing connection of any process before the service we start binds it (a CI
+    run lost a gateway so, to something starting beside it). Below that range only an explicit
+    bind takes a port. Chosen by the system's randomness, so seeded tests do not all pick alike."""
+    low, _ = _ephemeral_range()
+    if low > 11024:
+        pick = random.SystemRandom()
+        for _ in range(100):
+            port = pick.randint(low - 10000, low - 1)
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

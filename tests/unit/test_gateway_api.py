@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import time
 
 import httpx
@@ -21,6 +20,7 @@ import uvicorn
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 from shared.messages import FinishReason, TokenChunk, TokenLogprob
+from tests.support.cluster import free_port
 from tests.unit.test_gateway_sse import (  # noqa: F401  (tokenizer is a fixture)
     CHAT, HELLO, TEXT, ScriptedGateway, chunks_for, sse_events, token_ids, tokenizer,
 )
@@ -47,12 +47,6 @@ def gateway(tokenizer, tmp_path) -> ScriptedGateway:
 async def client(gateway):
     async with client_for(gateway) as c:
         yield c
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- SSE timing --------------------------------------------------------------------------------

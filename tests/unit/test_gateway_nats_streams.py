@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 
 import httpx
@@ -15,6 +14,7 @@ import uvicorn
 from services.gateway.app import create_app
 from shared import subjects
 from shared.messages import DispatchReply, FinishReason, GenerateRequest, TokenChunk
+from tests.support.cluster import free_port
 from tests.unit.gateway_nats_harness import (
     CHAT,
     HELLO,
@@ -101,12 +101,6 @@ async def test_stop_aborts_open_requests(cluster):
     assert response.status_code == 503 and "shutting down" in response.json()["error"]["message"]
     await eventually(lambda: bool(llumlet.aborts))
     assert llumlet.aborts == [llumlet.requests[0].request_id]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_client_disconnect_over_real_http_aborts_the_request(cluster):
