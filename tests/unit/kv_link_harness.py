@@ -23,7 +23,6 @@ from services.llumlet.migration.kv_wire import (
 )
 from services.llumlet.migration.ops import KVRegion
 from services.llumlet.migration.protocol import DestinationGone, MigrationLimits, new_migration_id
-from tests.support.polling import wait_until  # noqa: F401 (the transfer tests import it from here)
 
 
 BLOCK_BYTES = 256

@@ -15,6 +15,7 @@ from services.llumlet.migration import kv_connection, kv_sender
 from services.llumlet.migration.kv_sender import KVSenderPool
 from services.llumlet.migration.kv_wire import HEADER_SIZE, AckStatus, FrameAck, FrameHeader
 from services.llumlet.migration.protocol import DestinationRefused, MigrationLimits, new_migration_id
+from tests.support.polling import wait_until
 from tests.unit.kv_link_harness import (
     BLOCK_BYTES,
     assert_send_finds_destination_gone,
@@ -22,7 +23,6 @@ from tests.unit.kv_link_harness import (
     link,
     raw_connection,
     send_raw_frame,
-    wait_until,
     write_and_hang_up,
     wrong_crc,
 )

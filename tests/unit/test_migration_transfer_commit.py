@@ -27,6 +27,7 @@ from services.llumlet.migration.protocol import (
     SourceAborted,
     new_migration_id,
 )
+from tests.support.polling import wait_until
 from tests.unit.kv_link_harness import (
     BLOCK_BYTES,
     PoolSink,
@@ -35,7 +36,6 @@ from tests.unit.kv_link_harness import (
     make_pool,
     open_link,
     raw_connection,
-    wait_until,
     write_and_hang_up,
     wrong_crc,
 )

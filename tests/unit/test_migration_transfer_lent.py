@@ -14,6 +14,7 @@ from services.llumlet.migration import kv_connection
 from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.kv_wire import AckStatus, FrameHeader
 from services.llumlet.migration.protocol import DestinationRefused, MigrationLimits, new_migration_id
+from tests.support.polling import wait_until
 from tests.unit.kv_link_harness import (
     BLOCK_BYTES,
     PoolSink,
@@ -21,7 +22,6 @@ from tests.unit.kv_link_harness import (
     open_link,
     raw_connection,
     send_raw_frame,
-    wait_until,
     write_and_hang_up,
 )
 
