@@ -141,6 +141,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      default=env("MIGRATION_HOLD_STEP_SHARE", defaults.hold_step_share),
                      help="and hold at most this share of this engine's typical step (0-1]: a commit due "
                           "later goes to the step after")
+    mig.add_argument("--migration-notice-steps", type=int,
+                     default=env("MIGRATION_NOTICE_STEPS", defaults.notice_steps),
+                     help="as a source, tell a holding destination the commit is coming this many of our steps "
+                          "ahead, so it paces its steps to meet it; 1: a step ahead (it holds or not)")
     sim = parser.add_argument_group("simulated engine")
     engine, scheduler = SimEngineConfig(), SchedulerConfig()
     sim.add_argument("--sim-num-blocks", type=int, default=env("SIM_NUM_BLOCKS", scheduler.num_blocks))
@@ -255,6 +259,7 @@ def migration_limits_from_args(args: argparse.Namespace) -> MigrationLimits:
             bandwidth_bytes_per_s=args.migration_bandwidth_mib_s * (1 << 20),
             hold_max_s=args.migration_hold_max_ms / 1e3,
             hold_step_share=args.migration_hold_step_share,
+            notice_steps=args.migration_notice_steps,
             token_frames=args.migration_token_frames,
         )
     except ValueError as exc:

@@ -17,6 +17,7 @@ from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.destination import IncomingMigrations
 from services.llumlet.migration.kv_wire import FrameHeader
 from services.llumlet.migration.protocol import MigrationLimits, MigrationStatus, new_migration_id
+from shared.policy.commit_hold import CommitHoldRule
 from shared.messages import CommitNotice, MigrationAbort, MigrationCommit, PreAlloc, PreAllocReply, WireError, decode, encode
 from tests.unit.migration_helpers import expected_tokens, gen, sim_config
 from tests.unit.migration_source_harness import make_harness  # noqa: F401 (fixture)
@@ -226,25 +227,98 @@ def test_a_destination_without_a_hold_grants_none() -> None:
         copier.close()
 
 
+# -- pacing: a commit noticed steps ahead ----------------------------------------------------------
+
+
+def test_a_commit_steps_ahead_paces_each_step_before_it_by_an_equal_share_of_the_phase_gap() -> None:
+    rule = CommitHoldRule(hold_max_s=0.05, step_share=0.5)
+    step = 0.040
+    assert rule.paced_hold_s(2.5 * step, step) == pytest.approx(0.5 * step / 3)  # 2 whole steps, half left over
+    assert rule.paced_hold_s(1.2 * step, step) == pytest.approx(0.2 * step / 2)
+    assert rule.paced_hold_s(0.5 * step, step) == 0.0  # due within this step: hold or not (`holds_for`)
+    assert rule.paced_hold_s(1.9 * step, step) == 0.0  # the step after it starts 0.1 step after it: wait for that
+    assert rule.paced_hold_s(2.5 * step, 0.0) == 0.0  # no typical step yet
+    assert CommitHoldRule(0.0).paced_hold_s(2.5 * step, step) == 0.0  # holds off
+    assert CommitHoldRule(0.002, 0.5).paced_hold_s(1.5 * step, step) == 0.002  # within the bound
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_pacing_starts_the_last_step_before_a_commit_as_it_lands_or_leaves_a_shorter_wait(seed) -> None:
+    """Steps of the typical length, each held as the rule says: the step the request joins
+    starts at its commit, or (where the rule did not pace) the request waits less for the step
+    after than any step would have been held; no hold past the bound."""
+    rng = np.random.default_rng(seed)
+    rule = CommitHoldRule(hold_max_s=0.05, step_share=0.5)
+    for _ in range(500):
+        step = float(rng.uniform(0.003, 0.045))
+        commit_at = float(rng.uniform(0, 4 * step))  # from a step start, the notice there
+        now, holds = 0.0, []
+        while True:
+            due_in = commit_at - now
+            if due_in < 0:  # the commit landed in the step before: the request joins this one
+                waited = -due_in
+                break
+            if rule.holds_for(due_in, step):
+                holds.append(due_in)
+                waited = 0.0
+                break
+            held = rule.paced_hold_s(due_in, step)
+            holds.append(held)
+            now += held + step
+        assert all(0 <= h <= rule.bound_s(step) + 1e-12 for h in holds)
+        if any(holds):
+            assert waited == pytest.approx(0.0, abs=1e-9)
+            continue
+        whole = int(commit_at // step)
+        left_over = commit_at - whole * step
+        assert waited == pytest.approx(step - left_over)
+        if whole:  # not paced: the wait is no longer than each paced hold would have been
+            assert waited <= left_over / (whole + 1) + 1e-9
+        else:  # due within the first step, past the bound: as the hold without notice ahead
+            assert left_over > rule.bound_s(step)
+
+
+async def test_a_paced_step_waits_its_share_and_the_commit_stays_expected() -> None:
+    hold = hold_of(0.5, typical_step_s=0.040, step_share=0.5)
+    hold.expect("m", 0.100)  # 2 whole steps and 20 ms: each of 3 steps waits ~6.7 ms
+    held = await hold.wait()
+    assert 0.006 <= held < 0.05
+    assert hold.num_paced_holds == 1 and hold.num_expected == 1 and hold.num_released_at_bound == 0
+
+
+async def test_a_commit_landing_early_cuts_a_paced_hold_short() -> None:
+    hold = hold_of(0.5, typical_step_s=0.040, step_share=0.5)
+    hold.expect("m", 0.055)  # one whole step and 15 ms: 7.5 ms paced now
+    asyncio.get_running_loop().call_later(0.002, hold.settle, "m")  # (the source was faster than it said)
+    held = await hold.wait()
+    assert held < 0.006 and hold.num_expected == 0
+
+
 # -- the source's notice ---------------------------------------------------------------------------
 
 
-async def test_the_source_notices_the_commit_a_step_ahead_where_the_destination_holds(make_harness) -> None:
+@pytest.mark.parametrize("notice_steps", [1, 3])
+async def test_the_source_notices_the_commit_steps_ahead_where_the_destination_holds(make_harness,
+                                                                                     notice_steps) -> None:
     h = await make_harness()
     steps = StepClock()
     h.coordinator.notices.steps = steps
+    h.coordinator.notices.notice_steps = notice_steps
     h.incoming.hold = CommitHold(0.05, StepClock())  # grants say the destination holds
-    notices: list[tuple[float, CommitNotice]] = []
+    notices: list[tuple[int, CommitNotice]] = []  # (the source's step in flight, the notice)
+    started = 0
 
     async def notice(dst: str, msg: CommitNotice) -> None:
-        notices.append((time.monotonic(), msg))
+        notices.append((started, msg))
         h.incoming.handle_notice(msg)
 
     h.link.notice = notice
     real_step = h.src.step
 
     async def timed_step():  # the source's steps through its step clock, as the llumlet's loop does
+        nonlocal started
         steps.started(time.monotonic())
+        started += 1
         try:
             return await real_step()
         finally:
@@ -254,10 +328,14 @@ async def test_the_source_notices_the_commit_a_step_ahead_where_the_destination_
     await h.decoding("r", prompt=50, max_tokens=300)
     m = await h.coordinator.migrate("r", "dst")
     assert m.status is MigrationStatus.FINISHED, m.reason
-    assert m.dst_hold_max_s == 0.05 and len(notices) == 1
-    sent_at, msg = notices[0]
-    assert msg.migration_id == m.migration_id and msg.commit_in_s == m.notice_commit_in_s > 0
-    assert sent_at <= m.suspended_at  # ahead of the suspend: the lead is the step that ends in it
+    assert m.dst_hold_max_s == 0.05 and len(notices) == notice_steps
+    # One at the start of each of as many consecutive steps, each due a step sooner than the last.
+    assert [step for step, _ in notices] == list(range(notices[0][0], notices[0][0] + notice_steps))
+    due = [msg.commit_in_s for _, msg in notices]
+    assert all(later < earlier for earlier, later in zip(due, due[1:])), due
+    assert {msg.migration_id for _, msg in notices} == {m.migration_id}
+    assert due[-1] == m.notice_commit_in_s > 0
+    assert m.noticed_at <= m.suspended_at  # ahead of the suspend: the lead is the step that ends in it
     assert h.incoming.hold.num_expected == 0  # the commit settled it
     await h.wait_finished("r")
     assert h.stream("r") == expected_tokens(h.src, "r", 300)

@@ -13,7 +13,9 @@ comes (aborted migration, source dead) releases the hold at its bound, and its n
 dropped: it never holds a step again.
 
 The bound is also a share of this engine's typical step (`shared.policy.commit_hold`, the rule
-the simulator models too).
+the simulator models too). A notice that comes steps ahead (the source's `notice_steps`) paces
+the steps before the commit: each waits its share of the phase gap, a fixed time that the
+commit, landing early, cuts short; the source's notice at each of its steps corrects the time.
 
 `StepClock` is the engine loop's steps as both sides see them (a source times its notice by
 its own steps, a destination bounds its hold by its own).
@@ -83,7 +85,7 @@ class CommitHold:
         # own follow-up work.)
         self._waiter: asyncio.Future[None] | None = None
         self.last_held_s = 0.0  # the hold before the latest step (0: none)
-        self.num_holds = self.num_released_at_bound = 0
+        self.num_holds = self.num_paced_holds = self.num_released_at_bound = 0
 
     @property
     def hold_max_s(self) -> float:
@@ -118,9 +120,19 @@ class CommitHold:
         typical = self.steps.typical_s
         return [mid for mid, at in self._expected.items() if self.rule.holds_for(at - now, typical)]
 
+    def paced(self, now: float) -> tuple[str, float] | None:
+        """With none due: the earliest expected commit and how long a step started now waits to
+        line the steps before it up with it (`CommitHoldRule.paced_hold_s`); None: no pacing."""
+        if not self._expected:
+            return None
+        mid, at = min(self._expected.items(), key=lambda item: item[1])
+        hold_s = self.rule.paced_hold_s(at - now, self.steps.typical_s)
+        return (mid, hold_s) if hold_s > 0 else None
+
     async def wait(self) -> float:
         """Before a step: hold it for the commits due (`due`), until they all settle or for
-        `bound_s()` at most; the seconds held (0: nothing due, the step goes at once)."""
+        `bound_s()` at most; else pace it for a commit a few steps off (`paced`), for its share
+        or until that commit settles. The seconds held (0: the step goes at once)."""
         self.last_held_s = 0.0
         if not self._expected:
             return 0.0
@@ -128,10 +140,15 @@ class CommitHold:
         for mid in [mid for mid, at in self._expected.items() if at + self.hold_max_s < started]:
             del self._expected[mid]  # overdue by more than a hold: the source is late or gone
         due = self.due(started)
-        if not due:
+        paced = None if due else self.paced(started)
+        if not due and paced is None:
             return 0.0
         self.num_holds += 1
-        deadline = started + self.bound_s()
+        if paced is None:
+            deadline = started + self.bound_s()
+        else:  # (the commit stays expected after it: it is due steps later)
+            self.num_paced_holds += 1
+            due, deadline = [paced[0]], started + paced[1]
         loop = asyncio.get_running_loop()
         while any(mid in self._expected for mid in due):
             remaining = deadline - self._clock()
@@ -145,7 +162,7 @@ class CommitHold:
             finally:
                 timer.cancel()
                 self._waiter = None
-        late = [mid for mid in due if mid in self._expected]
+        late = [] if paced is not None else [mid for mid in due if mid in self._expected]
         for mid in late:  # a commit that did not come within the bound: never held for again
             del self._expected[mid]
         self.num_released_at_bound += bool(late)

@@ -1,10 +1,12 @@
 """The source's side of the destination's step hold (`commit_hold.py`): when to tell the
 destination that a commit is imminent, and how soon it will land.
 
-Where the destination's grants say it holds, the last stage starts right after one of this
-instance's steps started: the source tells the destination (`CommitNotice`) that the commit is due
-once that step ends and the last stage is through, about a step ahead, and the suspend follows.
-The last stage's time is learned from the small last stages this source committed lately.
+Where the destination's grants say it holds, the source tells the destination (`CommitNotice`)
+when the commit is due `notice_steps` of its own steps ahead, at the start of each of them again
+with the time corrected, and asks for the suspend at the start of the last: the commit lands once
+that step ends and the last stage is through. Steps ahead, the destination paces its own steps to
+meet it (`shared.policy.commit_hold`); the request decodes here meanwhile. The last stage's time
+is learned from the small last stages this source committed lately.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from services.llumlet.migration.handshake import DestinationLink
 from services.llumlet.migration.ops import MigratableEngine
 from services.llumlet.migration.outgoing import OutgoingMigration
 from shared.messages import CommitNotice
+from shared.policy.commit_hold import DEFAULT_NOTICE_STEPS
 
 LAST_STAGE_GUESS_S = 0.002  # suspend → commit landed, before this source has timed one
 SMALL_LAST_STAGE_BLOCKS = 2  # a last stage this small is timed as the fixed part of the next ones
@@ -26,29 +29,35 @@ SMALL_LAST_STAGE_BLOCKS = 2  # a last stage this small is timed as the fixed par
 
 class CommitNotifier:
     def __init__(self, ops: MigratableEngine, link: DestinationLink, steps: StepClock | None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, notice_steps: int = DEFAULT_NOTICE_STEPS) -> None:
+        assert notice_steps >= 1, notice_steps
         self.ops = ops
         self.link = link
         self.steps = steps  # this instance's engine steps (None: no commit notices)
         self._clock = clock
+        self.notice_steps = notice_steps
         # Suspend → commit landed of recent small last stages (a live one's usual 1-2 blocks).
         self._last_stages: collections.deque[float] = collections.deque(maxlen=8)
 
-    async def notice(self, m: OutgoingMigration) -> bool:
-        """Wait for the next step of ours to start (the request keeps decoding meanwhile), then
-        tell the destination the commit is due when that step ends and the last stage is through;
-        the caller suspends at once, so the notice comes about a step ahead. False: no notice (the
-        destination does not hold, or the commit's time cannot be told)."""
+    async def notice(self, m: OutgoingMigration, check: Callable[[], object]) -> bool:
+        """At the start of each of our next `notice_steps` steps (the request keeps decoding
+        meanwhile), tell the destination the commit is due when the last of them ends and the
+        last stage is through; the caller suspends at once after the last, so the first notice
+        comes about `notice_steps` steps ahead and the last about one. `check` raises when the
+        request can no longer move (it finished meanwhile). False: no notice (the destination
+        does not hold, or the commit's time cannot be told)."""
         if self.steps is None or m.dst_hold_max_s <= 0:
             return False
-        typical = self.steps.typical_s
-        await self.steps.next_start(timeout_s=max(0.5, 4 * typical))  # (none: the notice is just shorter)
-        last_stage = self.last_stage_estimate(m)
-        if last_stage is None:
-            return False
-        m.notice_commit_in_s = self.steps.left_s() + last_stage
-        m.noticed_at = self._clock()
-        await self.link.notice(m.dst, CommitNotice(m.migration_id, m.notice_commit_in_s))
+        for steps_left in range(self.notice_steps, 0, -1):
+            typical = self.steps.typical_s
+            await self.steps.next_start(timeout_s=max(0.5, 4 * typical))  # (none: the notice is just shorter)
+            check()
+            last_stage = self.last_stage_estimate(m)
+            if last_stage is None:
+                return False
+            m.notice_commit_in_s = self.steps.left_s() + (steps_left - 1) * self.steps.typical_s + last_stage
+            m.noticed_at = self._clock()
+            await self.link.notice(m.dst, CommitNotice(m.migration_id, m.notice_commit_in_s))
         return True
 
     def last_stage_estimate(self, m: OutgoingMigration) -> float | None:

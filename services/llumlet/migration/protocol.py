@@ -34,7 +34,7 @@ import uuid
 from dataclasses import dataclass
 
 from shared.messages import PreAllocReply
-from shared.policy.commit_hold import DEFAULT_HOLD, CommitHoldRule
+from shared.policy.commit_hold import DEFAULT_HOLD, DEFAULT_NOTICE_STEPS, CommitHoldRule
 from shared.policy.migration import (
     DEFAULT_GUARD,
     DEFAULT_MAX_IN,
@@ -149,12 +149,17 @@ class MigrationLimits:
     # requests here wait as long (`commit_hold.py`; why on by default: `shared.policy.commit_hold`).
     hold_max_s: float = DEFAULT_HOLD.hold_max_s
     hold_step_share: float = DEFAULT_HOLD.step_share
+    # Source: the notice goes this many of its steps ahead (the destination paces its steps to
+    # meet the commit; 1: a step ahead, hold or not).
+    notice_steps: int = DEFAULT_NOTICE_STEPS
 
     def __post_init__(self) -> None:
         self.stage_rule(), self.guard()  # (they check their own fields)
         if self.max_out < 0 or self.max_in < 0:
             raise ValueError("max_out and max_in must be >= 0")
         CommitHoldRule(self.hold_max_s, self.hold_step_share)  # (it checks both)
+        if self.notice_steps < 1:
+            raise ValueError("notice_steps must be >= 1")
         if self.bandwidth_bytes_per_s < 0:
             raise ValueError("bandwidth_bytes_per_s must be >= 0 (0: no cap)")
         if self.frame_bytes <= 0 or self.frame_bytes > self.max_frame_bytes:

@@ -80,7 +80,7 @@ class StageDriver:
         self.hooks = hooks
         self.departures = departures
         self._clock = clock
-        self.notices = CommitNotifier(ops, link, steps, clock)  # (where the destination holds a step)
+        self.notices = CommitNotifier(ops, link, steps, clock, limits.notice_steps)  # (where the destination holds)
         self._stopping = stopping  # the source is stopping: every check fails
         self._on_refused = on_refused  # (the destination's id) it refused or failed: back off from it
         # Blocks not yet full go by token slot where the layout has them (host memory) and the
@@ -144,7 +144,7 @@ class StageDriver:
             await self._copy(m, full, snapshot.num_computed_tokens, prealloc_s)
         await self._prealloc(m, snapshot.num_blocks, full)  # (off the downtime)
         self._check(m, LivePhase.RUNNING)
-        if await self.notices.notice(m):
+        if await self.notices.notice(m, lambda: self._check(m, LivePhase.RUNNING)):
             # A step of ours just started: the blocks the request holds now are all it will hold
             # once suspended after it. One it took for this step is reserved now, while it still
             # decodes, not by a top-up in the downtime (~1 ms, the hold waiting on it).
