@@ -72,6 +72,7 @@ REPO = Path(__file__).resolve().parents[1]
 SRC, DST = "bench-src", "bench-dst"
 BACKGROUND_PROMPT = 1024  # four of these decode on each instance throughout
 BACKGROUND_REQUESTS = 4
+BACKGROUND_WARM_TOKENS = 4  # a fresh batch has decoded this many tokens before a measurement
 MIN_OUTPUT_BEFORE = 16  # decode steps with the request in the batch before migrating it
 OUTPUT_SUBJECT = "bench.out"
 
@@ -173,6 +174,34 @@ async def submit(nc, instance_id: str, req: GenerateRequest) -> None:
     assert b"error" not in reply.data, reply.data
 
 
+class Background:
+    """The background batch on both instances, started afresh before each measured migration:
+    the same prompts at the same time, so the two batches hold the same context when the
+    request moves. (Kept from the start of the run, the source's trailed the destination's by
+    hundreds of tokens each, because the source also prefilled every measured and warm-up
+    request: the destination's steps then ran 1-2 ms longer than the source's for that alone,
+    and the request's first step there looked that much slower than its own gap.)"""
+
+    def __init__(self, nc, chunks: Chunks) -> None:
+        self.nc, self.chunks = nc, chunks
+        self.generation = 0
+
+    def ids(self, instance_id: str) -> list[str]:
+        return [f"bg-{instance_id}-{self.generation}-{i}" for i in range(BACKGROUND_REQUESTS)]
+
+    async def restart(self) -> None:
+        if self.generation:
+            for rid in self.ids(SRC) + self.ids(DST):
+                await self.nc.publish(subjects.ABORT_ALL, encode(AbortRequest(rid, "background renewed")))
+        self.generation += 1
+        for instance_id in (SRC, DST):
+            for rid in self.ids(instance_id):
+                await submit(self.nc, instance_id, request(rid, BACKGROUND_PROMPT, 100_000))
+        await wait_until(lambda: all(self.chunks.count_from(rid, instance_id) >= BACKGROUND_WARM_TOKENS
+                                     for instance_id in (SRC, DST) for rid in self.ids(instance_id)),
+                         120, "the background batch")
+
+
 # ---------------------------------------------------------------------------------------------
 # One migration
 # ---------------------------------------------------------------------------------------------
@@ -188,8 +217,10 @@ def step_stats(steps: list[tuple[float, float, float]], start: float, end: float
             "mean_overhead_ms": 1e3 * statistics.fmean(w - m for w, m in window)}
 
 
-async def migrate_once(src: Llumlet, nc, chunks: Chunks, length: int, stage_limit: int | None, tag: str) -> dict:
+async def migrate_once(src: Llumlet, nc, chunks: Chunks, background: Background, length: int,
+                       stage_limit: int | None, tag: str) -> dict:
     rid = f"{tag}-{length}-{time.monotonic_ns()}"
+    await background.restart()
     await submit(nc, SRC, request(rid, length, 4000))
     await wait_until(lambda: chunks.count_from(rid, SRC) >= MIN_OUTPUT_BEFORE, 120, f"{rid} decoding")
     coordinator = src.migration.coordinator
@@ -216,7 +247,7 @@ async def migrate_once(src: Llumlet, nc, chunks: Chunks, length: int, stage_limi
         **client,
         "handover": source_stamps(m, src.engine.steps, client),
         # The price of a hold: the destination's other requests' largest gap around the handover.
-        "others_client": chunks.largest_gap_around([f"bg-{DST}-{i}" for i in range(BACKGROUND_REQUESTS)],
+        "others_client": chunks.largest_gap_around(background.ids(DST),
                                                    m.commit_sent_at, client["dst_token_at_client"]),
         "modelled_decode_step_ms": 1e3 * modelled_step,
         "stages": [dataclasses.asdict(stage) for stage in m.stages],
@@ -309,22 +340,19 @@ async def run(s: Settings) -> dict:
         dst_report = await wait_for_destination(nc)
         chunks = Chunks()
         recorder = await record_client(nc, server.url, OUTPUT_SUBJECT, chunks)
-        for instance_id in (SRC, DST):
-            for i in range(BACKGROUND_REQUESTS):
-                await submit(nc, instance_id, request(f"bg-{instance_id}-{i}", BACKGROUND_PROMPT, 100_000))
-        await wait_until(lambda: all(chunks.count_from(f"bg-{SRC}-{i}", SRC) for i in range(BACKGROUND_REQUESTS)),
-                         60, "the background batch")
+        background = Background(nc, chunks)
+        await background.restart()
         await warm_up(src, nc, chunks, s)
         raw = await raw_links(largest, raw_port(port_file))
         live, blocking, recompute = [], [], []
         for length in s.lengths:
             for _ in range(s.repeats):
-                migration = migrate_once(src, nc, chunks, length, None, "live")
+                migration = migrate_once(src, nc, chunks, background, length, None, "live")
                 # The longest: raw copies of the same bytes right before and right after, each
                 # measured as the stage is (one copy, same sender loop, warm buffers).
                 live.append(await (beside_raw_copies(raw, migration) if length == max(s.lengths) else migration))
                 report_line("live", live[-1])
-            blocking.append(await migrate_once(src, nc, chunks, length, 1, "blocking"))
+            blocking.append(await migrate_once(src, nc, chunks, background, length, 1, "blocking"))
             report_line("blocking", blocking[-1])
             recompute.append(await recompute_once(s, length))
             print(f"recompute {length:>5}: TTFT {recompute[-1]['ttft_ms']:8.1f} ms "
@@ -366,6 +394,9 @@ def parse_args(argv: list[str] | None) -> Settings:
                         help="the destination holds a step this long for an imminent commit (0: off)")
     parser.add_argument("--hold-step-share", type=float, default=defaults.hold_step_share,
                         help="and at most this share of its typical step")
+    parser.add_argument("--notice-steps", type=int, default=defaults.notice_steps,
+                        help="the source notices the commit this many of its steps ahead (1: one step, "
+                             "no pacing); run 1 and the default back to back to compare")
     parser.add_argument("--token-frames", action=argparse.BooleanOptionalAction, default=defaults.token_frames,
                         help="the source sends a block not yet full by token slot (--no-token-frames: whole blocks; "
                              "run both back to back to compare the last stage)")
@@ -379,7 +410,8 @@ def parse_args(argv: list[str] | None) -> Settings:
     try:
         limits = MigrationLimits(stage_limit=args.stage_limit, last_stage_blocks=args.last_stage_blocks,
                                  frame_bytes=args.frame_mib << 20, hold_max_s=args.hold_max_ms / 1e3,
-                                 hold_step_share=args.hold_step_share, token_frames=args.token_frames)
+                                 hold_step_share=args.hold_step_share, token_frames=args.token_frames,
+                                 notice_steps=args.notice_steps)
     except ValueError as exc:
         parser.error(str(exc))
     return Settings(limits, lengths, args.kv_bytes_per_token, max(1, args.repeats), args.num_blocks, args.block_size,

@@ -103,7 +103,8 @@ def summarize(s: Settings, live: list, blocking: list, recompute: list, dst_repo
 
 def print_summary(result: dict) -> None:
     print(f"\nlength  live(ms)  stages  last stage(KiB)  blocking(ms)  recompute(ms)   "
-          f"[token frames: {result['settings']['limits']['token_frames']}]")
+          f"[token frames: {result['settings']['limits']['token_frames']}, "
+          f"notice steps: {result['settings']['limits'].get('notice_steps')}]")
     for length in result["settings"]["lengths"]:
         print(f"{length:>6}  {result['live_downtime_ms_by_length'][length]:8.2f}  "
               f"{result['live_stages_by_length'][length]:6.1f}  "

@@ -394,6 +394,9 @@ def parse_args(argv: list[str] | None) -> Settings:
                         help="the destination holds a step this long for an imminent commit (0: off)")
     parser.add_argument("--hold-step-share", type=float, default=defaults.hold_step_share,
                         help="and at most this share of its typical step")
+    parser.add_argument("--notice-steps", type=int, default=defaults.notice_steps,
+                        help="the source notices the commit this many of its steps ahead (1: one step, "
+                             "no pacing); run 1 and the default back to back to compare")
     parser.add_argument("--token-frames", action=argparse.BooleanOptionalAction, default=defaults.token_frames,
                         help="the source sends a block not yet full by token slot (--no-token-frames: whole blocks; "
                              "run both back to back to compare the last stage)")
@@ -406,7 +409,8 @@ def parse_args(argv: list[str] | None) -> Settings:
     try:
         limits = MigrationLimits(stage_limit=args.stage_limit, last_stage_blocks=args.last_stage_blocks,
                                  hold_max_s=args.hold_max_ms / 1e3,
-                                 hold_step_share=args.hold_step_share, token_frames=args.token_frames)
+                                 hold_step_share=args.hold_step_share, token_frames=args.token_frames,
+                                 notice_steps=args.notice_steps)
     except ValueError as exc:
         parser.error(str(exc))
     from services.tools.make_model import ensure_tiny_model
