@@ -132,6 +132,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "flag of the same name; 0: never)")
     policy.add_argument("--migration-hold-step-share", type=float, default=MigrationModel().hold.step_share,
                         help="and at most this share of its latest step")
+    policy.add_argument("--migration-notice-steps", type=int, default=MigrationModel().notice_steps, metavar="N",
+                        help="a source notices its commit this many of its steps ahead and the destination paces "
+                             "its steps to meet it (the llumlets' flag of the same name; 1: a step ahead, no pacing)")
     policy.add_argument("--migration-max-out", type=int, default=MigrationModel().max_out, metavar="N",
                         help="migrations out of an instance at once (default %(default)s, as the llumlets')")
     policy.add_argument("--migration-max-in", type=int, default=MigrationModel().max_in, metavar="N",
@@ -270,7 +273,8 @@ def build_config(args: argparse.Namespace) -> SimConfig:
                                      max_out=args.migration_max_out, max_in=args.migration_max_in,
                                      cache_aware=args.cache_aware_migration,
                                      hold=CommitHoldRule(args.migration_hold_max_ms / 1e3,
-                                                         args.migration_hold_step_share)),
+                                                         args.migration_hold_step_share),
+                                     notice_steps=args.migration_notice_steps),
             autoscale=autoscale,
             admission=_admission(args),
             num_prefill=args.prefill,

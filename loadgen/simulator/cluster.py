@@ -197,6 +197,8 @@ class ClusterSimulator:
         duration = instance.start_step(self.now)
         if duration is None:
             return False
+        if self.migrator is not None:
+            self.migrator.step_started(instance)
         self.events.push(self.now + duration, self._on_step_end, instance)
         return True
 

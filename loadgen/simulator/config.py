@@ -20,7 +20,7 @@ from shared.policy.migration import (
     MigrationGuard,
     StageRule,
 )
-from shared.policy.commit_hold import DEFAULT_HOLD, CommitHoldRule
+from shared.policy.commit_hold import DEFAULT_HOLD, DEFAULT_NOTICE_STEPS, CommitHoldRule
 from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT
 
 KV_BYTES_PER_TOKEN_LLAMA_7B = 2 * 32 * 4096 * 2  # K and V × layers × hidden × fp16 = 0.5 MiB
@@ -52,6 +52,9 @@ class MigrationModel:
     # The destination's commit hold (the llumlets' `--migration-hold-max-ms`, the same default):
     # a step about to start waits for a commit due within the rule's bound.
     hold: CommitHoldRule = DEFAULT_HOLD
+    # A source notices its commit this many of its steps ahead (the llumlets'
+    # `--migration-notice-steps`), and the destination paces its steps to meet it.
+    notice_steps: int = DEFAULT_NOTICE_STEPS
 
     def __post_init__(self) -> None:
         if not (self.bandwidth_gbps > 0 and math.isfinite(self.bandwidth_gbps)):
@@ -60,6 +63,8 @@ class MigrationModel:
             raise ValueError("migration overheads must be >= 0")
         if self.max_out < 1 or self.max_in < 1 or self.handoff_concurrency < 1:
             raise ValueError("migrations per instance and hand-off concurrency must be positive")
+        if self.notice_steps < 1:
+            raise ValueError("a commit's notice must come at least one step ahead (--migration-notice-steps >= 1)")
 
     def copy_s(self, num_blocks: int, block_bytes: int) -> float:
         return num_blocks * block_bytes / (self.bandwidth_gbps * 1e9)

@@ -3,12 +3,15 @@ source lets go and the destination takes over, by the llumlets' rules.
 
 - The source's suspend waits for its step in flight when the request is in it, and the request
   keeps that step's token (as the live engines: `SimEngine.suspend`, vLLM's).
+- The source's notice: as a live source, it suspends the request after `notice_steps` of its
+  steps (the one in flight when the last stage is due, then the next ones), and the commit is
+  expected from the first of them: at each step start, when that step ends plus the typical
+  step for each one left plus the last stage's copy; exactly once the request is suspended.
 - The destination's commit hold (`shared.policy.commit_hold`): a step about to start waits for a
-  commit due within the rule's bound, and the commit's kick starts it with the request in it.
-  As a live source's notice, the commit is expected from the moment the last stage waits for the
-  source's step (its end plus the last stage's copy), and exactly once the request is suspended.
-  As the live hold, a commit that is not in within the bound releases the step then, and is
-  never held for again.
+  commit due within the rule's bound, and the commit's kick starts it with the request in it;
+  for a commit whole steps off, it waits its paced share (`paced_hold_s`), which the commit cuts
+  short. As the live hold, a commit that is not in within the bound releases the step then,
+  and is never held for again.
 - The stall: from the request's last token on the source to its first on the destination, what
   the gateway's `corral:gateway_migration_stall_seconds` measures live.
 """
@@ -16,8 +19,10 @@ source lets go and the destination takes over, by the llumlets' rules.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from loadgen.simulator.migration_state import is_decoding
 from shared.engine_model.request import SimRequest
 from shared.policy.commit_hold import CommitHoldRule
 
@@ -26,32 +31,68 @@ if TYPE_CHECKING:
     from loadgen.simulator.migration_state import Migration, MigrationStats
 
 
+@dataclass
+class _Countdown:
+    """A last stage waiting for its source's steps: how many are left, and its copy's time."""
+
+    migration: Migration
+    steps_left: int
+    last_stage_s: float
+
+
 class Handovers:
-    def __init__(self, hold: CommitHoldRule, stats: MigrationStats,
+    def __init__(self, hold: CommitHoldRule, stats: MigrationStats, notice_steps: int,
                  wake: Callable[[SimInstance, float], None]) -> None:
+        assert notice_steps >= 1, notice_steps
         self.hold = hold
         self.stats = stats
+        self.notice_steps = notice_steps
         self._wake = wake  # kick this instance at that time (a hold's bound)
-        self._suspending: dict[str, list[Migration]] = {}  # source id -> last stages waiting for its step
+        self._suspending: dict[str, list[_Countdown]] = {}  # source id -> last stages waiting for its steps
         self._committing: dict[str, list[Migration]] = {}  # destination id -> migrations in their last stage
-        self._holds: dict[str, tuple[float, set[str]]] = {}  # destination id -> (its hold's bound, ids due)
+        # destination id -> its hold: (when it ends at the latest, the ids it waits for, paced)
+        self._holds: dict[str, tuple[float, set[str], bool]] = {}
         self._stalled_since: dict[str, float] = {}  # request id -> its last token on the source (committed)
 
     # -- the source ------------------------------------------------------------------------------
 
     def suspend_waits(self, migration: Migration, request: SimRequest | None, last_stage_s: float) -> bool:
-        """Whether the last stage waits for the source's step in flight (the request is in it);
-        `after_step` hands it back when that step ends. The commit is expected from now."""
+        """Whether the last stage waits for the source's steps: the one in flight (the request is
+        in it) and `notice_steps - 1` after it; `after_step` hands it back when the last ends.
+        The commit is expected from now."""
         src = migration.src
         if src.step is None or not any(r is request for r in src.step.requests):
             return False
-        self._suspending.setdefault(src.instance_id, []).append(migration)
-        self.expect_commit(migration, src.step_ends_at + last_stage_s)
+        countdown = _Countdown(migration, self.notice_steps, last_stage_s)
+        self._suspending.setdefault(src.instance_id, []).append(countdown)
+        self._expect_after(src, countdown)
         return True
 
+    def step_started(self, src: SimInstance) -> None:
+        """A step of this instance started: the notices of its waiting last stages again, as a
+        live source's at each of its steps."""
+        for countdown in self._suspending.get(src.instance_id, ()):
+            self._expect_after(src, countdown)
+
+    def _expect_after(self, src: SimInstance, countdown: _Countdown) -> None:
+        more_steps = (countdown.steps_left - 1) * src.typical_step_s
+        self.expect_commit(countdown.migration, src.step_ends_at + more_steps + countdown.last_stage_s)
+
     def after_step(self, src: SimInstance) -> list[Migration]:
-        """The last stages that waited for this instance's step, which has just ended."""
-        return self._suspending.pop(src.instance_id, [])
+        """The last stages whose steps to wait for ended with this instance's step just now, and
+        those whose request stopped decoding meanwhile (as a live source's check at each step:
+        the caller aborts them)."""
+        waiting = self._suspending.get(src.instance_id)
+        if not waiting:
+            return []
+        for countdown in waiting:
+            request = src.scheduler.get(countdown.migration.request_id)
+            countdown.steps_left = 0 if request is None or not is_decoding(request) else countdown.steps_left - 1
+        done = [c.migration for c in waiting if c.steps_left == 0]
+        waiting[:] = [c for c in waiting if c.steps_left > 0]
+        if not waiting:
+            del self._suspending[src.instance_id]
+        return done
 
     # -- the destination -------------------------------------------------------------------------
 
@@ -75,21 +116,30 @@ class Handovers:
             return False
         hold = self._holds.get(dst.instance_id)
         if hold is not None:
-            ends, due = hold
+            ends, due, paced = hold
             pending = [m for m in committing if m.migration_id in due]
             if pending and now < ends:
                 return True
             del self._holds[dst.instance_id]
-            for migration in pending:  # late past the bound: never held for again
-                committing.remove(migration)
+            if not paced:
+                for migration in pending:  # late past the bound: never held for again
+                    committing.remove(migration)
             return False  # the step goes now (no second hold before it)
-        due = [m for m in committing if self.hold.holds_for(m.commit_due_at - now, dst.typical_step_s)]
-        if not due:
-            return False
-        ends = now + self.hold.bound_s(dst.typical_step_s)
-        self._holds[dst.instance_id] = (ends, {m.migration_id for m in due})
+        typical = dst.typical_step_s
+        due = [m for m in committing if self.hold.holds_for(m.commit_due_at - now, typical)]
+        paced = False
+        if due:
+            ends = now + self.hold.bound_s(typical)
+            expected_s = max(m.commit_due_at for m in due) - now
+        else:  # the earliest commit whole steps off: this step's paced share (as `CommitHold.paced`)
+            earliest = min(committing, key=lambda m: m.commit_due_at)
+            expected_s = self.hold.paced_hold_s(earliest.commit_due_at - now, typical)
+            if expected_s <= 0:
+                return False
+            due, ends, paced = [earliest], now + expected_s, True
+            self.stats.paced_holds += 1
+        self._holds[dst.instance_id] = (ends, {m.migration_id for m in due}, paced)
         self._wake(dst, ends)
-        expected_s = max(m.commit_due_at for m in due) - now
         self.stats.holds += 1
         self.stats.held_s += expected_s
         self.stats.held_request_s += expected_s * len(dst.scheduler.running)
@@ -111,10 +161,14 @@ class Handovers:
 
     def forget(self, migration: Migration) -> None:
         """The migration ended (committed or aborted): it waits for no step and holds none."""
-        for waiting, instance_id in ((self._suspending, migration.src.instance_id),
-                                     (self._committing, migration.dst.instance_id)):
-            migrations = waiting.get(instance_id)
-            if migrations is not None and migration in migrations:
-                migrations.remove(migration)
-                if not migrations:
-                    del waiting[instance_id]
+        src_id = migration.src.instance_id
+        waiting = self._suspending.get(src_id)
+        if waiting is not None:
+            waiting[:] = [c for c in waiting if c.migration is not migration]
+            if not waiting:
+                del self._suspending[src_id]
+        committing = self._committing.get(migration.dst.instance_id)
+        if committing is not None and migration in committing:
+            committing.remove(migration)
+            if not committing:
+                del self._committing[migration.dst.instance_id]

@@ -84,7 +84,8 @@ class Migrator:
         # P/D hand-offs, which wait for a free slot.
         self.on_finished: Callable[[Migration], None] | None = None
         self._ids = 0
-        self.handovers = Handovers(self.model.hold, self.stats, wake=lambda dst, at: sim.events.push(at, sim.kick, dst))
+        self.handovers = Handovers(self.model.hold, self.stats, self.model.notice_steps,
+                                   wake=lambda dst, at: sim.events.push(at, sim.kick, dst))
 
     @property
     def in_flight(self) -> int:
@@ -248,6 +249,9 @@ class Migrator:
 
     def holds_step(self, dst: SimInstance, now: float) -> bool:
         return self.handovers.holds_step(dst, now)
+
+    def step_started(self, instance: SimInstance) -> None:
+        self.handovers.step_started(instance)
 
     def _reserve_held_blocks(self, migration: Migration) -> bool:
         """Top the lease up to every block the request holds, the partial one included (as a

@@ -51,7 +51,8 @@ class MigrationStats:
     duration_s: list[float] = field(default_factory=list)
     copied_blocks: int = 0
     cached_blocks: int = 0  # blocks not copied: the destination's prefix cache held them
-    holds: int = 0  # commits a destination held a step for
+    holds: int = 0  # steps a destination held for a commit (paced ones included)
+    paced_holds: int = 0  # of them, paced for a commit steps ahead
     held_s: float = 0.0  # and how long in all (as expected at the hold)
     held_request_s: float = 0.0  # the price: each hold times the requests it held back
     stall_s: list[float] = field(default_factory=list)  # a moved request's last token there to its first here
@@ -73,6 +74,7 @@ class MigrationStats:
             "max_stall_ms": round(max(self.stall_s, default=0.0) * 1000, 2),
             "holds": self.holds,
             "mean_hold_ms": round(self.held_s / self.holds * 1000, 2) if self.holds else 0.0,
+            "paced_holds": self.paced_holds,
             "rounds": self.rounds,
             "pairs": self.pairs,
         }

@@ -11,6 +11,7 @@ from loadgen.errors import LoadgenError
 from loadgen.simulator import cli
 from loadgen.simulator.cluster import ClusterSimulator
 from loadgen.simulator.workload import WorkloadSpec, build_workload
+from services.llumlet.migration.protocol import MigrationLimits
 from shared.policy.baselines import get_policy
 from shared.policy.prefix_dispatch import DEFAULT_SATURATION_WEIGHT
 
@@ -69,6 +70,7 @@ def test_autoscale_options_reach_the_simulation(capsys):
         (["--rate", "1", "--migration-hold-max-ms", "50", "--migration-hold-step-share", "1.5"],
          r"step_share must be in \(0, 1\]"),
         (["--rate", "1", "--migration-max-in", "0"], "migrations per instance and hand-off concurrency must be positive"),
+        (["--rate", "1", "--migration-notice-steps", "0"], "at least one step ahead"),
     ],
 )
 def test_bad_input_is_one_clear_error(argv, message):
@@ -144,3 +146,9 @@ def test_the_saturation_weight_is_a_flag_and_a_bad_one_a_usage_error(capsys):
             parse(*base, "--prefix-saturation-weight", bad)
         assert exit_info.value.code == 2
         assert "--prefix-saturation-weight" in capsys.readouterr().err
+
+
+def test_the_notice_steps_are_a_flag_as_the_llumlets():
+    base = ("--dataset", "synthetic:S-S", "--num-requests", "10", "--rate", "1", "--quiet")
+    assert cli.build_config(parse(*base, "--migration-notice-steps", "1")).migration.notice_steps == 1
+    assert cli.build_config(parse(*base)).migration.notice_steps == MigrationLimits().notice_steps

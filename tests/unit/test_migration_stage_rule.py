@@ -29,8 +29,10 @@ MIGRATE_AT_S = 1.0  # virtual time: the request decodes ~35 tokens first
 
 def simulated(rule: StageRule) -> tuple[list[tuple[int, bool]], list[int]]:
     """The simulator's stages, and the request's computed tokens at each stage decision."""
+    # (A notice one step ahead: the live harness steps its source by hand, with no step clock,
+    # so its source notices nothing and suspends after the step in flight, as this does.)
     config = SimConfig(num_instances=2, guard=None,  # (nothing pairs by itself: one light request)
-                       migration=MigrationModel(bandwidth_gbps=0.05, stages=rule))
+                       migration=MigrationModel(bandwidth_gbps=0.05, stages=rule, notice_steps=1))
     assert config.scheduler.block_size == BLOCK_SIZE
     sim = ClusterSimulator(config, get_policy("llumnix-base"), workload_of([(0.0, PROMPT, MAX_TOKENS, 0)]))
     migrator, instances = sim.migrator, list(sim.instances.values())
