@@ -182,6 +182,8 @@ def main() -> None:
                         help="the llumlets' --migration-hold-max-ms (the destination's commit hold; 0: off)")
     parser.add_argument("--hold-step-share", type=float, default=MigrationLimits().hold_step_share,
                         help="the llumlets' --migration-hold-step-share (the hold at most this share of a step)")
+    parser.add_argument("--notice-steps", type=int, default=MigrationLimits().notice_steps,
+                        help="the llumlets' --migration-notice-steps (the source's notice, steps ahead)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("results/migration_stall_live.json"))
     args = parser.parse_args()
@@ -197,7 +199,8 @@ def main() -> None:
         cluster = Cluster(nats.url, model_dir, Path(tmp) / "logs")
         cluster.log_dir.mkdir(parents=True, exist_ok=True)
         sim = ("--sim-time-scale", str(args.sim_time_scale), "--max-model-len", "4096",
-               "--migration-hold-max-ms", str(args.hold_max_ms), "--migration-hold-step-share", str(args.hold_step_share))
+               "--migration-hold-max-ms", str(args.hold_max_ms), "--migration-hold-step-share", str(args.hold_step_share),
+               "--migration-notice-steps", str(args.notice_steps))
         try:
             cluster.start_scheduler("--no-enable-migration")
             cluster.start_llumlet(SRC, *sim)

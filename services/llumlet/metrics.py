@@ -114,8 +114,8 @@ class LlumletMetrics:
             "KV blocks of outgoing migrations not sent: the destination's prefix cache held them")
         self.commit_holds = histogram(
             "corral:llumlet_migration_commit_hold_seconds",
-            "Destination: how long an engine step waited for an imminent migration commit (each other request "
-            "of that step waited as long)", COMMIT_HOLD_BUCKETS)
+            "Destination: how long an engine step waited for an imminent migration commit, or its paced share "
+            "for one a few steps off (each other request of that step waited as long)", COMMIT_HOLD_BUCKETS)
         self.handoffs = by_label(Counter, "corral:llumlet_handoffs",
                                  "Prefill instance: requests at their first token, by how their hand-off to a "
                                  "decode instance ended", "outcome", [o.value for o in HandoffOutcome])

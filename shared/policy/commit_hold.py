@@ -23,8 +23,13 @@ from dataclasses import dataclass
 
 DEFAULT_HOLD_STEP_SHARE = 0.5
 # A source tells the destination its commit is coming this many of its own steps ahead (1: as
-# it suspends, a step ahead; the destination can then only hold or not, no pacing).
-DEFAULT_NOTICE_STEPS = 3
+# it suspends, a step ahead; the destination can then mostly only hold or not). Each step more
+# is a step longer a migration lasts (the request decodes on the source meanwhile) and a smaller
+# share of the phase gap per paced step. Two: the least that paces (measured on the simulated
+# engine, benchmarks/migration_sim.py, 2026-12-02: the stall beyond the request's own gap at the
+# median 1.4-2.2 ms with two, 0.9-2.1 with three, 0.4-9.0 with one; migrations 35 ms longer a
+# step ahead, at a 35 ms step).
+DEFAULT_NOTICE_STEPS = 2
 TYPICAL_STEP_WINDOW = 16  # an engine's typical step: the median of its last this many
 
 
