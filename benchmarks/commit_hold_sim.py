@@ -1,7 +1,7 @@
 """The commit hold across a fleet, in the simulator (issue 20): each migration's stall (the
 request's last token on its source to its first on the destination) and what the holds cost the
 destinations' other requests, with the hold off, noticed a step ahead (as first built: hold or
-not), at its default (noticed two steps ahead, the destination paces its steps to meet the
+not), at its default (noticed three steps ahead, the destination paces its steps to meet the
 commit; half a step, 50 ms at most per step) and at a whole step, on several traces and seeds.
 
     .venv/bin/python -m benchmarks.commit_hold_sim [--instances 8] [--requests 1500] [--seeds 0 1]

@@ -25,11 +25,12 @@ DEFAULT_HOLD_STEP_SHARE = 0.5
 # A source tells the destination its commit is coming this many of its own steps ahead (1: as
 # it suspends, a step ahead; the destination can then mostly only hold or not). Each step more
 # is a step longer a migration lasts (the request decodes on the source meanwhile) and a smaller
-# share of the phase gap per paced step. Two: the least that paces (measured on the simulated
-# engine, benchmarks/migration_sim.py, 2026-12-02: the stall beyond the request's own gap at the
-# median 1.4-2.2 ms with two, 0.9-2.1 with three, 0.4-9.0 with one; migrations 35 ms longer a
-# step ahead, at a 35 ms step).
-DEFAULT_NOTICE_STEPS = 2
+# paced hold per step; and the commits that `paced_hold_s` leaves to the step after them (the
+# last 1/(k + 1) of a step, k whole steps off) wait less. Measured on the simulated engine
+# (benchmarks/migration_sim.py, 2026-12-02, two runs each; the stall beyond the request's own
+# gap at 256 / 1024 / 4096 tokens): median 0.9-2.1 ms and P90 2.1-6.9 ms three steps ahead;
+# median 1.1-3.1 ms and P90 3.2-11.1 ms two; median 0.4-9.0 ms and P90 5.8-16.4 ms one.
+DEFAULT_NOTICE_STEPS = 3
 TYPICAL_STEP_WINDOW = 16  # an engine's typical step: the median of its last this many
 
 

@@ -46,8 +46,8 @@ def run(policy: SchedulingPolicy, seed: int = 1) -> tuple[int, int, int]:
 
 def test_migration_into_an_instance_does_not_raise_its_preemptions(monkeypatch):
     # Totals over three seeds: on one, a run's total moves by a few either way with any change
-    # of timing (a notice three steps ahead, tried: 24 -> 39 on seed 1 against 34 without
-    # migration, none of the 15 during a migration; 27 -> 21 and 19 -> 21 on seeds 2 and 3).
+    # of timing (the notice three steps ahead, against one: 24 -> 39 on seed 1 against 34
+    # without migration, none of the 15 during a migration; 27 -> 21 and 19 -> 21 on seeds 2, 3).
     without = sum(run(CORRAL_WITHOUT_MIGRATION, seed)[0] for seed in (1, 2, 3))
     with_migration = []
     for seed in (1, 2, 3):
