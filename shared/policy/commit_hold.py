@@ -10,11 +10,11 @@ wait either side at half a step; a hold of a whole step (or none) leaves someone
 That alone catches a commit only when it happens to fall early in a step: about half of them,
 since the two engines' steps run at independent phases. So a source notices a few steps ahead
 (`DEFAULT_NOTICE_STEPS`), and the destination paces: each of its steps before the commit waits
-an equal share of the phase gap (`paced_hold_s`), so that the step right before the commit
-starts just as it lands, and the migrating request joins the first step after its commit. The
-other requests there pay the phase gap (up to about a step in all, where one hold took at most
-half a step, and only for the commits it caught), spread over a few small gaps instead of one:
-their worst gap at a handover is shorter, their total wait longer.
+an equal share of the phase gap (`paced_hold_s`), so that its last step before the commit
+starts as the commit lands, and the migrating request joins it. The other requests there pay
+the whole phase gap (up to a step in all, where one hold took at most half a step and only for
+the commits it caught), in two or three holds of at most half a step each: their worst gap at
+a handover is what it was (a step and a half), their total wait longer.
 """
 
 from __future__ import annotations
@@ -22,14 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_HOLD_STEP_SHARE = 0.5
-# A source tells the destination its commit is coming this many of its own steps ahead (1: as
-# it suspends, a step ahead; the destination can then mostly only hold or not). Each step more
-# is a step longer a migration lasts (the request decodes on the source meanwhile) and a smaller
-# paced hold per step; and the commits that `paced_hold_s` leaves to the step after them (the
-# last 1/(k + 1) of a step, k whole steps off) wait less. Measured on the simulated engine
-# (benchmarks/migration_sim.py, 2026-12-02, two runs each; the stall beyond the request's own
-# gap at 256 / 1024 / 4096 tokens): median 0.9-2.1 ms and P90 2.1-6.9 ms three steps ahead;
-# median 1.1-3.1 ms and P90 3.2-11.1 ms two; median 0.4-9.0 ms and P90 5.8-16.4 ms one.
+# A source tells the destination its commit is coming this many of its own steps ahead, the
+# step in flight the first (1: a step ahead, as it suspends; the destination then holds or not).
+# Three: the destination's first step start after the notice is then one or two whole steps
+# before the commit, so each paced hold is at most half a step (the bound); two would often
+# leave it less than a step, nothing to pace. Each step more is a step longer a migration lasts
+# (the request decodes on the source meanwhile).
 DEFAULT_NOTICE_STEPS = 3
 TYPICAL_STEP_WINDOW = 16  # an engine's typical step: the median of its last this many
 
@@ -64,18 +62,14 @@ class CommitHoldRule:
         waits so that, with the steps between paced alike, the last step before the commit
         starts as it lands (then `holds_for` takes it into that step). With k whole steps before
         the commit and r seconds left over, each of the k + 1 starts waits r / (k + 1), within
-        the bound. 0: nothing to pace (a commit due within this step, no typical step yet, or
-        one due so late in a step that the request waits less for the step after it, P - r,
-        than each step would be held)."""
+        the bound (with k >= 1 and the default half-step share, always). 0: nothing to pace (a
+        commit due within this step, or no typical step yet)."""
         step = typical_step_s
         if not self.enabled or step <= 0 or commit_in_s < step:
             return 0.0
         whole = int(commit_in_s // step)
         left_over = commit_in_s - whole * step
-        paced = left_over / (whole + 1)
-        if step - left_over <= paced:
-            return 0.0
-        return min(paced, self.bound_s(step))
+        return min(left_over / (whole + 1), self.bound_s(step))
 
 
 # On by default: measured on the simulated engine (benchmarks/migration_sim.py, A10 steps of

@@ -2,9 +2,9 @@
 destination that a commit is imminent, and how soon it will land.
 
 Where the destination's grants say it holds, the source tells the destination (`CommitNotice`)
-when the commit is due `notice_steps` of its own steps ahead, at the start of each of them again
-with the time corrected, and asks for the suspend at the start of the last: the commit lands once
-that step ends and the last stage is through. Steps ahead, the destination paces its own steps to
+when the commit is due `notice_steps` of its own steps ahead (the step in flight the first), at
+the start of each next one again with the time corrected, and asks for the suspend at the start
+of the last: the commit lands once that step ends and the last stage is through. Steps ahead, the destination paces its own steps to
 meet it (`shared.policy.commit_hold`); the request decodes here meanwhile. The last stage's time
 is learned from the small last stages this source committed lately.
 """
@@ -40,17 +40,22 @@ class CommitNotifier:
         self._last_stages: collections.deque[float] = collections.deque(maxlen=8)
 
     async def notice(self, m: OutgoingMigration, check: Callable[[], object]) -> bool:
-        """At the start of each of our next `notice_steps` steps (the request keeps decoding
-        meanwhile), tell the destination the commit is due when the last of them ends and the
-        last stage is through; the caller suspends at once after the last, so the first notice
-        comes about `notice_steps` steps ahead and the last about one. `check` raises when the
-        request can no longer move (it finished meanwhile). False: no notice (the destination
+        """At each of our next `notice_steps` steps (the request keeps decoding meanwhile; the
+        step in flight is the first, where more than one), tell the destination the commit is due
+        when the last of them ends and the last stage is through; the caller suspends at once
+        after the last starts, so the last notice comes about a step ahead. `check` raises when
+        the request can no longer move (it finished meanwhile). False: no notice (the destination
         does not hold, or the commit's time cannot be told)."""
         if self.steps is None or m.dst_hold_max_s <= 0:
             return False
         for steps_left in range(self.notice_steps, 0, -1):
-            typical = self.steps.typical_s
-            await self.steps.next_start(timeout_s=max(0.5, 4 * typical))  # (none: the notice is just shorter)
+            # Steps ahead, the step in flight counts as the first (as the simulator counts it):
+            # the notice's lead is the steps after it. One step ahead, the notice waits for the
+            # next start, or it could come too late for the destination's next step.
+            first_in_flight = steps_left == self.notice_steps > 1 and self.steps.started_at is not None
+            if not first_in_flight:
+                typical = self.steps.typical_s
+                await self.steps.next_start(timeout_s=max(0.5, 4 * typical))  # (none: the notice is just shorter)
             check()
             last_stage = self.last_stage_estimate(m)
             if last_stage is None:
