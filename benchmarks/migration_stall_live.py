@@ -199,7 +199,8 @@ def main() -> None:
         cluster = Cluster(nats.url, model_dir, Path(tmp) / "logs")
         cluster.log_dir.mkdir(parents=True, exist_ok=True)
         sim = ("--sim-time-scale", str(args.sim_time_scale), "--max-model-len", "4096",
-               "--migration-hold-max-ms", str(args.hold_max_ms), "--migration-hold-step-share", str(args.hold_step_share),
+               "--migration-hold-max-ms", str(args.hold_max_ms),
+               "--migration-hold-step-share", str(args.hold_step_share),
                "--migration-notice-steps", str(args.notice_steps))
         try:
             cluster.start_scheduler("--no-enable-migration")

@@ -17,8 +17,8 @@ from services.llumlet.migration.copier import BlockCopier
 from services.llumlet.migration.destination import IncomingMigrations
 from services.llumlet.migration.kv_wire import FrameHeader
 from services.llumlet.migration.protocol import MigrationLimits, MigrationStatus, new_migration_id
-from shared.policy.commit_hold import CommitHoldRule
 from shared.messages import CommitNotice, MigrationAbort, MigrationCommit, PreAlloc, PreAllocReply, WireError, decode, encode
+from shared.policy.commit_hold import CommitHoldRule
 from tests.unit.migration_helpers import expected_tokens, gen, sim_config
 from tests.unit.migration_source_harness import make_harness  # noqa: F401 (fixture)
 

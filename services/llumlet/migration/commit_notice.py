@@ -4,9 +4,10 @@ destination that a commit is imminent, and how soon it will land.
 Where the destination's grants say it holds, the source tells the destination (`CommitNotice`)
 when the commit is due `notice_steps` of its own steps ahead (the step in flight the first), at
 the start of each next one again with the time corrected, and asks for the suspend at the start
-of the last: the commit lands once that step ends and the last stage is through. Steps ahead, the destination paces its own steps to
-meet it (`shared.policy.commit_hold`); the request decodes here meanwhile. The last stage's time
-is learned from the small last stages this source committed lately.
+of the last: the commit lands once that step ends and the last stage is through. Steps ahead,
+the destination paces its own steps to meet it (`shared.policy.commit_hold`); the request decodes
+here meanwhile. The last stage's time is learned from the small last stages this source
+committed lately.
 """
 
 from __future__ import annotations
