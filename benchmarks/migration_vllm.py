@@ -395,8 +395,8 @@ def parse_args(argv: list[str] | None) -> Settings:
     parser.add_argument("--hold-step-share", type=float, default=defaults.hold_step_share,
                         help="and at most this share of its typical step")
     parser.add_argument("--notice-steps", type=int, default=defaults.notice_steps,
-                        help="the source notices the commit this many of its steps ahead (1: one step, "
-                             "no pacing); run 1 and the default back to back to compare")
+                        help="the source notices the commit this many of its steps ahead (the default 1: "
+                             "hold or not; 3: the destination paces its steps to meet it); run both to compare")
     parser.add_argument("--token-frames", action=argparse.BooleanOptionalAction, default=defaults.token_frames,
                         help="the source sends a block not yet full by token slot (--no-token-frames: whole blocks; "
                              "run both back to back to compare the last stage)")

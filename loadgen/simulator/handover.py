@@ -9,9 +9,9 @@ source lets go and the destination takes over, by the llumlets' rules.
   step for each one left plus the last stage's copy; exactly once the request is suspended.
 - The destination's commit hold (`shared.policy.commit_hold`): a step about to start waits for a
   commit due within the rule's bound, and the commit's kick starts it with the request in it;
-  for a commit whole steps off, it waits its paced share (`paced_hold_s`), which the commit cuts
-  short. As the live hold, a commit that is not in within the bound releases the step then,
-  and is never held for again.
+  for a commit whole steps off, where the source notices steps ahead, it waits its paced share
+  (`paced_hold_s`), which the commit cuts short. As the live hold, a commit that is not in
+  within the bound releases the step then, and is never held for again.
 - The stall: from the request's last token on the source to its first on the destination, what
   the gateway's `corral:gateway_migration_stall_seconds` measures live.
 """
@@ -131,13 +131,15 @@ class Handovers:
         if due:
             ends = now + self.hold.bound_s(typical)
             expected_s = max(m.commit_due_at for m in due) - now
-        else:  # the earliest commit whole steps off: this step's paced share (as `CommitHold.paced`)
+        elif self.notice_steps > 1:  # the earliest commit whole steps off: its share (`CommitHold.paced`)
             earliest = min(committing, key=lambda m: m.commit_due_at)
             expected_s = self.hold.paced_hold_s(earliest.commit_due_at - now, typical)
             if expected_s <= 0:
                 return False
             due, ends, paced = [earliest], now + expected_s, True
             self.stats.paced_holds += 1
+        else:  # (a notice a step ahead asks for no pacing)
+            return False
         self._holds[dst.instance_id] = (ends, {m.migration_id for m in due}, paced)
         self._wake(dst, ends)
         self.stats.holds += 1

@@ -102,10 +102,14 @@ class CommitNotice(Struct):
     """Source → destination (NATS publish, no reply), as the source asks to suspend the request
     for its last stage: the COMMIT should land in about `commit_in_s`. A destination that holds
     (`PreAllocReply.hold_max_s`) starts no step that would end after it, so the request's first
-    step there begins at the commit, not after the step then in flight."""
+    step there begins at the commit, not after the step then in flight. `paced`: the source
+    notices steps ahead (`--migration-notice-steps` > 1, again at each step), and the destination
+    may pace its steps before the commit to meet it (`shared.policy.commit_hold`); absent (an
+    older source), False."""
 
     migration_id: RequestId
     commit_in_s: Annotated[float, Meta(ge=0.0, le=60.0)]
+    paced: bool = False
 
 
 class MigrationAbort(Struct):

@@ -8,10 +8,11 @@ Holding only while x <= `step_share` of the typical step (half by default) bound
 wait either side at half a step; a hold of a whole step (or none) leaves someone a whole one.
 
 That alone catches a commit only when it happens to fall early in a step: about half of them,
-since the two engines' steps run at independent phases. So a source notices a few steps ahead
-(`DEFAULT_NOTICE_STEPS`), and the destination paces: each of its steps before the commit waits
-an equal share of the phase gap (`paced_hold_s`), so that its last step before the commit
-starts as the commit lands, and the migrating request joins it. The other requests there pay
+since the two engines' steps run at independent phases. So a source may notice a few steps ahead
+(`--migration-notice-steps`; why not by default: `DEFAULT_NOTICE_STEPS`), and the destination
+paces: each of its steps before the commit waits an equal share of the phase gap
+(`paced_hold_s`), so that its last step before the commit starts as the commit lands, and the
+migrating request joins it. The other requests there pay
 the whole phase gap (up to a step in all, where one hold took at most half a step and only for
 the commits it caught), in two or three holds of at most half a step each: their worst gap at
 a handover is what it was (a step and a half), their total wait longer.
@@ -23,12 +24,18 @@ from dataclasses import dataclass
 
 DEFAULT_HOLD_STEP_SHARE = 0.5
 # A source tells the destination its commit is coming this many of its own steps ahead, the
-# step in flight the first (1: a step ahead, as it suspends; the destination then holds or not).
-# Three: the destination's first step start after the notice is then one or two whole steps
-# before the commit, so each paced hold is at most half a step (the bound); two would often
-# leave it less than a step, nothing to pace. Each step more is a step longer a migration lasts
-# (the request decodes on the source meanwhile).
-DEFAULT_NOTICE_STEPS = 3
+# step in flight the first where more than one (1: a step ahead, as it suspends; the destination
+# then holds or not, and paces only a commit a whole step off). Three lets the destination's first
+# step start after the notice be one or two whole steps before the commit, so every commit is
+# paced, each hold at most half a step: the migrating request's stall met one step + 2 ms on the
+# simulated engine (benchmarks/migration_sim.py, 2026-12-02: +1.2-2.5 ms at the median, P90 within
+# two steps, against +0.4-9.0 and 5.8-17.4 ms a step ahead). But each step ahead is a step longer
+# a migration lasts, and a source moves one request at a time: across simulated fleets
+# (benchmarks/prefix_dispatch.py, A100 and A10) three steps ahead cost corral-prefix's P99 TTFT
+# 1.05-1.07x on the runs it changed and a target on each GPU, and the others' held time rose 3.6x
+# (benchmarks/commit_hold_sim.py). So one by default; `--migration-notice-steps 3` where a
+# request's stall matters more than the fleet's migration rate.
+DEFAULT_NOTICE_STEPS = 1
 TYPICAL_STEP_WINDOW = 16  # an engine's typical step: the median of its last this many
 
 

@@ -46,9 +46,9 @@ def run(policy: SchedulingPolicy, seed: int = 1) -> tuple[int, int, int]:
 
 def test_migration_into_an_instance_does_not_raise_its_preemptions(monkeypatch):
     # Totals over three seeds: one run's total moves by several either way with any change of
-    # timing (the notice three steps ahead, against one: 24 -> 21, 27 -> 18 and 19 -> 31 on
-    # seeds 1-3, against 34, 29 and 30 without migration; a variant tried on the way had seed 1
-    # at 39, none of its 15 more during a migration).
+    # timing (a notice three steps ahead moved 24, 27 and 19 on seeds 1-3 to 21, 18 and 31,
+    # against 34, 29 and 30 without migration; a variant tried on the way had seed 1 at 39, none
+    # of its 15 more during a migration).
     without = sum(run(CORRAL_WITHOUT_MIGRATION, seed)[0] for seed in (1, 2, 3))
     with_migration = []
     for seed in (1, 2, 3):

@@ -34,10 +34,6 @@ def unaware(config: SimConfig) -> SimConfig:
     return replace(config, migration=replace(config.migration, cache_aware=False))
 
 
-def one_step_notice(config: SimConfig) -> SimConfig:
-    return replace(config, migration=replace(config.migration, notice_steps=1))
-
-
 def test_only_the_blocks_the_destination_lacks_are_copied(monkeypatch):
     copies: list[tuple[int, int, int]] = []  # (cached, copied, blocks the request held at the commit)
     commit = Migrator._commit
@@ -52,10 +48,8 @@ def test_only_the_blocks_the_destination_lacks_are_copied(monkeypatch):
 
     monkeypatch.setattr(Migrator, "_commit", checked_commit)
     w = workload()
-    # (Notices a step ahead: the default's wait for the source's steps before the last stage is
-    # as long whatever is copied, and would blur the migrations' durations compared below.)
-    plain = simulate(one_step_notice(unaware(CACHING)), "corral", w)
-    result = simulate(one_step_notice(aware(CACHING)), "corral", w)
+    plain = simulate(unaware(CACHING), "corral", w)
+    result = simulate(aware(CACHING), "corral", w)
     assert len(result.finished) == len(plain.finished) == 120
     assert plain.migrations.cached_blocks == 0 and result.migrations.cached_blocks > 0
     # Every block a request held crossed the wire or was already on the destination, never both.

@@ -25,8 +25,8 @@ def test_token_frames_are_on_by_default_and_can_be_turned_off(monkeypatch) -> No
 
 
 def test_the_notice_steps_are_a_flag_and_an_env_setting_and_zero_is_refused(monkeypatch) -> None:
-    assert limits().notice_steps == 3
-    assert limits("--migration-notice-steps", "1").notice_steps == 1
+    assert limits().notice_steps == 1
+    assert limits("--migration-notice-steps", "3").notice_steps == 3
     monkeypatch.setenv("CORRAL_MIGRATION_NOTICE_STEPS", "5")
     assert limits().notice_steps == 5
     with pytest.raises(SystemExit, match="notice_steps must be >= 1"):

@@ -97,7 +97,9 @@ async def test_a_commit_that_never_comes_releases_the_hold_at_its_bound_and_hold
 
 async def test_no_hold_for_a_commit_due_after_a_step_started_now_would_end() -> None:
     hold = hold_of(0.5, typical_step_s=0.010)
-    hold.expect("later", 0.030)  # steps off: this step is paced for it, not held until it lands
+    hold.expect("later", 0.030)  # a step now ends before it: the request joins the step after, as early
+    assert await hold.wait() == 0.0
+    hold.expect("later", 0.030, paced=True)  # noticed steps ahead: this step is paced for it instead
     assert await hold.wait() < 0.008 and hold.num_paced_holds == 1 and hold.num_expected == 1
     hold = hold_of(0.005, typical_step_s=0.040)
     hold.expect("past the bound", 0.020)
@@ -275,7 +277,7 @@ def test_pacing_starts_the_last_step_before_a_commit_as_it_lands(seed) -> None:
 
 async def test_a_paced_step_waits_its_share_and_the_commit_stays_expected() -> None:
     hold = hold_of(0.5, typical_step_s=0.040, step_share=0.5)
-    hold.expect("m", 0.100)  # 2 whole steps and 20 ms: each of 3 steps waits ~6.7 ms
+    hold.expect("m", 0.100, paced=True)  # 2 whole steps and 20 ms: each of 3 steps waits ~6.7 ms
     held = await hold.wait()
     assert 0.006 <= held < 0.05
     assert hold.num_paced_holds == 1 and hold.num_expected == 1 and hold.num_released_at_bound == 0
@@ -283,7 +285,7 @@ async def test_a_paced_step_waits_its_share_and_the_commit_stays_expected() -> N
 
 async def test_a_commit_landing_early_cuts_a_paced_hold_short() -> None:
     hold = hold_of(0.5, typical_step_s=0.040, step_share=0.5)
-    hold.expect("m", 0.055)  # one whole step and 15 ms: 7.5 ms paced now
+    hold.expect("m", 0.055, paced=True)  # one whole step and 15 ms: 7.5 ms paced now
     asyncio.get_running_loop().call_later(0.002, hold.settle, "m")  # (the source was faster than it said)
     held = await hold.wait()
     assert held < 0.006 and hold.num_expected == 0
@@ -329,6 +331,7 @@ async def test_the_source_notices_the_commit_steps_ahead_where_the_destination_h
     due = [msg.commit_in_s for _, msg in notices]
     assert all(later < earlier for earlier, later in zip(due, due[1:])), due
     assert {msg.migration_id for _, msg in notices} == {m.migration_id}
+    assert all(msg.paced == (notice_steps > 1) for _, msg in notices)
     assert due[-1] == m.notice_commit_in_s > 0
     assert m.noticed_at <= m.suspended_at  # ahead of the suspend: the lead is the step that ends in it
     assert h.incoming.hold.num_expected == 0  # the commit settled it

@@ -63,7 +63,8 @@ class CommitNotifier:
                 return False
             m.notice_commit_in_s = self.steps.left_s() + (steps_left - 1) * self.steps.typical_s + last_stage
             m.noticed_at = self._clock()
-            await self.link.notice(m.dst, CommitNotice(m.migration_id, m.notice_commit_in_s))
+            await self.link.notice(m.dst, CommitNotice(m.migration_id, m.notice_commit_in_s,
+                                                       paced=self.notice_steps > 1))
         return True
 
     def last_stage_estimate(self, m: OutgoingMigration) -> float | None:
