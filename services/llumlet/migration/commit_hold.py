@@ -79,8 +79,9 @@ class CommitHold:
         self.rule = CommitHoldRule(hold_max_s, step_share)  # (it checks both)
         self.steps = steps
         self._clock = clock
-        self._expected: dict[str, float] = {}  # migration id → when its commit should land
-        self._paced: set[str] = set()  # of them, those whose source asked for pacing (notices steps ahead)
+        # migration id → (when its commit should land, whether its source asked for pacing: it
+        # notices steps ahead)
+        self._expected: dict[str, tuple[float, bool]] = {}
         # What a held step awaits: resolved by a settle or the bound's timer. (A bare future, not
         # `wait_for` on an event: that wakes the loop's task one turn later, behind the commit's
         # own follow-up work.)
@@ -104,14 +105,11 @@ class CommitHold:
         """A source's notice: the migration's commit should land in `commit_in_s` (`paced`: the
         source notices steps ahead, and the steps before the commit may be paced for it)."""
         if self.enabled:
-            self._expected[migration_id] = self._clock() + commit_in_s
-            if paced:
-                self._paced.add(migration_id)
+            self._expected[migration_id] = (self._clock() + commit_in_s, paced)
 
     def settle(self, migration_id: str) -> None:
         """The migration committed (its request is in the engine now) or ended: a hold waiting
         for it goes on at once. (A migration noticed or not: the call is harmless either way.)"""
-        self._paced.discard(migration_id)
         if self._expected.pop(migration_id, None) is not None:
             _wake(self._waiter)
 
@@ -123,15 +121,16 @@ class CommitHold:
         """The migrations whose commit should land within the bound of a step started now: worth
         holding that step for (a later one joins the step after, as early)."""
         typical = self.steps.typical_s
-        return [mid for mid, at in self._expected.items() if self.rule.holds_for(at - now, typical)]
+        return [mid for mid, (at, _) in self._expected.items() if self.rule.holds_for(at - now, typical)]
 
     def paced(self, now: float) -> tuple[str, float] | None:
         """With none due: the earliest expected commit whose source asked for pacing, and how long
         a step started now waits to line the steps before it up with it
         (`CommitHoldRule.paced_hold_s`); None: no pacing."""
-        if not self._paced:
+        paced = [(at, mid) for mid, (at, pace) in self._expected.items() if pace]
+        if not paced:
             return None
-        mid, at = min(((mid, self._expected[mid]) for mid in self._paced), key=lambda item: item[1])
+        at, mid = min(paced)
         hold_s = self.rule.paced_hold_s(at - now, self.steps.typical_s)
         return (mid, hold_s) if hold_s > 0 else None
 
@@ -143,9 +142,8 @@ class CommitHold:
         if not self._expected:
             return 0.0
         started = self._clock()
-        for mid in [mid for mid, at in self._expected.items() if at + self.hold_max_s < started]:
+        for mid in [mid for mid, (at, _) in self._expected.items() if at + self.hold_max_s < started]:
             del self._expected[mid]  # overdue by more than a hold: the source is late or gone
-            self._paced.discard(mid)
         due = self.due(started)
         paced = None if due else self.paced(started)
         if not due and paced is None:
@@ -172,7 +170,6 @@ class CommitHold:
         late = [] if paced is not None else [mid for mid in due if mid in self._expected]
         for mid in late:  # a commit that did not come within the bound: never held for again
             del self._expected[mid]
-            self._paced.discard(mid)
         self.num_released_at_bound += bool(late)
         self.last_held_s = self._clock() - started
         return self.last_held_s
