@@ -5,7 +5,7 @@
         [--mooncake-rates 4,8,12,16] [--conversation-requests 600]
         [--policies round-robin,infaas++,llumnix-base,corral,prefix-only,kv-cost,corral-prefix]
         [--workloads conversation,system-prompts,mooncake] [--gpu A10 --num-blocks 851] [--recompute-weight 1]
-        [--room-wait-weight 1] [--saturation-weight 4]
+        [--room-wait-weight 1] [--saturation-weight 4] [--cached-queue-weight 1]
         [--out results/prefix_dispatch.json]
 
 16 × LLaMA-7B on A10 (851 blocks of 16 tokens, prompts cut to 8k; `--gpu A100 --num-blocks 7000`
@@ -47,9 +47,11 @@ from loadgen.simulator.cluster import ClusterSimulator
 from loadgen.simulator.config import SimConfig
 from loadgen.simulator.workload import WorkloadSpec, build_workload
 from benchmarks.migration_prefix import with_system_prompts
-from shared.config import non_negative_number, non_negative_or_inf
+from shared.config import non_negative_number, non_negative_or_inf, share_of_one
 from shared.policy.baselines import get_policy
-from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT
+from shared.policy.prefix_dispatch import (
+    DEFAULT_CACHED_QUEUE_WEIGHT, DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT,
+)
 from shared.prefix_hash import trace_block_hashes
 
 MOONCAKE = "/work/shared/data/traces/mooncake_synthetic_first400.jsonl"
@@ -108,10 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--saturation-weight", type=non_negative_number, default=DEFAULT_SATURATION_WEIGHT,
                         help="corral-prefix: how much the recompute charge rises while every instance has prefill "
                              "queued (default %(default)s; 0: never)")
+    parser.add_argument("--cached-queue-weight", type=share_of_one, default=DEFAULT_CACHED_QUEUE_WEIGHT,
+                        help="corral-prefix: how much a waiting prompt's cached prefix counts in the queue ahead "
+                             "(default %(default)s: whole; 0: only what it will compute)")
     parser.add_argument("--out", default="results/prefix_dispatch.json")
     args = parser.parse_args(argv)
     base = SimConfig(num_instances=args.instances, gpu=args.gpu, prefix_recompute_weight=args.recompute_weight,
-                     prefix_room_wait_weight=args.room_wait_weight, prefix_saturation_weight=args.saturation_weight)
+                     prefix_room_wait_weight=args.room_wait_weight, prefix_saturation_weight=args.saturation_weight,
+                     prefix_cached_queue_weight=args.cached_queue_weight)
     config = replace(base, scheduler=replace(base.scheduler, enable_prefix_caching=True, num_blocks=args.num_blocks))
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]

@@ -53,6 +53,14 @@ def non_negative_number(text: str) -> float:
     return value
 
 
+def share_of_one(text: str) -> float:
+    """argparse type of a number from 0 to 1: a clear message, not a traceback."""
+    value = non_negative_number(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text}")
+    return value
+
+
 def non_negative_or_inf(text: str) -> float:
     """argparse type of a number >= 0 or `inf`: a clear message, not a traceback."""
     if text.strip().lower() == "inf":

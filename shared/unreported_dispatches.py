@@ -88,10 +88,10 @@ class UnreportedDispatches:
         self._clock = clock
         self._unshown: dict[str, dict[Arrival, _Unshown]] = {}
 
-    def dispatched(self, load: LoadReport, request: DispatchRequest) -> None:
-        """`load`: the instance's load the dispatch is accounted on."""
+    def dispatched(self, load: LoadReport, request: DispatchRequest, cached_tokens: int = 0) -> None:
+        """`load`: the instance's load the dispatch is accounted on (`cached_tokens`: as there)."""
         tokens, priority = request.num_prompt_tokens, request.priority
-        self._add(load, Arrival.ORDER, lambda report: account_prompt(report, tokens, priority))
+        self._add(load, Arrival.ORDER, lambda report: account_prompt(report, tokens, priority, cached_tokens))
 
     def handed_off(self, load: LoadReport, num_blocks: int) -> None:
         """A P/D hand-off of `num_blocks` answered with the instance of `load`."""

@@ -20,7 +20,7 @@ from loadgen.simulator.report import format_table, results_document, write_json,
 from loadgen.simulator.slo import SLO_HEADER, slo_metrics, slo_row
 from loadgen.simulator.sweep import run_sweep
 from loadgen.simulator.workload import Workload, WorkloadSpec
-from shared.config import non_negative_number, non_negative_or_inf
+from shared.config import non_negative_number, non_negative_or_inf, share_of_one
 from shared.engine_model.config import STEP_MODES, SchedulerConfig
 from shared.policy.commit_hold import CommitHoldRule
 from shared.policy.baselines import POLICIES, POLICY_NAMES, PREFIX_POLICY_NAMES, SchedulingPolicy, get_policy
@@ -102,6 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="corral-prefix: while every instance has prefill queued, the recompute charge's weight "
                               "rises, up to (1 + K)-fold once the shortest queue is as long as the request's own "
                               "prefill (default %(default)s; 0: never)")
+    cluster.add_argument("--prefix-cached-queue-weight", type=share_of_one,
+                         default=defaults_sim.prefix_cached_queue_weight, metavar="B",
+                         help="corral-prefix: a waiting prompt's cached prefix counts B of its prefill in the queue "
+                              "ahead (default %(default)s: counted whole; 0: only what it will compute)")
     cluster.add_argument("--max-model-len", type=int, default=engine.max_model_len,
                          help="longer prompts are cut to fit (a warning says how many)")
     cluster.add_argument("--max-num-batched-tokens", type=int, default=engine.max_num_batched_tokens, metavar="N",
@@ -264,6 +268,7 @@ def build_config(args: argparse.Namespace) -> SimConfig:
             prefix_recompute_weight=args.prefix_recompute_weight,
             prefix_room_wait_weight=args.prefix_room_wait_weight,
             prefix_saturation_weight=args.prefix_saturation_weight,
+            prefix_cached_queue_weight=args.prefix_cached_queue_weight,
             report_interval_s=args.report_interval_s,
             migration_interval_s=args.migration_interval_s,
             policy=policy,

@@ -100,7 +100,8 @@ class ClusterSimulator:
         self.prefix = PrefixContext(SimPrefixIndex(self.instances), self._prefill_s,
                                     recompute_weight=config.prefix_recompute_weight,
                                     room_wait_weight=config.prefix_room_wait_weight,
-                                    saturation_weight=config.prefix_saturation_weight)
+                                    saturation_weight=config.prefix_saturation_weight,
+                                    cached_queue_weight=config.prefix_cached_queue_weight)
         # P/D hand-offs ride the migration machinery even under a policy that never rebalances.
         self.migrator = Migrator(self) if policy.migration or config.disaggregated else None
         self.handoffs = Handoffs(self, self.migrator) if config.disaggregated else None
@@ -274,7 +275,7 @@ class ClusterSimulator:
         if decision.instance_id in self._predictions:
             self.predicted_ttft_s[request_id] = self._predictions[decision.instance_id]
         if self._fresh_reports:
-            instance.report = account_dispatch(instance.report, message)
+            instance.report = account_dispatch(instance.report, message, decision.cached_tokens)
             if self.indexed is not None:
                 self.indexed.accounted(instance)
         request = SimRequest(

@@ -21,7 +21,9 @@ from shared.policy.migration import (
     StageRule,
 )
 from shared.policy.commit_hold import DEFAULT_HOLD, DEFAULT_NOTICE_STEPS, CommitHoldRule
-from shared.policy.prefix_dispatch import DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT
+from shared.policy.prefix_dispatch import (
+    DEFAULT_CACHED_QUEUE_WEIGHT, DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT,
+)
 
 KV_BYTES_PER_TOKEN_LLAMA_7B = 2 * 32 * 4096 * 2  # K and V × layers × hidden × fp16 = 0.5 MiB
 
@@ -116,6 +118,8 @@ class SimConfig:
     prefix_room_wait_weight: float = DEFAULT_ROOM_WAIT_WEIGHT
     # and how much the recompute charge rises while every instance is queued (--prefix-saturation-weight)
     prefix_saturation_weight: float = DEFAULT_SATURATION_WEIGHT
+    # and how much a queued prompt's cached prefix counts in the queue (--prefix-cached-queue-weight)
+    prefix_cached_queue_weight: float = DEFAULT_CACHED_QUEUE_WEIGHT
 
     def __post_init__(self) -> None:
         if self.num_instances < 1:

@@ -108,6 +108,7 @@ class SimInstance:
             draining=self.state is InstanceState.DRAINING,
             reserved_blocks=blocks.num_reserved,
             committed_blocks=scheduler.committed_blocks(),
+            waiting_prefill_tokens=scheduler.waiting_prefill_tokens(),
             num_migrating=self.migrations_in + self.migrations_out,
             max_model_len=max_model_len,
             engine="sim",

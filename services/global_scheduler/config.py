@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from shared import subjects
 from services.global_scheduler.admission import AdmissionSettings
 from services.global_scheduler.dispatcher import DISPATCH_POLICY_NAMES
-from shared.config import add_nats_argument, env, non_negative_number, non_negative_or_inf
+from shared.config import add_nats_argument, env, non_negative_number, non_negative_or_inf, share_of_one
 from shared.engine_model.latency import SIMPLE_MODELS
 from shared.policy.admission import ADMISSION_POLICY_NAMES, AdmissionPolicy, Slo, SloConfig, priority_slos
 from shared.policy.config import PolicyConfig
 from shared.policy.migration import DEFAULT_GUARD, MigrationGuard
 from shared.policy.prefix_dispatch import (
-    DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT,
+    DEFAULT_CACHED_QUEUE_WEIGHT, DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT,
 )
 
 
@@ -42,6 +42,7 @@ class SchedulerConfig:
     prefix_recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT  # corral-prefix's (shared.policy.prefix_dispatch)
     prefix_room_wait_weight: float = DEFAULT_ROOM_WAIT_WEIGHT  # (inf: instances with room first)
     prefix_saturation_weight: float = DEFAULT_SATURATION_WEIGHT  # (0: the recompute charge never raised)
+    prefix_cached_queue_weight: float = DEFAULT_CACHED_QUEUE_WEIGHT  # (a queued prompt's cached prefix; 1: whole)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="corral-prefix: while every instance has prefill queued, the recompute charge's weight "
                              "rises, up to (1 + K)-fold once the shortest queue is as long as the request's own "
                              "prefill (default %(default)s; 0: never)")
+    parser.add_argument("--prefix-cached-queue-weight", type=share_of_one,
+                        default=env("PREFIX_CACHED_QUEUE_WEIGHT", str(DEFAULT_CACHED_QUEUE_WEIGHT)), metavar="B",
+                        help="corral-prefix: a waiting prompt's cached prefix counts B of its prefill in the queue "
+                             "ahead, where the instance tells its waiting prefill in tokens (default %(default)s: "
+                             "counted whole; 0: only what it will compute)")
     gate = parser.add_argument_group("admission control (429 when no instance can meet the SLO)")
     gate.add_argument("--admission", choices=ADMISSION_POLICY_NAMES, default=env("ADMISSION", "none"))
     gate.add_argument("--slo-ttft-s", type=float, default=env("SLO_TTFT_S", None), help="TTFT target")
@@ -124,6 +130,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         prefix_recompute_weight=args.prefix_recompute_weight,
         prefix_room_wait_weight=args.prefix_room_wait_weight,
         prefix_saturation_weight=args.prefix_saturation_weight,
+        prefix_cached_queue_weight=args.prefix_cached_queue_weight,
     )
 
 

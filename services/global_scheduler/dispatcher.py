@@ -27,7 +27,8 @@ from shared.policy.baselines import POLICIES, DispatchRule, dispatch, get_policy
 from shared.policy.config import PolicyConfig
 from shared.policy.dispatch import DispatchDecision
 from shared.policy.prefix_dispatch import (
-    DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT, PrefixContext, PrefixIndex,
+    DEFAULT_CACHED_QUEUE_WEIGHT, DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT,
+    PrefixContext, PrefixIndex,
     matched_blocks,
 )
 from shared.policy.prefix_dispatch_index import PrefixDispatchIndex
@@ -42,7 +43,8 @@ class NamedDispatch:
                  index: PrefixIndex, gpu: str, registry: CollectorRegistry, table: InstanceTable | None = None,
                  recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT,
                  room_wait_weight: float = DEFAULT_ROOM_WAIT_WEIGHT,
-                 saturation_weight: float = DEFAULT_SATURATION_WEIGHT) -> None:
+                 saturation_weight: float = DEFAULT_SATURATION_WEIGHT,
+                 cached_queue_weight: float = DEFAULT_CACHED_QUEUE_WEIGHT) -> None:
         self.policy = get_policy(name)
         self.config = self.policy.policy_config(base)
         self._loads = loads
@@ -50,7 +52,7 @@ class NamedDispatch:
         model = LatencyModel(gpu)
         self.prefix = PrefixContext(index, prefill_s=lambda n: model.prefill_ms(n) / 1e3 if n > 0 else 0.0,
                                     recompute_weight=recompute_weight, room_wait_weight=room_wait_weight,
-                                    saturation_weight=saturation_weight)
+                                    saturation_weight=saturation_weight, cached_queue_weight=cached_queue_weight)
         # corral-prefix from loads kept by queued prefill, in step with `table` (without one: the scan).
         self.ttft_index: PrefixDispatchIndex | None = None
         if table is not None and self.policy.dispatch is DispatchRule.PREDICTED_TTFT:

@@ -74,7 +74,8 @@ class GlobalScheduler:
                                              self.prefixes.index, config.dispatch_gpu, self.metrics.registry,
                                              table=self.table, recompute_weight=config.prefix_recompute_weight,
                                              room_wait_weight=config.prefix_room_wait_weight,
-                                             saturation_weight=config.prefix_saturation_weight)
+                                             saturation_weight=config.prefix_saturation_weight,
+                                             cached_queue_weight=config.prefix_cached_queue_weight)
                                if config.dispatch_policy != DEFAULT_POLICY else None)
 
     def _standing_pairs(self) -> int:
@@ -176,8 +177,8 @@ class GlobalScheduler:
         if decision.instance_id is None:
             return DispatchReply(rejected=decision.rejected, reason=decision.reason)
         chosen = self.table.get(decision.instance_id)
-        self.unreported.dispatched(chosen, request)  # (until the instance's reports show it)
-        self.table.replace_load(account_dispatch(chosen, request))
+        self.unreported.dispatched(chosen, request, decision.cached_tokens)  # (until its reports show it)
+        self.table.replace_load(account_dispatch(chosen, request, decision.cached_tokens))
         return DispatchReply(instance_id=decision.instance_id, predicted_ttft_s=predicted.get(decision.instance_id))
 
     async def _on_dispatch(self, msg: Msg) -> None:

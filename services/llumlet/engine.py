@@ -42,6 +42,10 @@ class Engine(Protocol):
         """Free blocks admitted prompts still have to claim (counted as used by the load report
         and the migration guard)."""
 
+    def waiting_prefill_tokens(self) -> int | None:
+        """Tokens the waiting requests will prefill, their prefix cached here left out (None:
+        the engine cannot tell; the load report then says nothing of it)."""
+
     def num_preemptions_total(self) -> int: ...
 
     def request_views(self) -> list[RequestView]:

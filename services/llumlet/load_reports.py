@@ -70,6 +70,7 @@ class LoadReporter:
             drained_by=llumlet.drained_by,
             reserved_blocks=migration.reserved_blocks if migration is not None else 0,
             committed_blocks=engine.num_committed_blocks(),
+            waiting_prefill_tokens=engine.waiting_prefill_tokens(),
             num_migrating=migration.num_migrating if migration is not None else 0,
             kv_address=migration.kv_address if migration is not None else "",
             max_model_len=engine.max_model_len,

@@ -260,6 +260,14 @@ class SimScheduler(MigrationVerbs):
             num_tokens = min(num_tokens, cached_tokens + config.max_num_batched_tokens)
         return blocks_for_tokens(num_tokens, self.block_size)
 
+    def waiting_prefill_tokens(self) -> int | None:
+        """Tokens the waiting requests will prefill, each less the prefix cached here now (as its
+        admission would find it; None without a prefix cache: nothing is taken off then, and a
+        report's waiting demand says as much). O(waiting requests x blocks matched): per report."""
+        if self.prefix_cache is None:
+            return None
+        return sum(r.num_tokens - len(self._prefix_hit(r)) * self.block_size for r in self.waiting)
+
     def _prefix_hit(self, request: SimRequest) -> list[int]:
         """The cached blocks of the request's leading prefix, leaving at least its last token
         to compute (as vLLM: the step that computes it samples the next token)."""

@@ -88,6 +88,11 @@ class LoadReport(Struct):
     # Blocks that admitted prompts still have to claim: admission checked their whole sequence
     # fits, chunked prefill allocates it chunk by chunk. Spoken for, though still free.
     committed_blocks: Count = 0
+    # Tokens the waiting requests will prefill, each less the prefix this instance's cache holds
+    # for it now (None: not told, an engine without a prefix cache or an older llumlet; the
+    # waiting demand's blocks, cached ones included, stand in). What prefix-aware dispatch counts
+    # as the prefill queued ahead of a request (`shared.policy.prefix_dispatch`).
+    waiting_prefill_tokens: Count | None = None
     draining: bool = False
     drained_by: DrainSource | None = None  # set while draining
     kv_address: Annotated[str, Meta(max_length=256)] = ""

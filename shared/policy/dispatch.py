@@ -28,6 +28,9 @@ class DispatchDecision:
     instance_id: str | None
     rejected: str | None = None
     reason: Refusal | None = None
+    # Prompt tokens the chosen instance's prefix cache holds for the request, by the prefix index
+    # the decision read (0: none, or a policy blind to the cache): its queue grows by the rest.
+    cached_tokens: int = 0
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -90,15 +93,21 @@ def choose_instance(
     return DispatchDecision(pick_tied([l.instance_id for s, l in scored if s >= best_score - config.tie_epsilon], request))
 
 
-def account_dispatch(load: LoadReport, request: DispatchRequest) -> LoadReport:
+def account_dispatch(load: LoadReport, request: DispatchRequest, cached_tokens: int = 0) -> LoadReport:
     """The load an instance will have once the request arrives, so that the requests dispatched
-    between two reports do not all land on the instance that looked freest at the last one."""
-    return account_prompt(load, request.num_prompt_tokens, request.priority)
+    between two reports do not all land on the instance that looked freest at the last one.
+    `cached_tokens`: of its prompt, held in the instance's prefix cache (the decision's)."""
+    return account_prompt(load, request.num_prompt_tokens, request.priority, cached_tokens)
 
 
-def account_prompt(load: LoadReport, num_prompt_tokens: int, priority: int) -> LoadReport:
-    """`account_dispatch` of a request known by its prompt's length and its priority."""
+def account_prompt(load: LoadReport, num_prompt_tokens: int, priority: int, cached_tokens: int = 0) -> LoadReport:
+    """`account_dispatch` of a request known by its prompt's length and its priority. Its demand
+    counts every block of the prompt (a cached one is claimed too); where the instance reports
+    its waiting prefill in tokens, that grows by the uncached ones only (at least the last)."""
     demand = blocks_for_tokens(num_prompt_tokens + 1, load.block_size)
+    prefill = load.waiting_prefill_tokens
+    if prefill is not None:
+        prefill += num_prompt_tokens - min(cached_tokens, max(num_prompt_tokens - 1, 0))
     by_priority = list(load.by_priority)
     for i, level in enumerate(by_priority):
         if level.priority == priority:
@@ -114,6 +123,7 @@ def account_prompt(load: LoadReport, num_prompt_tokens: int, priority: int) -> L
         load,
         num_waiting=load.num_waiting + 1,
         waiting_demand_blocks=load.waiting_demand_blocks + demand,
+        waiting_prefill_tokens=prefill,
         head_demand_blocks=load.head_demand_blocks if load.num_waiting else demand,
         by_priority=by_priority,
     )

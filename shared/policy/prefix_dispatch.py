@@ -74,12 +74,24 @@ class PrefixContext:
     # 31 % (the lowest of every policy at every rate and seed since) and its hit rate rose 5-8
     # points; on A10s it stayed within 1.05x of the best other at every rate on seed means.
     saturation_weight: float = 4.0
+    # corral-prefix: a waiting prompt's cached prefix counts this share of its prefill in the
+    # queue ahead, where the instance tells its waiting prefill in tokens (the simulated engines;
+    # `queued_prefill_tokens`). 1 counts it whole, as a report without token counts does; 0 only
+    # what it will compute. 0 on simulated A100s (benchmarks/prefix_dispatch.py, 8 seeds): P99
+    # TTFT 0.72-0.82x at conversation 96-128/s and the hit rate within 0.9x of prefix-only's at
+    # every rate, but 1.05-1.31x on system-prompts at 48-96/s, A10s no better, and the live burst
+    # test (tests/e2e/test_prefix_dispatch_live.py) piled 19-20 of 24 onto the holder: the
+    # prediction has no term for the batch a holder's many cheap prompts build up (their decode
+    # steps), which counting them whole stood in for. So 1 by default.
+    cached_queue_weight: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("recompute_weight", "saturation_weight"):
             weight = getattr(self, name)
             if not (weight >= 0.0 and math.isfinite(weight)):
                 raise ValueError(f"{name.replace('_', ' ')} must be a finite number >= 0, got {weight}")
+        if not 0.0 <= self.cached_queue_weight <= 1.0:
+            raise ValueError(f"cached queue weight must be a number from 0 to 1, got {self.cached_queue_weight}")
         if not self.room_wait_weight >= 0.0:
             raise ValueError(f"room wait weight must be a number >= 0 or inf, got {self.room_wait_weight}")
 
@@ -92,6 +104,7 @@ class PrefixContext:
 DEFAULT_RECOMPUTE_WEIGHT = PrefixContext.recompute_weight
 DEFAULT_ROOM_WAIT_WEIGHT = PrefixContext.room_wait_weight
 DEFAULT_SATURATION_WEIGHT = PrefixContext.saturation_weight
+DEFAULT_CACHED_QUEUE_WEIGHT = PrefixContext.cached_queue_weight
 
 
 def matched_blocks(request: DispatchRequest, index: PrefixIndex) -> Mapping[str, int]:
@@ -111,10 +124,16 @@ def _tokens_of(blocks: int, request: DispatchRequest) -> int:
     return min(blocks * request.prefix_block_size, max(request.num_prompt_tokens - 1, 0)) if blocks else 0
 
 
-def queued_prefill_tokens(load: LoadReport) -> int:
+def queued_prefill_tokens(load: LoadReport, cached_weight: float = 1.0) -> int:
     """Prefill still ahead of a new request there: the waiting prompts' demand and what admitted
-    prompts have still to prefill (both in blocks: a report carries no token counts)."""
-    return (load.waiting_demand_blocks + load.committed_blocks) * load.block_size
+    prompts have still to prefill (both in blocks). Where the instance tells what its waiting
+    prompts will prefill in tokens (`waiting_prefill_tokens`), their cached prefixes count
+    `cached_weight` of theirs (`PrefixContext.cached_queue_weight`; 1: whole blocks, as untold)."""
+    waiting = load.waiting_demand_blocks * load.block_size
+    if load.waiting_prefill_tokens is not None and cached_weight < 1.0:
+        uncached = min(load.waiting_prefill_tokens, waiting)
+        waiting = uncached + round(cached_weight * (waiting - uncached))
+    return waiting + load.committed_blocks * load.block_size
 
 
 def least_prefill_s(request: DispatchRequest, context: PrefixContext, matched: Mapping[str, int]) -> float:
@@ -128,10 +147,11 @@ def recompute_weight_for(request: DispatchRequest, context: PrefixContext, short
     `saturation_weight` × s), s = the shortest prefill queue among the instances that may take
     the request ÷ the request's own prefill, at most 1. That queue is the time before any of them
     can start more work, and about s requests of this size reach each meanwhile: prefill done
-    again now delays them. s = 0 while any of them is idle. Capped because a queue is counted in
-    its prompts' blocks, cached ones included (a report has no token counts), so a holder's queue
-    reads longer than it is: an uncapped charge grew with that error and piled a burst onto the
-    holder (26 of 64 where 8 instances share one system prompt; capped, 13; unraised, 9)."""
+    again now delays them. s = 0 while any of them is idle. Capped because an instance that does
+    not tell its waiting prefill in tokens (vLLM's llumlet) has its queue counted in its prompts'
+    blocks, cached ones included, so a holder's queue reads longer than it is: an uncapped charge
+    grew with that error and piled a burst onto the holder (26 of 64 where 8 instances share one
+    system prompt; capped, 13; unraised, 9)."""
     own_s = context.prefill_s(request.num_prompt_tokens)
     if not context.saturation_weight or shortest_queue_tokens <= 0 or own_s <= 0:
         return context.recompute_weight
@@ -151,7 +171,7 @@ def _prefill_terms_s(load: LoadReport, request: DispatchRequest, context: Prefix
                      matched: Mapping[str, int]) -> tuple[float, float]:
     """(prefill queued ahead there, prefill of the request's uncached suffix there)."""
     uncached = request.num_prompt_tokens - cached_tokens(load, request, matched)
-    return context.prefill_s(queued_prefill_tokens(load)), context.prefill_s(uncached)
+    return context.prefill_s(queued_prefill_tokens(load, context.cached_queue_weight)), context.prefill_s(uncached)
 
 
 def choose_by_predicted_ttft(
@@ -162,9 +182,10 @@ def choose_by_predicted_ttft(
         return live
     matched = matched_blocks(request, context.index)
     least_s = least_prefill_s(request, context, matched)
-    weight = recompute_weight_for(request, context, min(queued_prefill_tokens(load) for load in live))
+    shortest = min(queued_prefill_tokens(load, context.cached_queue_weight) for load in live)
+    weight = recompute_weight_for(request, context, shortest)
     return pick_predicted([ttft_rank(load, request, config, context, matched, least_s, weight) for load in live],
-                          request, config, context)
+                          request, config, context, matched)
 
 
 class TtftRank(NamedTuple):
@@ -207,17 +228,24 @@ def missing_blocks(load: LoadReport, score: float, request_blocks: int) -> int:
 
 
 def pick_predicted(ranked: list[TtftRank], request: DispatchRequest, config: PolicyConfig,
-                   context: PrefixContext) -> DispatchDecision:
+                   context: PrefixContext, matched: Mapping[str, int]) -> DispatchDecision:
     """The choice among ranked instances: the best class (room first, under the strict tier), its
     lowest cost, and near-equal costs (`ttft_tie_s`) broken by freeness, then by the request's
-    hash. Needs every instance of the best class within the tie band; the others may be left out."""
+    hash. Needs every instance of the best class within the tie band; the others may be left out.
+    `matched`: the decision's index answer (the choice's cached tokens go with it)."""
     ranked.sort()
     best = ranked[0]
     band = [r for r in ranked if r.behind_rooms == best.behind_rooms and r.cost_s <= best.cost_s + context.ttft_tie_s]
     if len(band) > 1:  # near-equal costs: the freer instance, then the request's hash
         freest = min(r.neg_score for r in band)
         band = [r for r in band if r.neg_score <= freest + config.tie_epsilon]
-    return DispatchDecision(pick_tied([r.instance_id for r in band], request))
+    return cached_decision(pick_tied([r.instance_id for r in band], request), request, matched)
+
+
+def cached_decision(instance_id: str, request: DispatchRequest, matched: Mapping[str, int]) -> DispatchDecision:
+    """The decision for `instance_id`, with the prompt tokens its cache holds (`account_dispatch`
+    counts only the rest into its queue)."""
+    return DispatchDecision(instance_id, cached_tokens=_tokens_of(matched.get(instance_id, 0), request))
 
 
 def choose_longest_prefix(
@@ -231,7 +259,7 @@ def choose_longest_prefix(
               for l in live]
     best = max((hit, score) for hit, score, _ in scored)
     tied = [iid for hit, score, iid in scored if hit == best[0] and score >= best[1] - config.tie_epsilon]
-    return DispatchDecision(pick_tied(tied, request))
+    return cached_decision(pick_tied(tied, request), request, matched)
 
 
 def kv_cost(load: LoadReport, request: DispatchRequest, context: PrefixContext,
@@ -254,7 +282,8 @@ def choose_min_kv_cost(
     matched = matched_blocks(request, context.index)
     scored = [(kv_cost(l, request, context, matched), l.instance_id) for l in live]
     best = min(cost for cost, _ in scored)
-    return DispatchDecision(pick_tied([iid for cost, iid in scored if cost <= best + config.tie_epsilon], request))
+    return cached_decision(pick_tied([iid for cost, iid in scored if cost <= best + config.tie_epsilon], request),
+                           request, matched)
 
 
 def _free_after_queue(load: LoadReport) -> int:

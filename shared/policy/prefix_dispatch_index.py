@@ -50,7 +50,7 @@ class PrefixDispatchIndex:
     def put(self, load: LoadReport) -> None:
         """An instance's new load (a report, or a dispatch accounted): O(log N)."""
         self.remove(load.instance_id)
-        key = (queued_prefill_tokens(load), load.instance_id)
+        key = (queued_prefill_tokens(load, self.context.cached_queue_weight), load.instance_id)
         self._keys[load.instance_id] = key
         self._loads[load.instance_id] = load
         (self._draining if load.draining else self._serving).add(key)
@@ -101,7 +101,7 @@ class PrefixDispatchIndex:
             ranked.append(rank)
             if not rank.behind_rooms:
                 best_first_class = min(best_first_class, rank.cost_s)
-        return pick_predicted(ranked, request, self.config, self.context)
+        return pick_predicted(ranked, request, self.config, self.context, matched)
 
     def _pool(self, eligible) -> SortedList | None:
         """The instances the scan would rank: those serving, or the draining ones when none serving may take it."""

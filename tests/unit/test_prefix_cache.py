@@ -186,3 +186,19 @@ def test_prefix_caching_off_changes_nothing():
         return steps
 
     assert trace(True) == trace(False)
+
+
+def test_the_waiting_prefill_a_report_tells_leaves_out_the_prefixes_cached_now():
+    s = make()
+    prompt = list(range(100, 110))  # 10 tokens: 2 full blocks + 2 tokens
+    s.add_request(request("a", prompt))
+    run_until_done(s)
+    s.add_request(request("b", prompt + [7, 8, 9]))  # 13 tokens, 2 blocks cached: 5 to prefill
+    s.add_request(request("c", list(range(300, 307))))  # 7 tokens, none cached
+    s.add_request(request("d", prompt[:8]))  # fully cached: its last token is still computed (4)
+    assert s.waiting_prefill_tokens() == 5 + 7 + 4
+    out = s.schedule(10.0)  # admitted: their prefill is no longer waiting
+    assert out.requests and s.waiting_prefill_tokens() == 0 == len(s.waiting)
+    uncached = SimScheduler(SchedulerConfig(num_blocks=64, block_size=BS, max_model_len=256))
+    uncached.add_request(request("e", prompt))
+    assert uncached.waiting_prefill_tokens() is None  # no cache: a report tells no more than its demand

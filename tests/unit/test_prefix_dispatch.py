@@ -6,11 +6,13 @@ import math
 from collections import Counter
 
 import pytest
+from msgspec.structs import replace
 
 from shared.messages import DispatchRequest
 from shared.policy.config import PolicyConfig
 from shared.policy.dispatch import account_dispatch, dispatch_score
 from shared.policy.prefix_dispatch import (
+    DEFAULT_CACHED_QUEUE_WEIGHT,
     DEFAULT_SATURATION_WEIGHT,
     PrefixContext,
     choose_by_predicted_ttft,
@@ -21,6 +23,7 @@ from shared.policy.prefix_dispatch import (
     matched_blocks,
     missing_blocks,
     predicted_ttft_s,
+    queued_prefill_tokens,
     recompute_weight_for,
     ttft_rank,
 )
@@ -233,3 +236,45 @@ def test_requests_without_hashes_fall_back_to_load():
     ctx = context({"a": SYSTEM_HASHES})
     assert choose_by_predicted_ttft(loads, plain, CONFIG, ctx).instance_id == "b"
     assert choose_longest_prefix(loads, plain, CONFIG, ctx).instance_id == "b"
+
+
+def test_a_queue_of_cached_prompts_counts_only_their_uncached_prefill():
+    # Ten prompts queued on the holder, each the 640-token system prompt and 32 tokens more: in
+    # blocks that is 430 blocks, 6,880 tokens, 0.69 s ahead; in the tokens they will prefill with
+    # the prompt cached there, 330 (33 ms). Counting only those (cached queue weight 0), the
+    # holder keeps the request; counting the cached prefixes whole (the default, and all an
+    # instance that does not tell the tokens allows), it goes to the idle instance.
+    blocks_only = make_load("a", total=10_000, waiting=[43] * 10)
+    told = replace(blocks_only, waiting_prefill_tokens=10 * 33)
+    idle = make_load("b", total=10_000)
+    assert queued_prefill_tokens(blocks_only) == queued_prefill_tokens(told) == 430 * BS
+    assert queued_prefill_tokens(blocks_only, 0.0) == 430 * BS  # untold: whole blocks whatever the weight
+    assert queued_prefill_tokens(told, 0.0) == 330 and queued_prefill_tokens(told, 0.5) == 330 + 3275
+    for weight, chosen in ((DEFAULT_CACHED_QUEUE_WEIGHT, "b"), (0.0, "a")):
+        ctx = PrefixContext(DictIndex({"a": SYSTEM_HASHES}), prefill_s, cached_queue_weight=weight)
+        assert choose_by_predicted_ttft([blocks_only, idle], request(5), CONFIG, ctx).instance_id == "b"
+        assert choose_by_predicted_ttft([told, idle], request(5), CONFIG, ctx).instance_id == chosen, weight
+    # Admitted prompts' prefill still to do counts beside it (in blocks: it is uncached already).
+    assert queued_prefill_tokens(replace(told, committed_blocks=2), 0.0) == 330 + 2 * BS
+    for bad in (-0.1, 1.5, math.nan):
+        with pytest.raises(ValueError):
+            PrefixContext(DictIndex({}), prefill_s, cached_queue_weight=bad)
+
+
+def test_a_dispatch_counts_into_the_queue_the_prefill_it_will_do_there():
+    holder = replace(make_load("a", total=1000), waiting_prefill_tokens=0)
+    idle = replace(make_load("b", total=1000), waiting_prefill_tokens=0)
+    ctx = context({"a": SYSTEM_HASHES})
+    req = request(6)  # 640 cached tokens on "a", 32 more
+    for choose in (choose_by_predicted_ttft, choose_longest_prefix, choose_min_kv_cost):
+        decision = choose([holder, idle], req, CONFIG, ctx)
+        assert (decision.instance_id, decision.cached_tokens) == ("a", 640), choose.__name__
+    after = account_dispatch(holder, req, 640)
+    assert after.waiting_prefill_tokens == 32 and after.waiting_demand_blocks == 43  # every block is claimed
+    assert account_dispatch(idle, req).waiting_prefill_tokens == 672
+    # An instance that does not tell it stays untold (its demand's blocks stand in).
+    assert account_dispatch(make_load("c", total=1000), req, 640).waiting_prefill_tokens is None
+    # At least the last token is prefilled, however much is cached (as the engines do).
+    assert account_dispatch(idle, req, 10_000).waiting_prefill_tokens == 1
+    # A dispatch blind to the cache counts the whole prompt there.
+    assert choose_by_predicted_ttft([idle], req, CONFIG, ctx).cached_tokens == 0

@@ -29,9 +29,10 @@ class StubIndex:
 
 
 def _context(index: StubIndex, tie_s: float = 1e-3, room_wait_weight: float = 1.0,
-             saturation_weight: float = DEFAULT_SATURATION_WEIGHT) -> PrefixContext:
+             saturation_weight: float = DEFAULT_SATURATION_WEIGHT, cached_queue_weight: float = 1.0) -> PrefixContext:
     return PrefixContext(index, prefill_s=lambda n: 0.255e-3 * n + 8.2e-3 if n > 0 else 0.0, ttft_tie_s=tie_s,
-                         room_wait_weight=room_wait_weight, saturation_weight=saturation_weight)
+                         room_wait_weight=room_wait_weight, saturation_weight=saturation_weight,
+                         cached_queue_weight=cached_queue_weight)
 
 
 def _random_load(rng: random.Random, instance_id: str):
@@ -40,7 +41,9 @@ def _random_load(rng: random.Random, instance_id: str):
     waiting = [rng.choice([1, 2, 8, 40]) for _ in range(rng.choice([0, 0, 1, 3]))]  # few values: exact ties
     load = make_load(instance_id, total=total, running=running, waiting=waiting, draining=rng.random() < 0.15,
                      max_model_len=rng.choice([0, 2048, 8192]), reserved=rng.choice([0, 0, 5]))
-    return replace(load, committed_blocks=rng.choice([0, 0, 3, 30]))
+    # Some instances tell their waiting prefill in tokens (cached prefixes left out), some do not.
+    prefill = rng.choice([None, None, 0, 16 * sum(waiting), 200, 5000]) if waiting else rng.choice([None, 0])
+    return replace(load, committed_blocks=rng.choice([0, 0, 3, 30]), waiting_prefill_tokens=prefill)
 
 
 def _random_request(rng: random.Random, ids: list[str], i: int) -> DispatchRequest:
@@ -57,7 +60,7 @@ def test_index_equals_scan_on_random_fleets(seed, room_wait_weight, saturation_w
     config = PolicyConfig(tie_epsilon=rng.choice([1e-6, 0.5, 5.0]))
     prefixes = StubIndex()
     context = _context(prefixes, tie_s=rng.choice([1e-3, 0.0, 0.05]), room_wait_weight=room_wait_weight,
-                       saturation_weight=saturation_weight)
+                       saturation_weight=saturation_weight, cached_queue_weight=rng.choice([1.0, 0.0, 0.3]))
     index = PrefixDispatchIndex(config, context)
     loads = {}
     ids = [f"i{k}" for k in range(rng.randint(0, 30))]

@@ -152,3 +152,30 @@ def test_the_schedulers_saturation_weight_flag_reaches_corral_prefix():
         with pytest.raises(SystemExit) as exit_info:
             build_parser().parse_args(["scheduler", "--prefix-saturation-weight", bad])
         assert exit_info.value.code == 2
+
+
+def test_the_schedulers_cached_queue_weight_flag_reaches_corral_prefix():
+    """`--prefix-cached-queue-weight B`: the holder's queue is ten prompts of its cached prefix
+    (4,000 tokens in blocks, 250 to compute): counted whole (the default) the request goes to the
+    idle instance; counting only what they compute, it stays with its prefix. A bad value is a
+    clear usage error."""
+    import msgspec
+
+    from services.cli import build_parser
+    from services.global_scheduler.config import config_from_args
+    from services.global_scheduler.service import GlobalScheduler
+
+    chosen = {}
+    for weight in (["--prefix-cached-queue-weight", "0"], []):
+        args = build_parser().parse_args(["scheduler", "--dispatch-policy", "corral-prefix", *weight])
+        scheduler = GlobalScheduler(config_from_args(args))
+        scheduler.prefixes.index.restore(KvCacheSnapshot("b", 0, 16, CHAIN))
+        holder = msgspec.structs.replace(make_load("b", total=4000, waiting=[25] * 10), waiting_prefill_tokens=250)
+        for load in (make_load("a", total=4000), holder):
+            scheduler.table.update(load)
+        chosen[scheduler.config.prefix_cached_queue_weight] = scheduler.decide(request("r")).instance_id
+    assert chosen == {0.0: "b", 1.0: "a"}
+    for bad in ("-1", "2", "nan", "x"):
+        with pytest.raises(SystemExit) as exit_info:
+            build_parser().parse_args(["scheduler", "--prefix-cached-queue-weight", bad])
+        assert exit_info.value.code == 2

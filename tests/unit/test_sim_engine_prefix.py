@@ -30,6 +30,7 @@ async def test_the_engine_holds_the_gateways_hashes_and_reuses_them():
     cache = engine.scheduler.prefix_cache
     assert cache.matched_blocks(gateway_chain) == len(gateway_chain) == 2
     engine.add_request(gen("b", prompt[:8] + [99, 98, 97]))
+    assert engine.waiting_prefill_tokens() == 3  # what its load reports tell dispatch is queued
     first_step = engine.scheduler.schedule(0.0)
     assert engine.scheduler.get("b").num_cached_tokens == 8 and first_step.num_new_tokens == [3]
     engine.scheduler.update_from_output(first_step, 0.0)
@@ -41,4 +42,5 @@ async def test_the_engine_holds_the_gateways_hashes_and_reuses_them():
 async def test_without_prefix_caching_nothing_is_hashed():
     engine = SimEngine(sim_config(**{**FAST, "enable_prefix_caching": False}))
     assert engine.scheduler.prefix_cache is None
+    assert engine.waiting_prefill_tokens() is None
     assert engine.to_sim(gen("a", list(range(1, 20)))).block_hashes == ()

@@ -112,3 +112,30 @@ def test_handoffs_answered_together_spread_when_a_report_built_before_them_lands
         chosen.append(s.roles.handoff(HandoffQuery("p", f"r{i}", 40)).dst_instance_id)
         s.take_report(report("d1", 2 + i, accepted=0, total=1000, role=InstanceRole.DECODE))
     assert Counter(chosen) == Counter({"d1": 4, "d2": 4}), chosen
+
+
+def test_a_restored_dispatch_counts_back_the_prefill_it_will_do_there():
+    clock = [100.0]
+    unreported = UnreportedDispatches(clock=lambda: clock[0])
+    told = msgspec.structs.replace(report("a", 1, accepted=0), waiting_prefill_tokens=50)
+    first = unreported.restore(told)
+    unreported.dispatched(first, DispatchRequest("r0", 100, 4), cached_tokens=64)  # 36 to prefill there
+    later = msgspec.structs.replace(report("a", 2, accepted=0), waiting_prefill_tokens=10)
+    assert unreported.restore(later).waiting_prefill_tokens == 10 + 36
+    # An instance that does not tell it (no prefix cache, an older llumlet) stays untold.
+    assert unreported.restore(report("a", 3, accepted=0)).waiting_prefill_tokens is None
+
+
+def test_the_scheduler_counts_into_the_holders_queue_only_the_prefill_it_will_do_there():
+    from shared.messages import KvCacheSnapshot
+
+    s = GlobalScheduler(SchedulerConfig(nats_url="nats://unused:4222", dispatch_policy="corral-prefix"))
+    for iid in ("a", "b"):
+        s.take_report(msgspec.structs.replace(report(iid, 1, accepted=0, total=1000), waiting_prefill_tokens=0))
+    chain = list(range(1, 21))  # 20 blocks of 16 tokens: the prompt's first 320
+    s.prefixes.index.restore(KvCacheSnapshot("b", 0, 16, chain))
+    req = DispatchRequest("r0", 325, 4, block_hashes=chain, prefix_block_size=16)
+    assert s.decide(req).instance_id == "b"
+    assert s.table.get("b").waiting_prefill_tokens == 5  # not 325: the prefix is cached there
+    s.take_report(msgspec.structs.replace(report("b", 2, accepted=0, total=1000), waiting_prefill_tokens=0))
+    assert s.table.get("b").waiting_prefill_tokens == 5  # restored on a report that does not show it yet

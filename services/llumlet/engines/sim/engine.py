@@ -135,6 +135,9 @@ class SimEngine:
     def num_committed_blocks(self) -> int:
         return self.scheduler.committed_blocks()
 
+    def waiting_prefill_tokens(self) -> int | None:
+        return self.scheduler.waiting_prefill_tokens()
+
     def num_preemptions_total(self) -> int:
         return self.scheduler.num_preemptions_total
 

@@ -175,6 +175,12 @@ class VllmEngine:
     def num_committed_blocks(self) -> int:
         return 0  # vLLM v1 admits a prompt on its next chunk's blocks only: it commits no more than it holds
 
+    def waiting_prefill_tokens(self) -> int | None:
+        # Not told: a waiting request's cache hit is vLLM's lookup at admission, and asking its
+        # KV cache manager ahead of that counts in its own prefix-cache metrics. (The llumlet's
+        # KV events know the blocks held; hashing each waiting prompt per report is not built.)
+        return None
+
     def num_preemptions_total(self) -> int:
         return self._shared.num_preemptions_total
 
