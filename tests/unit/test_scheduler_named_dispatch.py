@@ -85,24 +85,42 @@ def test_corral_prefix_on_a_load_table_answers_as_the_scan_over_it():
             table.replace_load(account_dispatch(table.get(decision.instance_id), req))
 
 
+def decided_with_flags(flags: list[str], loads, holder: str | None = "b"):
+    """A scheduler built from `corral scheduler --dispatch-policy corral-prefix *flags`, its prefix
+    index told that `holder` holds CHAIN and its table those loads: (its config, the instance its
+    decision picks for a request on CHAIN, or on no hashes without a holder)."""
+    from services.cli import build_parser
+    from services.global_scheduler.config import config_from_args
+    from services.global_scheduler.service import GlobalScheduler
+
+    args = build_parser().parse_args(["scheduler", "--dispatch-policy", "corral-prefix", *flags])
+    scheduler = GlobalScheduler(config_from_args(args))
+    if holder is not None:
+        scheduler.prefixes.index.restore(KvCacheSnapshot(holder, 0, 16, CHAIN))
+    for load in loads:
+        scheduler.table.update(load)
+    return scheduler.config, scheduler.decide(request("r", hashes=CHAIN if holder else [])).instance_id
+
+
+def refused_flag(flag: str, bad: str) -> int:
+    from services.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["scheduler", flag, bad])
+    return exit_info.value.code
+
+
 def test_the_schedulers_recompute_weight_flag_reaches_corral_prefix():
     """`corral scheduler --dispatch-policy corral-prefix --prefix-recompute-weight W`: the scheduler
     built from those flags decides by that weight. With 0 a request leaves a holder whose queue
     outweighs its cached prefill; charged (the default), the prefill it would do again elsewhere
     keeps it there."""
-    from services.cli import build_parser
-    from services.global_scheduler.config import config_from_args
-    from services.global_scheduler.service import GlobalScheduler
-
     chosen = {}
     for weight in (["--prefix-recompute-weight", "0"], []):
-        args = build_parser().parse_args(["scheduler", "--dispatch-policy", "corral-prefix", *weight])
-        scheduler = GlobalScheduler(config_from_args(args))
-        scheduler.prefixes.index.restore(KvCacheSnapshot("b", 0, 16, CHAIN))
         # The holder's queue: 400 tokens (110 ms on A10), more than its 320 cached tokens save (82 ms).
-        for load in (make_load("a", total=400), make_load("b", total=400, waiting=[25])):
-            scheduler.table.update(load)
-        chosen[scheduler.config.prefix_recompute_weight] = scheduler.decide(request("r")).instance_id
+        config, chosen_id = decided_with_flags(weight, [make_load("a", total=400),
+                                                        make_load("b", total=400, waiting=[25])])
+        chosen[config.prefix_recompute_weight] = chosen_id
     assert chosen == {0.0: "a", 1.0: "b"}
 
 
@@ -110,48 +128,28 @@ def test_the_schedulers_room_wait_weight_flag_reaches_corral_prefix():
     """`--prefix-room-wait-weight W`: an instance a few blocks short of room with no queue takes
     the request by default (its wait for those blocks is charged), and `inf` keeps every instance
     with room first, behind whatever queue it has. A bad value is a clear usage error."""
-    from services.cli import build_parser
-    from services.global_scheduler.config import config_from_args
-    from services.global_scheduler.service import GlobalScheduler
-
     chosen = {}
     for weight in (["--prefix-room-wait-weight", "inf"], []):
-        args = build_parser().parse_args(["scheduler", "--dispatch-policy", "corral-prefix", *weight])
-        scheduler = GlobalScheduler(config_from_args(args))
         # "short": 21 blocks needed, 10 free and the headroom short; "roomy": 3,200 tokens queued.
-        for load in (make_load("short", total=400, running={0: (4, 390)}),
-                     make_load("roomy", total=4000, waiting=[200])):
-            scheduler.table.update(load)
-        chosen[scheduler.config.prefix_room_wait_weight] = scheduler.decide(request("r", hashes=[])).instance_id
+        config, chosen_id = decided_with_flags(weight, [make_load("short", total=400, running={0: (4, 390)}),
+                                                        make_load("roomy", total=4000, waiting=[200])], holder=None)
+        chosen[config.prefix_room_wait_weight] = chosen_id
     assert chosen == {float("inf"): "roomy", 1.0: "short"}
-    for bad in ("-1", "nan", "x"):
-        with pytest.raises(SystemExit) as exit_info:
-            build_parser().parse_args(["scheduler", "--prefix-room-wait-weight", bad])
-        assert exit_info.value.code == 2
+    assert all(refused_flag("--prefix-room-wait-weight", bad) == 2 for bad in ("-1", "nan", "x"))
 
 
 def test_the_schedulers_saturation_weight_flag_reaches_corral_prefix():
     """`--prefix-saturation-weight K`: with every instance queued, the recompute charge rises and
     a request stays with its prefix behind a queue it would leave with 0. A bad value is a clear
     usage error."""
-    from services.cli import build_parser
-    from services.global_scheduler.config import config_from_args
-    from services.global_scheduler.service import GlobalScheduler
-
     chosen = {}
     for weight in (["--prefix-saturation-weight", "0"], []):
-        args = build_parser().parse_args(["scheduler", "--dispatch-policy", "corral-prefix", *weight])
-        scheduler = GlobalScheduler(config_from_args(args))
-        scheduler.prefixes.index.restore(KvCacheSnapshot("b", 0, 16, CHAIN))
         # The holder's queue is 800 tokens longer than a's 208: more than twice its cached prefill.
-        for load in (make_load("a", total=4000, waiting=[13]), make_load("b", total=4000, waiting=[13, 50])):
-            scheduler.table.update(load)
-        chosen[scheduler.config.prefix_saturation_weight] = scheduler.decide(request("r")).instance_id
+        config, chosen_id = decided_with_flags(weight, [make_load("a", total=4000, waiting=[13]),
+                                                        make_load("b", total=4000, waiting=[13, 50])])
+        chosen[config.prefix_saturation_weight] = chosen_id
     assert chosen == {0.0: "a", DEFAULT_SATURATION_WEIGHT: "b"}
-    for bad in ("-1", "nan", "inf", "x"):
-        with pytest.raises(SystemExit) as exit_info:
-            build_parser().parse_args(["scheduler", "--prefix-saturation-weight", bad])
-        assert exit_info.value.code == 2
+    assert all(refused_flag("--prefix-saturation-weight", bad) == 2 for bad in ("-1", "nan", "inf", "x"))
 
 
 def test_the_schedulers_cached_queue_weight_flag_reaches_corral_prefix():
@@ -161,21 +159,10 @@ def test_the_schedulers_cached_queue_weight_flag_reaches_corral_prefix():
     clear usage error."""
     import msgspec
 
-    from services.cli import build_parser
-    from services.global_scheduler.config import config_from_args
-    from services.global_scheduler.service import GlobalScheduler
-
+    holder = msgspec.structs.replace(make_load("b", total=4000, waiting=[25] * 10), waiting_prefill_tokens=250)
     chosen = {}
     for weight in (["--prefix-cached-queue-weight", "0"], []):
-        args = build_parser().parse_args(["scheduler", "--dispatch-policy", "corral-prefix", *weight])
-        scheduler = GlobalScheduler(config_from_args(args))
-        scheduler.prefixes.index.restore(KvCacheSnapshot("b", 0, 16, CHAIN))
-        holder = msgspec.structs.replace(make_load("b", total=4000, waiting=[25] * 10), waiting_prefill_tokens=250)
-        for load in (make_load("a", total=4000), holder):
-            scheduler.table.update(load)
-        chosen[scheduler.config.prefix_cached_queue_weight] = scheduler.decide(request("r")).instance_id
+        config, chosen_id = decided_with_flags(weight, [make_load("a", total=4000), holder])
+        chosen[config.prefix_cached_queue_weight] = chosen_id
     assert chosen == {0.0: "b", 1.0: "a"}
-    for bad in ("-1", "2", "nan", "x"):
-        with pytest.raises(SystemExit) as exit_info:
-            build_parser().parse_args(["scheduler", "--prefix-cached-queue-weight", bad])
-        assert exit_info.value.code == 2
+    assert all(refused_flag("--prefix-cached-queue-weight", bad) == 2 for bad in ("-1", "2", "nan", "x"))
