@@ -90,8 +90,8 @@ class LoadReport(Struct):
     committed_blocks: Count = 0
     # Tokens the waiting requests will prefill, each less the prefix this instance's cache holds
     # for it now (None: not told, an engine without a prefix cache or an older llumlet; the
-    # waiting demand's blocks, cached ones included, stand in). What prefix-aware dispatch counts
-    # as the prefill queued ahead of a request (`shared.policy.prefix_dispatch`).
+    # waiting demand's blocks, cached ones included, stand in). Prefix-aware dispatch counts the
+    # prefixes left out at `--prefix-cached-queue-weight` (`shared.policy.prefix_dispatch`).
     waiting_prefill_tokens: Count | None = None
     draining: bool = False
     drained_by: DrainSource | None = None  # set while draining
