@@ -25,16 +25,16 @@ from dataclasses import dataclass
 DEFAULT_HOLD_STEP_SHARE = 0.5
 # A source tells the destination its commit is coming this many of its own steps ahead, the
 # step in flight the first where more than one (1: a step ahead, as it suspends; the destination
-# then holds or not, and paces only a commit a whole step off). Three lets the destination's first
+# then holds or not, and never paces). Three lets the destination's first
 # step start after the notice be one or two whole steps before the commit, so every commit is
 # paced, each hold at most half a step: the migrating request's stall met one step + 2 ms on the
 # simulated engine (benchmarks/migration_sim.py, 2026-12-02: +1.2-2.5 ms at the median, P90 within
-# two steps, against +0.4-9.0 and 5.8-17.4 ms a step ahead). But each step ahead is a step longer
-# a migration lasts, and a source moves one request at a time: across simulated fleets
-# (benchmarks/prefix_dispatch.py, A100 and A10) three steps ahead cost corral-prefix's P99 TTFT
-# 1.05-1.07x on the runs it changed and a target on each GPU, and the others' held time rose 3.6x
-# (benchmarks/commit_hold_sim.py). So one by default; `--migration-notice-steps 3` where a
-# request's stall matters more than the fleet's migration rate.
+# two steps, against +0.4-9.0 and 5.8-17.4 ms a step ahead). But each step ahead is a step later
+# the commit lands, and the source holds the request's blocks that much longer: across simulated
+# fleets (benchmarks/prefix_dispatch.py) three steps ahead cost a target on each GPU, and P99 TTFT
+# 1.03-1.04x over 8 seeds on A10s, as much without any pacing and with the source's migration slot
+# freed meanwhile (2026-12-02); the others' held time rose 3.6x (benchmarks/commit_hold_sim.py).
+# So one by default; `--migration-notice-steps 3` where a request's stall matters more.
 DEFAULT_NOTICE_STEPS = 1
 TYPICAL_STEP_WINDOW = 16  # an engine's typical step: the median of its last this many
 

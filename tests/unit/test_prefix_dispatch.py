@@ -276,5 +276,5 @@ def test_a_dispatch_counts_into_the_queue_the_prefill_it_will_do_there():
     assert account_dispatch(make_load("c", total=1000), req, 640).waiting_prefill_tokens is None
     # At least the last token is prefilled, however much is cached (as the engines do).
     assert account_dispatch(idle, req, 10_000).waiting_prefill_tokens == 1
-    # A dispatch blind to the cache counts the whole prompt there.
+    # A dispatch to an instance holding none of the prompt counts the whole prompt there.
     assert choose_by_predicted_ttft([idle], req, CONFIG, ctx).cached_tokens == 0
