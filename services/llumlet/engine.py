@@ -44,7 +44,8 @@ class Engine(Protocol):
 
     def waiting_prefill_tokens(self) -> int | None:
         """Tokens the waiting requests will prefill, their prefix cached here left out (None:
-        the engine cannot tell; the load report then says nothing of it)."""
+        the engine cannot tell, as without a prefix cache; the load report then says nothing of
+        it)."""
 
     def num_preemptions_total(self) -> int: ...
 

@@ -36,3 +36,27 @@ async def test_a_prompts_full_blocks_are_stored_under_the_gateways_hashes(vllm_e
     assert not set(expected) & set(journal.take().removed)
     _, held = journal.take_with_snapshot()
     assert set(expected) <= set(held)
+
+
+async def test_the_waiting_prefill_leaves_out_what_the_prefix_cache_holds(vllm_engine):
+    """The load report's `waiting_prefill_tokens`: a prompt whose three full blocks vLLM caches
+    counts only its last 5 tokens while it waits; a fresh prompt counts whole; a prompt queued
+    for the engine thread counts whole until vLLM has it."""
+    prompt = [17 + (i * 31) % 340 for i in range(3 * BLOCK_SIZE + 5)]
+    fresh = [23 + (i * 37) % 330 for i in range(2 * BLOCK_SIZE + 3)]
+    await _run(vllm_engine, "wp-first", prompt)
+    assert vllm_engine.waiting_prefill_tokens() == 0
+    for request_id, tokens in (("wp-again", prompt), ("wp-fresh", fresh)):
+        vllm_engine.add_request(GenerateRequest(request_id, tokens, SamplingParams(max_tokens=2, temperature=0.0),
+                                                f"test.{request_id}"))
+    told = vllm_engine.waiting_prefill_tokens()
+    await vllm_engine.on_engine_thread(lambda driver: None)  # the adds are applied before it
+    assert told in (len(prompt) + len(fresh), 5 + len(fresh)), told  # queued, or in vLLM by then
+    assert vllm_engine.waiting_prefill_tokens() == 5 + len(fresh)
+    views = vllm_engine.request_views()
+    assert {v.request_id for v in views} == {"wp-again", "wp-fresh"} and all(v.phase.name == "WAITING" for v in views)
+    for _ in range(200):
+        if not vllm_engine.has_work():
+            break
+        await vllm_engine.step()
+    assert vllm_engine.waiting_prefill_tokens() == 0

@@ -337,9 +337,27 @@ class VllmDriver:
             num_free_blocks=probe.num_free_blocks(),
             migration=self._migration_views(),
             num_waiting_for_memory=sum(1 for r in probe.waiting() if not self.leases.is_adopted(r.request_id)),
+            waiting_prefill_tokens=self._waiting_prefill_tokens(),
         )
         with self.shared.lock:
             self.shared.snapshot = snapshot
+
+    def _waiting_prefill_tokens(self) -> int | None:
+        """What vLLM's waiting requests will prefill, each less the leading blocks its prefix
+        cache holds now, at least the last token (as the simulated engine reports it); a
+        migrated-in request waiting on its lease's blocks prefills nothing. O(waiting requests x
+        blocks matched), once a step. None with prefix caching off."""
+        digests = self.cached_digests
+        if digests is None:
+            return None
+        total = 0
+        for vreq in self.probe.waiting():
+            if vreq.request_id not in self._by_internal_id or self.leases.is_adopted(vreq.request_id):
+                continue
+            num_tokens = vreq.num_tokens
+            cached = digests.num_leading_cached(vreq.block_hashes, (num_tokens - 1) // self.block_size)
+            total += num_tokens - cached * self.block_size
+        return total
 
     def _migration_views(self) -> dict[str, MigrationView]:
         from vllm.v1.request import RequestStatus

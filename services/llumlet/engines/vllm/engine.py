@@ -176,10 +176,14 @@ class VllmEngine:
         return 0  # vLLM v1 admits a prompt on its next chunk's blocks only: it commits no more than it holds
 
     def waiting_prefill_tokens(self) -> int | None:
-        # Not told: a waiting request's cache hit is vLLM's lookup at admission, and asking its
-        # KV cache manager ahead of that counts in its own prefix-cache metrics. (The llumlet's
-        # KV events know the blocks held; hashing each waiting prompt per report is not built.)
-        return None
+        """The last snapshot's (vLLM's waiting requests less their cached prefixes), plus the
+        prompts queued since, whole (vLLM has not hashed them yet); None with caching off."""
+        shared = self._shared
+        with shared.lock:
+            told = shared.snapshot.waiting_prefill_tokens
+            queued = sum(c.tracked.num_prompt_tokens for c in shared.commands
+                         if isinstance(c, AddCommand) and c.load is None)
+        return None if told is None else told + queued
 
     def num_preemptions_total(self) -> int:
         return self._shared.num_preemptions_total

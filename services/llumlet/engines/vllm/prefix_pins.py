@@ -61,6 +61,18 @@ class CachedDigests:
             blocks.append(block)
         return blocks
 
+    def num_leading_cached(self, digests: Sequence[bytes], max_blocks: int) -> int:
+        """How many of a request's leading block digests (vLLM's `Request.block_hashes`) the
+        block pool caches now, at most `max_blocks`: the hit vLLM's admission would find, asked
+        of the pool, not of the KV cache manager (whose lookup counts in vLLM's prefix-cache
+        metrics)."""
+        count = 0
+        for digest in digests[:max(0, max_blocks)]:
+            if self._cached_block(digest) is None:
+                break
+            count += 1
+        return count
+
     def _cached_block(self, digest: bytes) -> Any | None:
         found = self._pool.get_cached_block(digest, [KV_CACHE_GROUP])
         return None if found is None else found[0]

@@ -138,6 +138,9 @@ class Snapshot:
     # Waiting requests that need blocks from the pool, i.e. not migrated-in ones whose KV is
     # still in their lease (they join the batch at the next step).
     num_waiting_for_memory: int = 0
+    # What those waiting requests will prefill, each less its leading blocks cached now (None:
+    # prefix caching off).
+    waiting_prefill_tokens: int | None = None
 
 
 @dataclass
