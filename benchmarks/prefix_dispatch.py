@@ -50,7 +50,7 @@ from benchmarks.migration_prefix import with_system_prompts
 from shared.config import non_negative_number, non_negative_or_inf, share_of_one
 from shared.policy.baselines import get_policy
 from shared.policy.prefix_dispatch import (
-    DEFAULT_CACHED_QUEUE_WEIGHT, DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT,
+    DEFAULT_CACHED_QUEUE_WEIGHT, DEFAULT_HELD_REQUEST_TOKENS, DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT,
 )
 from shared.prefix_hash import trace_block_hashes
 
@@ -113,11 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cached-queue-weight", type=share_of_one, default=DEFAULT_CACHED_QUEUE_WEIGHT,
                         help="corral-prefix: how much a waiting prompt's cached prefix counts in the queue ahead "
                              "(default %(default)s: whole; 0: only what it will compute)")
+    parser.add_argument("--held-request-tokens", type=non_negative_number, default=DEFAULT_HELD_REQUEST_TOKENS,
+                        help="corral-prefix: the prefill tokens each request held or queued counts for in the "
+                             "queue ahead (default %(default)s)")
     parser.add_argument("--out", default="results/prefix_dispatch.json")
     args = parser.parse_args(argv)
     base = SimConfig(num_instances=args.instances, gpu=args.gpu, prefix_recompute_weight=args.recompute_weight,
                      prefix_room_wait_weight=args.room_wait_weight, prefix_saturation_weight=args.saturation_weight,
-                     prefix_cached_queue_weight=args.cached_queue_weight)
+                     prefix_cached_queue_weight=args.cached_queue_weight,
+                     prefix_held_request_tokens=args.held_request_tokens)
     config = replace(base, scheduler=replace(base.scheduler, enable_prefix_caching=True, num_blocks=args.num_blocks))
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]

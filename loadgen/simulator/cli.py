@@ -106,6 +106,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          default=defaults_sim.prefix_cached_queue_weight, metavar="B",
                          help="corral-prefix: a waiting prompt's cached prefix counts B of its prefill in the queue "
                               "ahead (default %(default)s: counted whole; 0: only what it will compute)")
+    cluster.add_argument("--prefix-held-request-tokens", type=non_negative_number,
+                         default=defaults_sim.prefix_held_request_tokens, metavar="R",
+                         help="corral-prefix: each request an instance holds or queues counts as R tokens of "
+                              "prefill in the queue ahead (default %(default)s)")
     cluster.add_argument("--max-model-len", type=int, default=engine.max_model_len,
                          help="longer prompts are cut to fit (a warning says how many)")
     cluster.add_argument("--max-num-batched-tokens", type=int, default=engine.max_num_batched_tokens, metavar="N",
@@ -269,6 +273,7 @@ def build_config(args: argparse.Namespace) -> SimConfig:
             prefix_room_wait_weight=args.prefix_room_wait_weight,
             prefix_saturation_weight=args.prefix_saturation_weight,
             prefix_cached_queue_weight=args.prefix_cached_queue_weight,
+            prefix_held_request_tokens=args.prefix_held_request_tokens,
             report_interval_s=args.report_interval_s,
             migration_interval_s=args.migration_interval_s,
             policy=policy,

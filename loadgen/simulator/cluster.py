@@ -101,7 +101,8 @@ class ClusterSimulator:
                                     recompute_weight=config.prefix_recompute_weight,
                                     room_wait_weight=config.prefix_room_wait_weight,
                                     saturation_weight=config.prefix_saturation_weight,
-                                    cached_queue_weight=config.prefix_cached_queue_weight)
+                                    cached_queue_weight=config.prefix_cached_queue_weight,
+                                    held_request_tokens=config.prefix_held_request_tokens)
         # P/D hand-offs ride the migration machinery even under a policy that never rebalances.
         self.migrator = Migrator(self) if policy.migration or config.disaggregated else None
         self.handoffs = Handoffs(self, self.migrator) if config.disaggregated else None

@@ -22,7 +22,7 @@ from shared.policy.migration import (
 )
 from shared.policy.commit_hold import DEFAULT_HOLD, DEFAULT_NOTICE_STEPS, CommitHoldRule
 from shared.policy.prefix_dispatch import (
-    DEFAULT_CACHED_QUEUE_WEIGHT, DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT,
+    DEFAULT_CACHED_QUEUE_WEIGHT, DEFAULT_HELD_REQUEST_TOKENS, DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT,
 )
 
 KV_BYTES_PER_TOKEN_LLAMA_7B = 2 * 32 * 4096 * 2  # K and V × layers × hidden × fp16 = 0.5 MiB
@@ -120,6 +120,8 @@ class SimConfig:
     prefix_saturation_weight: float = DEFAULT_SATURATION_WEIGHT
     # and how much a queued prompt's cached prefix counts in the queue (--prefix-cached-queue-weight)
     prefix_cached_queue_weight: float = DEFAULT_CACHED_QUEUE_WEIGHT
+    # and the prefill tokens each request held or queued counts for (--prefix-held-request-tokens)
+    prefix_held_request_tokens: float = DEFAULT_HELD_REQUEST_TOKENS
 
     def __post_init__(self) -> None:
         if self.num_instances < 1:

@@ -16,7 +16,7 @@ from shared.policy.admission import ADMISSION_POLICY_NAMES, AdmissionPolicy, Slo
 from shared.policy.config import PolicyConfig
 from shared.policy.migration import DEFAULT_GUARD, MigrationGuard
 from shared.policy.prefix_dispatch import (
-    DEFAULT_CACHED_QUEUE_WEIGHT, DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT,
+    DEFAULT_CACHED_QUEUE_WEIGHT, DEFAULT_HELD_REQUEST_TOKENS, DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT,
 )
 
 
@@ -43,6 +43,7 @@ class SchedulerConfig:
     prefix_room_wait_weight: float = DEFAULT_ROOM_WAIT_WEIGHT  # (inf: instances with room first)
     prefix_saturation_weight: float = DEFAULT_SATURATION_WEIGHT  # (0: the recompute charge never raised)
     prefix_cached_queue_weight: float = DEFAULT_CACHED_QUEUE_WEIGHT  # (a queued prompt's cached prefix; 1: whole)
+    prefix_held_request_tokens: float = DEFAULT_HELD_REQUEST_TOKENS  # (prefill tokens a request held or queued counts)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="corral-prefix: a waiting prompt's cached prefix counts B of its prefill in the queue "
                              "ahead, where the instance tells its waiting prefill in tokens (default %(default)s: "
                              "counted whole; 0: only what it will compute)")
+    parser.add_argument("--prefix-held-request-tokens", type=non_negative_number,
+                        default=env("PREFIX_HELD_REQUEST_TOKENS", str(DEFAULT_HELD_REQUEST_TOKENS)), metavar="R",
+                        help="corral-prefix: each request an instance holds or queues counts as R tokens of prefill "
+                             "in the queue ahead, where the instance tells its waiting prefill in tokens "
+                             "(default %(default)s)")
     gate = parser.add_argument_group("admission control (429 when no instance can meet the SLO)")
     gate.add_argument("--admission", choices=ADMISSION_POLICY_NAMES, default=env("ADMISSION", "none"))
     gate.add_argument("--slo-ttft-s", type=float, default=env("SLO_TTFT_S", None), help="TTFT target")
@@ -131,6 +137,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         prefix_room_wait_weight=args.prefix_room_wait_weight,
         prefix_saturation_weight=args.prefix_saturation_weight,
         prefix_cached_queue_weight=args.prefix_cached_queue_weight,
+        prefix_held_request_tokens=args.prefix_held_request_tokens,
     )
 
 

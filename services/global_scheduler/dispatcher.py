@@ -27,7 +27,7 @@ from shared.policy.baselines import POLICIES, DispatchRule, dispatch, get_policy
 from shared.policy.config import PolicyConfig
 from shared.policy.dispatch import DispatchDecision
 from shared.policy.prefix_dispatch import (
-    DEFAULT_CACHED_QUEUE_WEIGHT, DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT,
+    DEFAULT_CACHED_QUEUE_WEIGHT, DEFAULT_HELD_REQUEST_TOKENS, DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT,
     PrefixContext, PrefixIndex,
     matched_blocks,
 )
@@ -44,7 +44,8 @@ class NamedDispatch:
                  recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT,
                  room_wait_weight: float = DEFAULT_ROOM_WAIT_WEIGHT,
                  saturation_weight: float = DEFAULT_SATURATION_WEIGHT,
-                 cached_queue_weight: float = DEFAULT_CACHED_QUEUE_WEIGHT) -> None:
+                 cached_queue_weight: float = DEFAULT_CACHED_QUEUE_WEIGHT,
+                 held_request_tokens: float = DEFAULT_HELD_REQUEST_TOKENS) -> None:
         self.policy = get_policy(name)
         self.config = self.policy.policy_config(base)
         self._loads = loads
@@ -52,7 +53,8 @@ class NamedDispatch:
         model = LatencyModel(gpu)
         self.prefix = PrefixContext(index, prefill_s=lambda n: model.prefill_ms(n) / 1e3 if n > 0 else 0.0,
                                     recompute_weight=recompute_weight, room_wait_weight=room_wait_weight,
-                                    saturation_weight=saturation_weight, cached_queue_weight=cached_queue_weight)
+                                    saturation_weight=saturation_weight, cached_queue_weight=cached_queue_weight,
+                                    held_request_tokens=held_request_tokens)
         # corral-prefix from loads kept by queued prefill, in step with `table` (without one: the scan).
         self.ttft_index: PrefixDispatchIndex | None = None
         if table is not None and self.policy.dispatch is DispatchRule.PREDICTED_TTFT:

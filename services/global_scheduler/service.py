@@ -75,7 +75,8 @@ class GlobalScheduler:
                                              table=self.table, recompute_weight=config.prefix_recompute_weight,
                                              room_wait_weight=config.prefix_room_wait_weight,
                                              saturation_weight=config.prefix_saturation_weight,
-                                             cached_queue_weight=config.prefix_cached_queue_weight)
+                                             cached_queue_weight=config.prefix_cached_queue_weight,
+                                             held_request_tokens=config.prefix_held_request_tokens)
                                if config.dispatch_policy != DEFAULT_POLICY else None)
 
     def _standing_pairs(self) -> int:

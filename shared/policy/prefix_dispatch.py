@@ -74,19 +74,22 @@ class PrefixContext:
     # 31 % (the lowest of every policy at every rate and seed since) and its hit rate rose 5-8
     # points; on A10s it stayed within 1.05x of the best other at every rate on seed means.
     saturation_weight: float = 4.0
-    # corral-prefix: a waiting prompt's cached prefix counts this share of its prefill in the
-    # queue ahead, where the instance tells its waiting prefill in tokens (the simulated engines;
-    # `queued_prefill_tokens`). 1 counts it whole, as a report without token counts does; 0 only
-    # what it will compute. 0 on simulated A100s (benchmarks/prefix_dispatch.py, 8 seeds): P99
-    # TTFT 0.72-0.82x at conversation 96-128/s and the hit rate within 0.9x of prefix-only's at
-    # every rate, but 1.05-1.31x on system-prompts at 48-96/s, A10s no better, and the live burst
-    # test (tests/e2e/test_prefix_dispatch_live.py) piled 19-20 of 24 onto the holder: the
-    # prediction has no term for the batch a holder's many cheap prompts build up (their decode
-    # steps), which counting them whole stood in for. So 1 by default.
-    cached_queue_weight: float = 1.0
+    # corral-prefix: where the instance tells its waiting prefill in tokens (`queued_prefill_tokens`;
+    # both engines with prefix caching), a waiting prompt's cached prefix counts this share of its
+    # prefill in the queue ahead (1: whole, as a report without token counts; 0: only what it will
+    # compute), and each request it holds or queues counts as `held_request_tokens` of prefill
+    # more. That term stands for what a prefill-only prediction lacks: every request there joins
+    # the steps a new one's prefill runs in, and a holder's many cheap prompts make a long decode
+    # batch. Counting cached prefixes whole stood in for it before (B = 1, R = 0): B = 0 alone put
+    # system-prompts' P99 at 1.08x and piled the live burst test 19-20 of 24 onto the holder.
+    # B = 0, R = 256 against B = 1, R = 0 (benchmarks/prefix_dispatch.py, 8 seeds, geometric mean
+    # of P99 TTFT): A100 0.91x (conversation 0.91x, system-prompts 0.92x; 96-128/s 0.61-0.69x),
+    # A10 1.00x (Mooncake 0.96x); R = 128 A100 0.94x, R = 384 0.91x; the burst test 10-15 of 24.
+    cached_queue_weight: float = 0.0
+    held_request_tokens: float = 256.0
 
     def __post_init__(self) -> None:
-        for name in ("recompute_weight", "saturation_weight"):
+        for name in ("recompute_weight", "saturation_weight", "held_request_tokens"):
             weight = getattr(self, name)
             if not (weight >= 0.0 and math.isfinite(weight)):
                 raise ValueError(f"{name.replace('_', ' ')} must be a finite number >= 0, got {weight}")
@@ -94,6 +97,10 @@ class PrefixContext:
             raise ValueError(f"cached queue weight must be a number from 0 to 1, got {self.cached_queue_weight}")
         if not self.room_wait_weight >= 0.0:
             raise ValueError(f"room wait weight must be a number >= 0 or inf, got {self.room_wait_weight}")
+
+    def queue_tokens(self, load: LoadReport) -> int:
+        """The prefill ahead of a new request on that instance, as this context counts it."""
+        return queued_prefill_tokens(load, self.cached_queue_weight, self.held_request_tokens)
 
     @property
     def rooms_first(self) -> bool:
@@ -105,6 +112,7 @@ DEFAULT_RECOMPUTE_WEIGHT = PrefixContext.recompute_weight
 DEFAULT_ROOM_WAIT_WEIGHT = PrefixContext.room_wait_weight
 DEFAULT_SATURATION_WEIGHT = PrefixContext.saturation_weight
 DEFAULT_CACHED_QUEUE_WEIGHT = PrefixContext.cached_queue_weight
+DEFAULT_HELD_REQUEST_TOKENS = PrefixContext.held_request_tokens
 
 
 def matched_blocks(request: DispatchRequest, index: PrefixIndex) -> Mapping[str, int]:
@@ -124,15 +132,17 @@ def _tokens_of(blocks: int, request: DispatchRequest) -> int:
     return min(blocks * request.prefix_block_size, max(request.num_prompt_tokens - 1, 0)) if blocks else 0
 
 
-def queued_prefill_tokens(load: LoadReport, cached_weight: float = 1.0) -> int:
+def queued_prefill_tokens(load: LoadReport, cached_weight: float = 1.0, per_request: float = 0.0) -> int:
     """Prefill still ahead of a new request there: the waiting prompts' demand and what admitted
     prompts have still to prefill (both in blocks). Where the instance tells what its waiting
     prompts will prefill in tokens (`waiting_prefill_tokens`), their cached prefixes count
-    `cached_weight` of theirs (`PrefixContext.cached_queue_weight`; 1: whole blocks, as untold)."""
+    `cached_weight` of theirs (`PrefixContext.cached_queue_weight`; 1: whole blocks, as untold)
+    and each request it holds or queues `per_request` tokens (`PrefixContext.held_request_tokens`)."""
     waiting = load.waiting_demand_blocks * load.block_size
-    if load.waiting_prefill_tokens is not None and cached_weight < 1.0:
+    if load.waiting_prefill_tokens is not None and (cached_weight < 1.0 or per_request):
         uncached = min(load.waiting_prefill_tokens, waiting)
-        waiting = uncached + round(cached_weight * (waiting - uncached))
+        waiting = uncached + round(cached_weight * (waiting - uncached)
+                                   + per_request * (load.num_waiting + load.num_running))
     return waiting + load.committed_blocks * load.block_size
 
 
@@ -148,10 +158,10 @@ def recompute_weight_for(request: DispatchRequest, context: PrefixContext, short
     the request ÷ the request's own prefill, at most 1. That queue is the time before any of them
     can start more work, and about s requests of this size reach each meanwhile: prefill done
     again now delays them. s = 0 while any of them is idle. Capped because an instance that does
-    not tell its waiting prefill in tokens (vLLM's llumlet) has its queue counted in its prompts'
-    blocks, cached ones included, so a holder's queue reads longer than it is: an uncapped charge
-    grew with that error and piled a burst onto the holder (26 of 64 where 8 instances share one
-    system prompt; capped, 13; unraised, 9)."""
+    not tell its waiting prefill in tokens (one without a prefix cache, an older llumlet) has its
+    queue counted in its prompts' blocks, cached ones included, so a holder's queue reads longer
+    than it is: an uncapped charge grew with that error and piled a burst onto the holder (26 of
+    64 where 8 instances share one system prompt; capped, 13; unraised, 9)."""
     own_s = context.prefill_s(request.num_prompt_tokens)
     if not context.saturation_weight or shortest_queue_tokens <= 0 or own_s <= 0:
         return context.recompute_weight
@@ -171,7 +181,7 @@ def _prefill_terms_s(load: LoadReport, request: DispatchRequest, context: Prefix
                      matched: Mapping[str, int]) -> tuple[float, float]:
     """(prefill queued ahead there, prefill of the request's uncached suffix there)."""
     uncached = request.num_prompt_tokens - cached_tokens(load, request, matched)
-    return context.prefill_s(queued_prefill_tokens(load, context.cached_queue_weight)), context.prefill_s(uncached)
+    return context.prefill_s(context.queue_tokens(load)), context.prefill_s(uncached)
 
 
 def choose_by_predicted_ttft(
@@ -182,7 +192,7 @@ def choose_by_predicted_ttft(
         return live
     matched = matched_blocks(request, context.index)
     least_s = least_prefill_s(request, context, matched)
-    shortest = min(queued_prefill_tokens(load, context.cached_queue_weight) for load in live)
+    shortest = min(context.queue_tokens(load) for load in live)
     weight = recompute_weight_for(request, context, shortest)
     return pick_predicted([ttft_rank(load, request, config, context, matched, least_s, weight) for load in live],
                           request, config, context, matched)

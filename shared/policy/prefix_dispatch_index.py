@@ -29,7 +29,6 @@ from shared.policy.prefix_dispatch import (
     least_prefill_s,
     matched_blocks,
     pick_predicted,
-    queued_prefill_tokens,
     recompute_weight_for,
     ttft_rank,
 )
@@ -50,7 +49,7 @@ class PrefixDispatchIndex:
     def put(self, load: LoadReport) -> None:
         """An instance's new load (a report, or a dispatch accounted): O(log N)."""
         self.remove(load.instance_id)
-        key = (queued_prefill_tokens(load, self.context.cached_queue_weight), load.instance_id)
+        key = (self.context.queue_tokens(load), load.instance_id)
         self._keys[load.instance_id] = key
         self._loads[load.instance_id] = load
         (self._draining if load.draining else self._serving).add(key)

@@ -13,7 +13,11 @@ from loadgen.simulator.cluster import ClusterSimulator
 from loadgen.simulator.workload import WorkloadSpec, build_workload
 from services.llumlet.migration.protocol import MigrationLimits
 from shared.policy.baselines import get_policy
-from shared.policy.prefix_dispatch import DEFAULT_CACHED_QUEUE_WEIGHT, DEFAULT_SATURATION_WEIGHT
+from shared.policy.prefix_dispatch import (
+    DEFAULT_CACHED_QUEUE_WEIGHT,
+    DEFAULT_HELD_REQUEST_TOKENS,
+    DEFAULT_SATURATION_WEIGHT,
+)
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -150,13 +154,24 @@ def test_the_saturation_weight_is_a_flag_and_a_bad_one_a_usage_error(capsys):
 
 def test_the_cached_queue_weight_is_a_flag_and_a_bad_one_a_usage_error(capsys):
     base = ("--dataset", "random:200:20", "--rate", "1")
-    assert cli.build_config(parse(*base, "--prefix-cached-queue-weight", "0")).prefix_cached_queue_weight == 0.0
-    assert cli.build_config(parse(*base)).prefix_cached_queue_weight == DEFAULT_CACHED_QUEUE_WEIGHT == 1.0
+    assert cli.build_config(parse(*base, "--prefix-cached-queue-weight", "1")).prefix_cached_queue_weight == 1.0
+    assert cli.build_config(parse(*base)).prefix_cached_queue_weight == DEFAULT_CACHED_QUEUE_WEIGHT == 0.0
     for bad in ("-0.1", "1.5", "nan", "x"):
         with pytest.raises(SystemExit) as exit_info:
             parse(*base, "--prefix-cached-queue-weight", bad)
         assert exit_info.value.code == 2
         assert "--prefix-cached-queue-weight" in capsys.readouterr().err
+
+
+def test_the_held_request_tokens_are_a_flag_and_a_bad_one_a_usage_error(capsys):
+    base = ("--dataset", "random:200:20", "--rate", "1")
+    assert cli.build_config(parse(*base, "--prefix-held-request-tokens", "64")).prefix_held_request_tokens == 64.0
+    assert cli.build_config(parse(*base)).prefix_held_request_tokens == DEFAULT_HELD_REQUEST_TOKENS
+    for bad in ("-1", "nan", "inf", "x"):
+        with pytest.raises(SystemExit) as exit_info:
+            parse(*base, "--prefix-held-request-tokens", bad)
+        assert exit_info.value.code == 2
+        assert "--prefix-held-request-tokens" in capsys.readouterr().err
 
 
 def test_the_notice_steps_are_a_flag_as_the_llumlets():

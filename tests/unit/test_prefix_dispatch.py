@@ -12,7 +12,6 @@ from shared.messages import DispatchRequest
 from shared.policy.config import PolicyConfig
 from shared.policy.dispatch import account_dispatch, dispatch_score
 from shared.policy.prefix_dispatch import (
-    DEFAULT_CACHED_QUEUE_WEIGHT,
     DEFAULT_SATURATION_WEIGHT,
     PrefixContext,
     choose_by_predicted_ttft,
@@ -76,9 +75,9 @@ def dispatch_burst(choose, loads: dict, ctx: PrefixContext, num_requests: int) -
     picks = Counter()
     for i in range(num_requests):
         req = request(i)
-        iid = choose(list(loads.values()), req, CONFIG, ctx).instance_id
-        picks[iid] += 1
-        loads[iid] = account_dispatch(loads[iid], req)
+        decision = choose(list(loads.values()), req, CONFIG, ctx)
+        picks[decision.instance_id] += 1
+        loads[decision.instance_id] = account_dispatch(loads[decision.instance_id], req, decision.cached_tokens)
     return picks
 
 
@@ -241,8 +240,8 @@ def test_requests_without_hashes_fall_back_to_load():
 def test_a_queue_of_cached_prompts_counts_only_their_uncached_prefill():
     # Ten prompts queued on the holder, each the 640-token system prompt and 32 tokens more: in
     # blocks that is 430 blocks, 6,880 tokens, 0.69 s ahead; in the tokens they will prefill with
-    # the prompt cached there, 330 (33 ms). Counting only those (cached queue weight 0), the
-    # holder keeps the request; counting the cached prefixes whole (the default, and all an
+    # the prompt cached there, 330 (33 ms). Counting only those (cached queue weight 0, no held
+    # requests counted), the holder keeps the request; counting the cached prefixes whole (all an
     # instance that does not tell the tokens allows), it goes to the idle instance.
     blocks_only = make_load("a", total=10_000, waiting=[43] * 10)
     told = replace(blocks_only, waiting_prefill_tokens=10 * 33)
@@ -250,8 +249,9 @@ def test_a_queue_of_cached_prompts_counts_only_their_uncached_prefill():
     assert queued_prefill_tokens(blocks_only) == queued_prefill_tokens(told) == 430 * BS
     assert queued_prefill_tokens(blocks_only, 0.0) == 430 * BS  # untold: whole blocks whatever the weight
     assert queued_prefill_tokens(told, 0.0) == 330 and queued_prefill_tokens(told, 0.5) == 330 + 3275
-    for weight, chosen in ((DEFAULT_CACHED_QUEUE_WEIGHT, "b"), (0.0, "a")):
-        ctx = PrefixContext(DictIndex({"a": SYSTEM_HASHES}), prefill_s, cached_queue_weight=weight)
+    for weight, chosen in ((1.0, "b"), (0.0, "a")):
+        ctx = PrefixContext(DictIndex({"a": SYSTEM_HASHES}), prefill_s, cached_queue_weight=weight,
+                            held_request_tokens=0)
         assert choose_by_predicted_ttft([blocks_only, idle], request(5), CONFIG, ctx).instance_id == "b"
         assert choose_by_predicted_ttft([told, idle], request(5), CONFIG, ctx).instance_id == chosen, weight
     # Admitted prompts' prefill still to do counts beside it (in blocks: it is uncached already).
@@ -259,6 +259,36 @@ def test_a_queue_of_cached_prompts_counts_only_their_uncached_prefill():
     for bad in (-0.1, 1.5, math.nan):
         with pytest.raises(ValueError):
             PrefixContext(DictIndex({}), prefill_s, cached_queue_weight=bad)
+
+
+def test_each_request_held_or_queued_counts_as_prefill_where_the_instance_tells_tokens():
+    # Two running and ten queued on the holder: at 256 tokens each, 3,072 more than their 330
+    # uncached tokens; an instance that does not tell its waiting prefill keeps whole blocks.
+    blocks_only = make_load("a", total=10_000, running={0: (2, 100)}, waiting=[43] * 10)
+    told = replace(blocks_only, waiting_prefill_tokens=10 * 33)
+    assert queued_prefill_tokens(told, 0.0, 256) == 330 + 12 * 256
+    assert queued_prefill_tokens(told, 1.0, 256) == 430 * BS + 12 * 256
+    assert queued_prefill_tokens(blocks_only, 0.0, 256) == 430 * BS
+    ctx = PrefixContext(DictIndex({}), prefill_s, cached_queue_weight=0.0, held_request_tokens=256)
+    assert ctx.queue_tokens(told) == 330 + 12 * 256
+    with pytest.raises(ValueError):
+        PrefixContext(DictIndex({}), prefill_s, held_request_tokens=-1)
+
+
+def test_counting_held_requests_spreads_a_burst_that_uncached_prefill_alone_piles():
+    # A burst onto the one holder of a system prompt, no report between: counting only what the
+    # queued prompts compute (32 tokens each), the holder takes every request; counting each
+    # request it holds as prefill too, the others take a share. Fewer still with no rise of the
+    # recompute charge (a held request makes an instance count as queued, and the charge rises).
+    def holder_picks(tokens: float, saturation_weight: float = DEFAULT_SATURATION_WEIGHT) -> int:
+        loads = {n: replace(make_load(n, total=1000), waiting_prefill_tokens=0) for n in "abcdefgh"}
+        ctx = PrefixContext(DictIndex({"a": SYSTEM_HASHES}), prefill_s, cached_queue_weight=0.0,
+                            held_request_tokens=tokens, saturation_weight=saturation_weight)
+        return dispatch_burst(choose_by_predicted_ttft, loads, ctx, 24)["a"]
+
+    assert holder_picks(0) == 24
+    assert holder_picks(256) <= 17
+    assert holder_picks(256, saturation_weight=0.0) <= 10
 
 
 def test_a_dispatch_counts_into_the_queue_the_prefill_it_will_do_there():

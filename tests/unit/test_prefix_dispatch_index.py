@@ -29,10 +29,11 @@ class StubIndex:
 
 
 def _context(index: StubIndex, tie_s: float = 1e-3, room_wait_weight: float = 1.0,
-             saturation_weight: float = DEFAULT_SATURATION_WEIGHT, cached_queue_weight: float = 1.0) -> PrefixContext:
+             saturation_weight: float = DEFAULT_SATURATION_WEIGHT, cached_queue_weight: float = 1.0,
+             held_request_tokens: float = 0.0) -> PrefixContext:
     return PrefixContext(index, prefill_s=lambda n: 0.255e-3 * n + 8.2e-3 if n > 0 else 0.0, ttft_tie_s=tie_s,
                          room_wait_weight=room_wait_weight, saturation_weight=saturation_weight,
-                         cached_queue_weight=cached_queue_weight)
+                         cached_queue_weight=cached_queue_weight, held_request_tokens=held_request_tokens)
 
 
 def _random_load(rng: random.Random, instance_id: str):
@@ -60,7 +61,8 @@ def test_index_equals_scan_on_random_fleets(seed, room_wait_weight, saturation_w
     config = PolicyConfig(tie_epsilon=rng.choice([1e-6, 0.5, 5.0]))
     prefixes = StubIndex()
     context = _context(prefixes, tie_s=rng.choice([1e-3, 0.0, 0.05]), room_wait_weight=room_wait_weight,
-                       saturation_weight=saturation_weight, cached_queue_weight=rng.choice([1.0, 0.0, 0.3]))
+                       saturation_weight=saturation_weight, cached_queue_weight=rng.choice([1.0, 0.0, 0.3]),
+                       held_request_tokens=rng.choice([0.0, 0.0, 37.0, 256.0]))
     index = PrefixDispatchIndex(config, context)
     loads = {}
     ids = [f"i{k}" for k in range(rng.randint(0, 30))]

@@ -10,7 +10,11 @@ from services.global_scheduler.dispatcher import NamedDispatch
 from shared.messages import DispatchRequest, KvCacheSnapshot
 from shared.policy.config import PolicyConfig
 from shared.policy.dispatch import account_dispatch
-from shared.policy.prefix_dispatch import DEFAULT_SATURATION_WEIGHT
+from shared.policy.prefix_dispatch import (
+    DEFAULT_CACHED_QUEUE_WEIGHT,
+    DEFAULT_HELD_REQUEST_TOKENS,
+    DEFAULT_SATURATION_WEIGHT,
+)
 from shared.prefix_index import GlobalPrefixIndex
 from tests.unit.policy_helpers import make_load
 
@@ -154,15 +158,35 @@ def test_the_schedulers_saturation_weight_flag_reaches_corral_prefix():
 
 def test_the_schedulers_cached_queue_weight_flag_reaches_corral_prefix():
     """`--prefix-cached-queue-weight B`: the holder's queue is ten prompts of its cached prefix
-    (4,000 tokens in blocks, 250 to compute): counted whole (the default) the request goes to the
-    idle instance; counting only what they compute, it stays with its prefix. A bad value is a
-    clear usage error."""
+    (4,000 tokens in blocks, 250 to compute): counted whole the request goes to the idle
+    instance; counting only what they compute (the default), it stays with its prefix (no held
+    request counted). A bad value is a clear usage error."""
     import msgspec
 
     holder = msgspec.structs.replace(make_load("b", total=4000, waiting=[25] * 10), waiting_prefill_tokens=250)
     chosen = {}
-    for weight in (["--prefix-cached-queue-weight", "0"], []):
-        config, chosen_id = decided_with_flags(weight, [make_load("a", total=4000), holder])
+    for weight in (["--prefix-cached-queue-weight", "1"], []):
+        config, chosen_id = decided_with_flags([*weight, "--prefix-held-request-tokens", "0"],
+                                               [make_load("a", total=4000), holder])
         chosen[config.prefix_cached_queue_weight] = chosen_id
-    assert chosen == {0.0: "b", 1.0: "a"}
+    assert chosen == {0.0: "b", 1.0: "a"} and DEFAULT_CACHED_QUEUE_WEIGHT == 0.0
     assert all(refused_flag("--prefix-cached-queue-weight", bad) == 2 for bad in ("-1", "2", "nan", "x"))
+
+
+def test_the_schedulers_held_request_tokens_flag_reaches_corral_prefix():
+    """`--prefix-held-request-tokens R`: the holder queues ten prompts of its cached prefix (250
+    tokens to compute). Counting only those, the request stays with its prefix; counting each
+    queued request as 400 tokens more, it goes to the idle instance. A bad value is a clear
+    usage error."""
+    import msgspec
+
+    holder = msgspec.structs.replace(make_load("b", total=4000, waiting=[25] * 10), waiting_prefill_tokens=250)
+    idle = msgspec.structs.replace(make_load("a", total=4000), waiting_prefill_tokens=0)
+    chosen = {}
+    for tokens in ("0", "400"):
+        flags = ["--prefix-cached-queue-weight", "0", "--prefix-held-request-tokens", tokens]
+        config, chosen_id = decided_with_flags(flags, [idle, holder])
+        chosen[config.prefix_held_request_tokens] = chosen_id
+    assert chosen == {0.0: "b", 400.0: "a"}
+    assert decided_with_flags([], [idle])[0].prefix_held_request_tokens == DEFAULT_HELD_REQUEST_TOKENS
+    assert all(refused_flag("--prefix-held-request-tokens", bad) == 2 for bad in ("-1", "nan", "inf", "x"))
