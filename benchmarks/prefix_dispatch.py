@@ -50,7 +50,8 @@ from benchmarks.migration_prefix import with_system_prompts
 from shared.config import non_negative_number, non_negative_or_inf, share_of_one
 from shared.policy.baselines import get_policy
 from shared.policy.prefix_dispatch import (
-    DEFAULT_CACHED_QUEUE_WEIGHT, DEFAULT_HELD_REQUEST_TOKENS, DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT,
+    DEFAULT_CACHED_QUEUE_WEIGHT, DEFAULT_HELD_REQUEST_TOKENS, DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT,
+    DEFAULT_SATURATION_WEIGHT,
 )
 from shared.prefix_hash import trace_block_hashes
 

@@ -16,7 +16,8 @@ from shared.policy.admission import ADMISSION_POLICY_NAMES, AdmissionPolicy, Slo
 from shared.policy.config import PolicyConfig
 from shared.policy.migration import DEFAULT_GUARD, MigrationGuard
 from shared.policy.prefix_dispatch import (
-    DEFAULT_CACHED_QUEUE_WEIGHT, DEFAULT_HELD_REQUEST_TOKENS, DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT,
+    DEFAULT_CACHED_QUEUE_WEIGHT, DEFAULT_HELD_REQUEST_TOKENS, DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT,
+    DEFAULT_SATURATION_WEIGHT,
 )
 
 

@@ -27,7 +27,8 @@ from shared.policy.baselines import POLICIES, DispatchRule, dispatch, get_policy
 from shared.policy.config import PolicyConfig
 from shared.policy.dispatch import DispatchDecision
 from shared.policy.prefix_dispatch import (
-    DEFAULT_CACHED_QUEUE_WEIGHT, DEFAULT_HELD_REQUEST_TOKENS, DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT, DEFAULT_SATURATION_WEIGHT,
+    DEFAULT_CACHED_QUEUE_WEIGHT, DEFAULT_HELD_REQUEST_TOKENS, DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT,
+    DEFAULT_SATURATION_WEIGHT,
     PrefixContext, PrefixIndex,
     matched_blocks,
 )
