@@ -141,37 +141,21 @@ def test_the_room_wait_weight_is_a_flag_inf_included_and_a_bad_one_a_usage_error
         assert "--prefix-room-wait-weight" in capsys.readouterr().err
 
 
-def test_the_saturation_weight_is_a_flag_and_a_bad_one_a_usage_error(capsys):
+@pytest.mark.parametrize("flag, value, default, bad_values", [
+    ("--prefix-saturation-weight", "0", DEFAULT_SATURATION_WEIGHT, ("-1", "nan", "inf", "x")),
+    ("--prefix-cached-queue-weight", "1", DEFAULT_CACHED_QUEUE_WEIGHT, ("-0.1", "1.5", "nan", "x")),
+    ("--prefix-held-request-tokens", "64", DEFAULT_HELD_REQUEST_TOKENS, ("-1", "nan", "inf", "x")),
+])
+def test_a_prefix_weight_is_a_flag_and_a_bad_one_a_usage_error(flag, value, default, bad_values, capsys):
     base = ("--dataset", "random:200:20", "--rate", "1")
-    assert cli.build_config(parse(*base, "--prefix-saturation-weight", "0")).prefix_saturation_weight == 0.0
-    assert cli.build_config(parse(*base)).prefix_saturation_weight == DEFAULT_SATURATION_WEIGHT
-    for bad in ("-1", "nan", "inf", "x"):
+    field = flag.removeprefix("--").replace("-", "_")
+    assert getattr(cli.build_config(parse(*base, flag, value)), field) == float(value)
+    assert getattr(cli.build_config(parse(*base)), field) == default
+    for bad in bad_values:
         with pytest.raises(SystemExit) as exit_info:
-            parse(*base, "--prefix-saturation-weight", bad)
+            parse(*base, flag, bad)
         assert exit_info.value.code == 2
-        assert "--prefix-saturation-weight" in capsys.readouterr().err
-
-
-def test_the_cached_queue_weight_is_a_flag_and_a_bad_one_a_usage_error(capsys):
-    base = ("--dataset", "random:200:20", "--rate", "1")
-    assert cli.build_config(parse(*base, "--prefix-cached-queue-weight", "1")).prefix_cached_queue_weight == 1.0
-    assert cli.build_config(parse(*base)).prefix_cached_queue_weight == DEFAULT_CACHED_QUEUE_WEIGHT == 0.0
-    for bad in ("-0.1", "1.5", "nan", "x"):
-        with pytest.raises(SystemExit) as exit_info:
-            parse(*base, "--prefix-cached-queue-weight", bad)
-        assert exit_info.value.code == 2
-        assert "--prefix-cached-queue-weight" in capsys.readouterr().err
-
-
-def test_the_held_request_tokens_are_a_flag_and_a_bad_one_a_usage_error(capsys):
-    base = ("--dataset", "random:200:20", "--rate", "1")
-    assert cli.build_config(parse(*base, "--prefix-held-request-tokens", "64")).prefix_held_request_tokens == 64.0
-    assert cli.build_config(parse(*base)).prefix_held_request_tokens == DEFAULT_HELD_REQUEST_TOKENS
-    for bad in ("-1", "nan", "inf", "x"):
-        with pytest.raises(SystemExit) as exit_info:
-            parse(*base, "--prefix-held-request-tokens", bad)
-        assert exit_info.value.code == 2
-        assert "--prefix-held-request-tokens" in capsys.readouterr().err
+        assert flag in capsys.readouterr().err
 
 
 def test_the_notice_steps_are_a_flag_as_the_llumlets():
