@@ -157,11 +157,13 @@ def recompute_weight_for(request: DispatchRequest, context: PrefixContext, short
     `saturation_weight` × s), s = the shortest prefill queue among the instances that may take
     the request ÷ the request's own prefill, at most 1. That queue is the time before any of them
     can start more work, and about s requests of this size reach each meanwhile: prefill done
-    again now delays them. s = 0 while any of them is idle. Capped because an instance that does
-    not tell its waiting prefill in tokens (one without a prefix cache, an older llumlet) has its
-    queue counted in its prompts' blocks, cached ones included, so a holder's queue reads longer
-    than it is: an uncapped charge grew with that error and piled a burst onto the holder (26 of
-    64 where 8 instances share one system prompt; capped, 13; unraised, 9)."""
+    again now delays them. s = 0 while any of them is idle; the queue is counted as
+    `PrefixContext.queue_tokens` counts it, so with `held_request_tokens` an instance holding
+    requests counts as queued (the defaults were measured so). Capped because an instance that
+    does not tell its waiting prefill in tokens (one without a prefix cache, an older llumlet)
+    has its queue counted in its prompts' blocks, cached ones included, so a holder's queue
+    reads longer than it is: an uncapped charge grew with that error and piled a burst onto the
+    holder (26 of 64 where 8 instances share one system prompt; capped, 13; unraised, 9)."""
     own_s = context.prefill_s(request.num_prompt_tokens)
     if not context.saturation_weight or shortest_queue_tokens <= 0 or own_s <= 0:
         return context.recompute_weight
