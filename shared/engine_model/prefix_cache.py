@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from itertools import islice
 from typing import Protocol
 
 
@@ -69,9 +70,16 @@ class PrefixCache:
             hit.append(block)
         return hit
 
-    def matched_blocks(self, hashes: Sequence[int]) -> int:
-        """How many leading `hashes` are cached (what a global prefix index asks)."""
-        return len(self.longest_hit(hashes, len(hashes)))
+    def matched_blocks(self, hashes: Sequence[int], max_blocks: int | None = None) -> int:
+        """How many leading `hashes` are cached, at most `max_blocks` (what a global prefix index
+        asks, and a load report's waiting prefill): `longest_hit`'s length, no list built."""
+        count = 0
+        block_of = self._block_of
+        for block_hash in hashes if max_blocks is None else islice(hashes, max(0, max_blocks)):
+            if block_hash not in block_of:
+                break
+            count += 1
+        return count
 
     def count_evictable(self, blocks: Sequence[int]) -> int:
         evictable = self._evictable

@@ -266,7 +266,9 @@ class SimScheduler(MigrationVerbs):
         report's waiting demand says as much). O(waiting requests x blocks matched): per report."""
         if self.prefix_cache is None:
             return None
-        return sum(r.num_tokens - len(self._prefix_hit(r)) * self.block_size for r in self.waiting)
+        cache, block_size = self.prefix_cache, self.block_size
+        return sum(r.num_tokens - cache.matched_blocks(r.block_hashes, (r.num_tokens - 1) // block_size) * block_size
+                   for r in self.waiting)
 
     def _prefix_hit(self, request: SimRequest) -> list[int]:
         """The cached blocks of the request's leading prefix, leaving at least its last token

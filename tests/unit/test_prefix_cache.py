@@ -124,6 +124,9 @@ def test_a_hit_revives_an_evictable_block_so_it_is_not_evicted():
     bm.free("a")
     hit = bm.cache.longest_hit([5, 6, 7], 3)
     assert len(hit) == 2
+    # The count alone, as the index and a load report ask it: the same run, capped alike.
+    assert [bm.cache.matched_blocks([5, 6, 7], n) for n in (None, 3, 1, 0, -1)] == [2, 2, 1, 0, 0]
+    assert bm.cache.matched_blocks([7, 5]) == 0  # a leading run: none past the first miss
     bm.allocate("b", 3, cached=hit)  # 2 hits + the one plain block
     assert bm.num_free == 0 and bm.cache.num_evictions == 0
     bm.check_invariants()
