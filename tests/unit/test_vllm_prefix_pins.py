@@ -54,6 +54,8 @@ def test_the_longest_leading_run_of_cached_blocks_is_found():
     assert [b.block_id for b in digests.cached_prefix(WIRE, 2)] == [100, 101]
     assert digests.cached_prefix(WIRE, 0) == []
     assert digests.cached_prefix([WIRE[0] ^ 1], 10) == []  # a hash nobody cached
+    # The count a load report takes off a waiting request's prefill (its vLLM digests): the same run.
+    assert [digests.num_leading_cached(DIGESTS, n) for n in (10, 2, 0, -1)] == [3, 2, 0, 0]
 
 
 def test_removed_and_cleared_blocks_are_forgotten_but_a_duplicate_keeps_its_digest():
@@ -67,9 +69,10 @@ def test_removed_and_cleared_blocks_are_forgotten_but_a_duplicate_keeps_its_dige
     pool.evict(DIGESTS[1])
     digests.removed([DIGESTS[1]])
     assert [b.block_id for b in digests.cached_prefix(WIRE, 10)] == [100]
-    assert len(digests) == 2
+    assert len(digests) == 2 and digests.num_leading_cached(DIGESTS, 10) == 1
     digests.cleared()
     assert len(digests) == 0 and digests.cached_prefix(WIRE, 10) == []
+    assert digests.num_leading_cached(DIGESTS, 10) == 0
 
 
 def test_a_stale_digest_is_a_miss_not_a_wrong_block():
