@@ -266,17 +266,21 @@ class SimScheduler(MigrationVerbs):
         report's waiting demand says as much). O(waiting requests x blocks matched): per report."""
         if self.prefix_cache is None:
             return None
-        cache, block_size = self.prefix_cache, self.block_size
-        return sum(r.num_tokens - cache.matched_blocks(r.block_hashes, (r.num_tokens - 1) // block_size) * block_size
+        cache = self.prefix_cache
+        return sum(r.num_tokens - cache.matched_blocks(r.block_hashes, self._max_hit_blocks(r)) * self.block_size
                    for r in self.waiting)
 
     def _prefix_hit(self, request: SimRequest) -> list[int]:
-        """The cached blocks of the request's leading prefix, leaving at least its last token
-        to compute (as vLLM: the step that computes it samples the next token)."""
+        """The cached blocks of the request's leading prefix (`_max_hit_blocks` at most)."""
         cache = self.prefix_cache
         if cache is None or not request.block_hashes:
             return []
-        return cache.longest_hit(request.block_hashes, (request.num_tokens - 1) // self.block_size)
+        return cache.longest_hit(request.block_hashes, self._max_hit_blocks(request))
+
+    def _max_hit_blocks(self, request: SimRequest) -> int:
+        """A hit leaves at least the request's last token to compute (as vLLM: the step that
+        computes it samples the next token)."""
+        return (request.num_tokens - 1) // self.block_size
 
     def _preempt_for_waiting_priority(self, out: SchedulerOutput, now: float) -> None:
         """vLLM V0's `_schedule_priority_preemption`: when the head of the waiting queue (the most
