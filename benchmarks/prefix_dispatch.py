@@ -5,8 +5,8 @@
         [--mooncake-rates 4,8,12,16] [--conversation-requests 600]
         [--policies round-robin,infaas++,llumnix-base,corral,prefix-only,kv-cost,corral-prefix]
         [--workloads conversation,system-prompts,mooncake] [--gpu A10 --num-blocks 851] [--recompute-weight 1]
-        [--room-wait-weight 1] [--saturation-weight 4] [--cached-queue-weight 1]
-        [--out results/prefix_dispatch.json]
+        [--room-wait-weight 1] [--saturation-weight 4] [--cached-queue-weight 0] [--held-request-tokens 256]
+        [--untold-every N] [--out results/prefix_dispatch.json]
 
 16 × LLaMA-7B on A10 (851 blocks of 16 tokens, prompts cut to 8k; `--gpu A100 --num-blocks 7000`
 for 80 GB A100s, where the KV cache holds ~8x more), every instance with vLLM's
@@ -29,6 +29,10 @@ load where the cache matters (the first rate at which the best load-only policy 
 SLO) >= 2x better than every load-only policy; (3) hit rate >= 0.9x prefix-only's at every rate,
 and prefix-only's P99 TTFT >= 2x corral-prefix's at high load (that rate and above). The
 Mooncake slice is a replay (its arrivals and lengths do not depend on the seed).
+
+`--untold-every N` makes the fleet mixed: every N-th instance's reports leave its waiting prefill
+in tokens untold (as an engine without a prefix cache or an older llumlet), so its queue counts
+its prompts' whole blocks.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from loadgen.simulator.cluster import ClusterSimulator
 from loadgen.simulator.config import SimConfig
 from loadgen.simulator.workload import WorkloadSpec, build_workload
 from benchmarks.migration_prefix import with_system_prompts
-from shared.config import non_negative_number, non_negative_or_inf, share_of_one
+from shared.config import non_negative_int, non_negative_number, non_negative_or_inf, share_of_one
 from shared.policy.baselines import get_policy
 from shared.policy.prefix_dispatch import (
     DEFAULT_CACHED_QUEUE_WEIGHT, DEFAULT_HELD_REQUEST_TOKENS, DEFAULT_RECOMPUTE_WEIGHT, DEFAULT_ROOM_WAIT_WEIGHT,
@@ -113,16 +117,19 @@ def main(argv: list[str] | None = None) -> int:
                              "queued (default %(default)s; 0: never)")
     parser.add_argument("--cached-queue-weight", type=share_of_one, default=DEFAULT_CACHED_QUEUE_WEIGHT,
                         help="corral-prefix: how much a waiting prompt's cached prefix counts in the queue ahead "
-                             "(default %(default)s: whole; 0: only what it will compute)")
+                             "(default %(default)s: only what it will compute; 1: whole, as an instance that does not tell)")
     parser.add_argument("--held-request-tokens", type=non_negative_number, default=DEFAULT_HELD_REQUEST_TOKENS,
                         help="corral-prefix: the prefill tokens each request held or queued counts for in the "
                              "queue ahead (default %(default)s)")
+    parser.add_argument("--untold-every", type=non_negative_int, default=0, metavar="N",
+                        help="a mixed fleet: every N-th instance reports no waiting prefill in tokens (as an engine "
+                             "without a prefix cache or an older llumlet); 0: every one tells")
     parser.add_argument("--out", default="results/prefix_dispatch.json")
     args = parser.parse_args(argv)
     base = SimConfig(num_instances=args.instances, gpu=args.gpu, prefix_recompute_weight=args.recompute_weight,
                      prefix_room_wait_weight=args.room_wait_weight, prefix_saturation_weight=args.saturation_weight,
                      prefix_cached_queue_weight=args.cached_queue_weight,
-                     prefix_held_request_tokens=args.held_request_tokens)
+                     prefix_held_request_tokens=args.held_request_tokens, untold_every=args.untold_every)
     config = replace(base, scheduler=replace(base.scheduler, enable_prefix_caching=True, num_blocks=args.num_blocks))
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]

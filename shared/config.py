@@ -53,6 +53,17 @@ def non_negative_number(text: str) -> float:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type of a whole number >= 0: a clear message, not a traceback."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text}")
+    return value
+
+
 def share_of_one(text: str) -> float:
     """argparse type of a number from 0 to 1: a clear message, not a traceback."""
     value = non_negative_number(text)

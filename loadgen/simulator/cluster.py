@@ -151,7 +151,8 @@ class ClusterSimulator:
         instance_id = f"i{len(self.instances):03d}"
         scheduler = SimScheduler(self.config.scheduler_config(self.policy.queue_policy))
         instance = SimInstance(instance_id, scheduler, self.latency, launched_at=self.now,
-                               role=self.config.role_of(len(self.instances)))
+                               role=self.config.role_of(len(self.instances)),
+                               tells_prefill_tokens=self.config.tells_prefill_tokens(len(self.instances)))
         if self.indexed is not None:
             instance.on_report = self.indexed.reported
         self.instances[instance_id] = instance

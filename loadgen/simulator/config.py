@@ -123,6 +123,10 @@ class SimConfig:
     prefix_cached_queue_weight: float = DEFAULT_CACHED_QUEUE_WEIGHT
     # and the prefill tokens each request held or queued counts for (--prefix-held-request-tokens)
     prefix_held_request_tokens: float = DEFAULT_HELD_REQUEST_TOKENS
+    # A mixed fleet: every this many-th instance (the first, then every n-th after it) reports no
+    # waiting prefill in tokens, as an engine without a prefix cache or an older llumlet does
+    # (0: every instance tells, as the simulated engine with its prefix cache does).
+    untold_every: int = 0
 
     def __post_init__(self) -> None:
         if self.num_instances < 1:
@@ -131,6 +135,8 @@ class SimConfig:
             raise ValueError(f"unknown GPU {self.gpu!r}; expected one of {', '.join(sorted(SIMPLE_MODELS))}")
         if self.kv_bytes_per_token < 1:
             raise ValueError("KV bytes per token must be positive")
+        if self.untold_every < 0:
+            raise ValueError("untold_every must be >= 0 (0: every instance tells its waiting prefill)")
         for name in ("report_interval_s", "migration_interval_s", "timeline_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
@@ -145,6 +151,10 @@ class SimConfig:
     @property
     def disaggregated(self) -> bool:
         return self.num_prefill > 0 or self.num_decode > 0
+
+    def tells_prefill_tokens(self, index: int) -> bool:
+        """Whether the `index`-th instance launched reports its waiting prefill in tokens."""
+        return not (self.untold_every and index % self.untold_every == 0)
 
     def role_of(self, index: int) -> InstanceRole:
         """The role of the `index`-th instance launched."""

@@ -33,6 +33,7 @@ class SimInstance:
     launched_at: float
     state: InstanceState = InstanceState.LIVE
     role: InstanceRole = InstanceRole.MIXED
+    tells_prefill_tokens: bool = True  # False: its reports leave `waiting_prefill_tokens` untold
     stopped_at: float | None = None
     step: SchedulerOutput | None = None  # the step in flight, if any
     report: LoadReport | None = None  # the last report, plus dispatches accounted since
@@ -108,7 +109,7 @@ class SimInstance:
             draining=self.state is InstanceState.DRAINING,
             reserved_blocks=blocks.num_reserved,
             committed_blocks=scheduler.committed_blocks(),
-            waiting_prefill_tokens=scheduler.waiting_prefill_tokens(),
+            waiting_prefill_tokens=scheduler.waiting_prefill_tokens() if self.tells_prefill_tokens else None,
             num_migrating=self.migrations_in + self.migrations_out,
             max_model_len=max_model_len,
             engine="sim",

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
+from loadgen.simulator.cluster import ClusterSimulator
 from loadgen.simulator.config import SimConfig
 from loadgen.simulator.workload import SimArrival, Workload
 from shared.engine_model.config import SchedulerConfig
+from shared.policy.baselines import get_policy
 from tests.simulator.helpers import simulate, synthetic
 
 CACHING = SimConfig(num_instances=4, scheduler=SchedulerConfig(num_blocks=2048, max_model_len=16384,
@@ -38,3 +42,17 @@ def test_prefix_aware_dispatch_finds_the_conversations_prefixes():
     assert all(len(r.finished) == 120 for r in results.values())
     assert hit_rate(results["corral-prefix"]) > 2 * hit_rate(results["corral"])
     assert hit_rate(results["corral-prefix"]) > 0.8 * hit_rate(results["prefix-only"])
+
+
+def test_a_mixed_fleet_leaves_every_nth_instances_waiting_prefill_untold():
+    # Every other instance reports as an engine without token counts would; the rest tell theirs.
+    config = replace(CACHING, untold_every=2)
+    assert [config.tells_prefill_tokens(i) for i in range(4)] == [False, True, False, True]
+    sim = ClusterSimulator(config, get_policy("corral-prefix"),
+                           synthetic("conversation:long", 40, 2.0, config, trace_timestamps=True))
+    result = sim.run()
+    assert len(result.finished) == 40
+    told = {i.instance_id: i.report.waiting_prefill_tokens is not None for i in sim.instances.values()}
+    assert told == {"i000": False, "i001": True, "i002": False, "i003": True}
+    with pytest.raises(ValueError):
+        replace(CACHING, untold_every=-1)

@@ -121,8 +121,10 @@ def test_the_schedulers_recompute_weight_flag_reaches_corral_prefix():
     keeps it there."""
     chosen = {}
     for weight in (["--prefix-recompute-weight", "0"], []):
-        # The holder's queue: 400 tokens (110 ms on A10), more than its 320 cached tokens save (82 ms).
-        config, chosen_id = decided_with_flags(weight, [make_load("a", total=400),
+        # The holder's queue: 400 tokens (110 ms on A10), more than its 320 cached tokens save (82 ms)
+        # (its queued request counted by its blocks alone: no held-request tokens).
+        flags = [*weight, "--prefix-held-request-tokens", "0"]
+        config, chosen_id = decided_with_flags(flags, [make_load("a", total=400),
                                                         make_load("b", total=400, waiting=[25])])
         chosen[config.prefix_recompute_weight] = chosen_id
     assert chosen == {0.0: "a", 1.0: "b"}
