@@ -1,14 +1,19 @@
 """Admission control under overload (issue 19 §1): none / current-load / predicted, side by side.
 
     .venv/bin/python -m benchmarks.admission [--dataset synthetic:sharegpt] [--instances 4] [--requests 800] [--seeds 0,1]
-        [--overloads 1.5,2] [--slo-ttft-s 3] [--slo-tbt-s 0.08] [--prefill N --decode M] [--out results/admission.json]
+        [--overloads 1.5,2] [--slo-ttft-s 3] [--slo-tbt-s 0.08] [--prefill N --decode M]
+        [--gpu A10] [--num-blocks N] [--dispatch corral] [--prefix-caching] [--trace-timestamps]
+        [--system-prompts K] [--out results/admission.json]
 
 e.g. P/D on a prefill-heavy trace: --dataset synthetic:L-S --instances 8 --prefill 5 --decode 3 --slo-ttft-s 2
 --slo-tbt-s 0.1 --requests 600 (the issue-19 closing note's tables: colocated ShareGPT-like and L-S at TBT 50 ms,
 300 requests; P/D L-S 5:3, L-M 4:4 and ShareGPT-like 4:4, 600 requests; seeds 0,1,2).
 
-LLaMA-7B on A10 instances (the simulator's defaults), `--dataset` lengths (ShareGPT-like by default), 10 % high
-priority, corral dispatch; the same requests for every admission policy. With `--prefill N --decode M`
+LLaMA-7B on A10 instances (the simulator's defaults; `--gpu`, `--num-blocks`), `--dataset` lengths
+(ShareGPT-like by default), 10 % high priority, corral dispatch (`--dispatch NAME`); the same requests
+for every admission policy. Prefixes: `--prefix-caching` with a `conversation:...` dataset at its
+own timing (`--trace-timestamps`: a turn finds the one before it cached), `--system-prompts K` for
+shared system prompts; admission predicts only what an instance does not hold cached. With `--prefill N --decode M`
 the first N instances prefill only and the next M decode only (P/D disaggregation, hand-off at the
 first token; admission then forecasts the decode pool: `shared.policy.decode_pool`). The saturating rate is
 measured first: the highest rate at which the cluster admitting everything keeps P99 TTFT within
@@ -32,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -42,28 +48,43 @@ from loadgen.simulator.cluster import ClusterSimulator, SimResult
 from loadgen.simulator.config import SimConfig
 from loadgen.simulator.slo import per_second, slo_metrics
 from loadgen.simulator.workload import Workload, WorkloadSpec, build_workload
+from benchmarks.migration_prefix import with_system_prompts
 from shared.policy.admission import ADMISSION_POLICY_NAMES, AdmissionPolicy, Slo, SloConfig
-from shared.policy.baselines import get_policy
+from shared.policy.baselines import POLICIES, get_policy
 from shared.policy.config import HIGH_PRIORITY
 
 DEFAULT_DATASET = "synthetic:sharegpt"
+SYSTEM_PROMPT_TOKENS = 2048  # `--system-prompts`' length (benchmarks/prefix_dispatch.py's default)
 PERIOD_S = 20.0  # square wave: half at 2x saturation, half at 0.5x
 
 
-def simulate(config: SimConfig, workload: Workload, policy: AdmissionPolicy, slo: SloConfig) -> SimResult:
-    return ClusterSimulator(replace(config, admission=AdmissionModel(policy, slo)), get_policy("corral"), workload).run()
+def simulate(config: SimConfig, workload: Workload, policy: AdmissionPolicy, slo: SloConfig,
+             dispatch: str = "corral") -> SimResult:
+    """`dispatch`: the policy choosing among the admitted instances."""
+    admitting = replace(config, admission=AdmissionModel(policy, slo))
+    return ClusterSimulator(admitting, get_policy(dispatch), workload).run()
 
 
-def saturating_rate(config: SimConfig, dataset: str, n: int, seed: int, slo: SloConfig) -> float:
-    """The highest offered rate (steps of 0.25 req/s) at which the cluster, admitting everything,
-    still keeps P99 TTFT within the SLO."""
+def saturating_rate(config: SimConfig, workload_at: Callable[[float], Workload], slo: SloConfig,
+                    dispatch: str = "corral") -> float:
+    """The highest offered rate (steps of 0.25 req/s; past 8 req/s, of 1/32 of the rate: a run per
+    step) at which the cluster, admitting everything, still keeps P99 TTFT within the SLO."""
     rate = 0.25
     while True:
-        workload = build_workload(WorkloadSpec(dataset, num_requests=n, rate=rate + 0.25, seed=seed), config.max_seq_len)
-        result = simulate(config, workload, AdmissionPolicy.NONE, slo)
+        step = 0.25 if rate < 8 else rate / 32
+        result = simulate(config, workload_at(rate + step), AdmissionPolicy.NONE, slo, dispatch)
         if slo_metrics(result, slo).accepted_ttft_p99_s > slo.default.ttft_s:
             return rate
-        rate += 0.25
+        rate += step
+
+
+def workload_of(spec: WorkloadSpec, config: SimConfig, system_prompts: int) -> Workload:
+    """The spec's workload; with `system_prompts`, each session opening with one of that many
+    shared system prompts (as benchmarks/prefix_dispatch.py's system-prompts workload)."""
+    workload = build_workload(spec, config.max_seq_len)
+    if not system_prompts:
+        return workload
+    return with_system_prompts(workload, system_prompts, SYSTEM_PROMPT_TOKENS, config.max_seq_len, spec.seed)
 
 
 def square_wave(base: Workload, dataset: str, saturation: float, seed: int) -> Workload:
@@ -127,16 +148,38 @@ def main(argv: list[str] | None = None) -> int:
                         help="the same on a prefill instance of P/D pools")
     parser.add_argument("--prefill", type=int, default=0, help="prefill-only instances (P/D; of --instances)")
     parser.add_argument("--decode", type=int, default=0, help="decode-only instances (P/D; of --instances)")
+    parser.add_argument("--dispatch", default="corral", choices=sorted(POLICIES),
+                        help="the dispatch policy among the admitted instances (corral-prefix: by prefix and queue)")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="every instance caches prefixes (vLLM's prefix caching): a cached prefix is not "
+                             "prefilled again, and admission predicts only the rest (try a conversation:... dataset)")
+    parser.add_argument("--gpu", default="A10", choices=["A10", "A100", "H100"], help="latency profile")
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks per instance (default: the GPU's)")
+    parser.add_argument("--system-prompts", type=int, default=0, metavar="K",
+                        help="each session opens with one of K shared 2,048-token system prompts (Zipf-skewed; "
+                             "as benchmarks/prefix_dispatch.py's system-prompts workload; 0: none)")
+    parser.add_argument("--trace-timestamps", action="store_true",
+                        help="arrivals at the dataset's own times rescaled to each rate (a conversation's turns "
+                             "in their order and spacing, so a turn finds the one before it cached), not Poisson")
     parser.add_argument("--out", default="results/admission.json")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     overloads = [float(x) for x in args.overloads.split(",")]
     slo = SloConfig(Slo(args.slo_ttft_s, args.slo_tbt_s), reserve=args.slo_reserve,
                     handoff_reserve=args.slo_handoff_reserve)
-    config = SimConfig(num_instances=args.instances, num_prefill=args.prefill, num_decode=args.decode)
-    saturation = saturating_rate(config, args.dataset, args.requests, seeds[0], slo)
+    config = SimConfig(num_instances=args.instances, gpu=args.gpu, num_prefill=args.prefill, num_decode=args.decode)
+    if args.prefix_caching:
+        config = config.with_scheduler(enable_prefix_caching=True)
+    if args.num_blocks is not None:
+        config = config.with_scheduler(num_blocks=args.num_blocks)
+    probe = WorkloadSpec(args.dataset, num_requests=args.requests, seed=seeds[0],
+                         trace_timestamps=args.trace_timestamps)
+    saturation = saturating_rate(config, lambda rate: workload_of(probe.with_rate(rate), config, args.system_prompts),
+                                 slo, args.dispatch)
     roles = f" (P/D {args.prefill}:{args.decode})" if config.disaggregated else ""
-    print(f"{args.instances} x A10{roles}, {args.dataset}, saturating rate {saturation:.2f} req/s; "
+    caching = ", prefix caching" if args.prefix_caching else ""
+    print(f"{args.instances} x {args.gpu}{roles}{caching}, {args.dataset}, {args.dispatch} dispatch, saturating rate "
+          f"{saturation:.2f} req/s; "
           f"SLO TTFT {args.slo_ttft_s:g} s, TBT {args.slo_tbt_s * 1e3:g} ms (normal priority keeps "
           f"{slo.reserve:.0%} in reserve{f', {slo.handoff_reserve:.0%} on prefill instances' if config.disaggregated else ''})")
     header = (f"{'workload':<16} {'seed':>4} {'admission':<13} {'goodput':>9} {'rejected':>8} {'high rej':>8} "
@@ -146,15 +189,17 @@ def main(argv: list[str] | None = None) -> int:
     document = {"settings": {**vars(args), "saturating_rate": saturation, "dataset": args.dataset}, "runs": []}
     out = Path(args.out)
     for seed in seeds:
-        spec = WorkloadSpec(args.dataset, num_requests=args.requests, priority_fraction=0.1, seed=seed)
-        workloads = {f"overload {x:g}x": build_workload(spec.with_rate(x * saturation), config.max_seq_len)
+        spec = WorkloadSpec(args.dataset, num_requests=args.requests, priority_fraction=0.1, seed=seed,
+                            trace_timestamps=args.trace_timestamps)
+        workloads = {f"overload {x:g}x": workload_of(spec.with_rate(x * saturation), config, args.system_prompts)
                      for x in overloads}
-        base = build_workload(spec.with_rate(saturation), config.max_seq_len)
+        base = workload_of(spec.with_rate(saturation), config, args.system_prompts)
         workloads["square wave"] = square_wave(base, args.dataset, saturation, seed)
         for name, workload in workloads.items():
             runs = {}
             for policy in ADMISSION_POLICY_NAMES:
-                m = runs[policy] = row(simulate(config, workload, AdmissionPolicy(policy), slo), slo)
+                result = simulate(config, workload, AdmissionPolicy(policy), slo, args.dispatch)
+                m = runs[policy] = row(result, slo)
                 print(f"{name:<16} {seed:>4} {policy:<13} {m['goodput_rps']:>7.2f}/s {m['rejected_share']:>8.1%} "
                       f"{m['high_rejected_share']:>8.1%} {m['wasted_prefill_share']:>9.1%} "
                       f"{m['accepted_ttft_p99_s']:>8.2f}s {m['accepted_tbt_p99_s'] * 1e3:>6.0f}ms "

@@ -14,7 +14,7 @@ chunked-prefill budget a step is the engines' `max_num_batched_tokens`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from shared.engine_model.latency import LatencyModel
@@ -79,9 +79,10 @@ class SimAdmission:
             self._inflation.pop(instance_id, None)
 
     def decide(self, loads: Sequence[LoadReport], prompt_tokens: int, priority: int,
-               fleet: Sequence[LoadReport] = ()) -> AdmissionDecision:
+               fleet: Sequence[LoadReport] = (), cached_tokens: Mapping[str, int] | None = None) -> AdmissionDecision:
         """`loads`: the instances the request may be dispatched to; `fleet`: every serving one (with
-        P/D roles, the decode pool a prefilled request moves to is among them)."""
+        P/D roles, the decode pool a prefilled request moves to is among them); `cached_tokens`:
+        the prompt's tokens each instance's prefix cache holds."""
         outlooks = [self._outlook(load) for load in loads if not load.draining]
         decode = decode_loads(fleet)
         pool = None
@@ -89,7 +90,8 @@ class SimAdmission:
             prefill = prefill_loads(fleet)
             last = max((self._latency.prefill_s(queued_prefill_tokens(load)) for load in prefill), default=0.0)
             pool = DecodePool([self._outlook(load) for load in decode], *in_flight_of(prefill), last)
-        return admit(outlooks, prompt_tokens, priority, self.model.policy, self.model.slo, self._latency, pool)
+        return admit(outlooks, prompt_tokens, priority, self.model.policy, self.model.slo, self._latency, pool,
+                     cached_tokens)
 
     def _outlook(self, load: LoadReport) -> InstanceOutlook:
         scheduler = self._instances[load.instance_id].scheduler

@@ -32,7 +32,7 @@ from shared.policy.admission import AdmissionPolicy
 from shared.policy.baselines import DispatchRule, SchedulingPolicy, dispatch
 from shared.policy.disaggregation import dispatch_pool
 from shared.policy.dispatch import DispatchDecision, account_dispatch
-from shared.policy.prefix_dispatch import PrefixContext
+from shared.policy.prefix_dispatch import PrefixContext, cached_tokens, matched_blocks
 from shared.prefix_hash import trace_block_hashes
 
 
@@ -298,7 +298,9 @@ class ClusterSimulator:
         if self.config.num_prefill:  # new requests go to prefill (and mixed) instances only
             loads = dispatch_pool(loads)
         if self.admission is not None:  # early rejection: before any prefill is spent
-            admitted = self.admission.decide(loads, arrival.prompt_len, priority, fleet)
+            matched = matched_blocks(message, self.prefix.index)  # (none without prefix caching)
+            cached = {load.instance_id: cached_tokens(load, message, matched) for load in loads}
+            admitted = self.admission.decide(loads, arrival.prompt_len, priority, fleet, cached)
             self._predictions = {p.instance_id: p.ttft_s for p in admitted.predictions}
             if not admitted.accepted:
                 return DispatchDecision(None, f"overloaded:{admitted.rejected.value}", Refusal.OVERLOADED)

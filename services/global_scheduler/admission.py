@@ -24,6 +24,9 @@ decode instances' reports and the requests the prefill instances' reports show o
 The chunked-prefill budget a step (for `predicted`'s prefill interference) is not in the reports:
 the default of `InstanceOutlook` (vLLM's 2,048) is taken.
 
+A prompt's prefix cached on an instance (the scheduler's prefix index, from the llumlets' KV
+events) is not predicted there: only the rest is prefilled, as the dispatch predicts it.
+
 An admitted request's reply carries its predicted TTFT on the chosen instance, which the gateway
 compares with the TTFT it measures (`corral:gateway_ttft_prediction_error_seconds`).
 """
@@ -50,7 +53,7 @@ from shared.policy.admission import (
     admit,
 )
 from shared.policy.decode_pool import DecodePool, decode_loads, in_flight_of, prefill_loads
-from shared.policy.prefix_dispatch import queued_prefill_tokens
+from shared.policy.prefix_dispatch import PrefixIndex, cached_tokens, matched_blocks, queued_prefill_tokens
 
 MIN_RETRY_S, MAX_RETRY_S = 0.1, 30.0
 MIN_INFLATION, MAX_INFLATION = 0.01, 100.0  # a measured ratio outside these is a broken clock, not a pace
@@ -67,8 +70,10 @@ class AdmissionSettings:
 
 
 class DispatchAdmission:
-    def __init__(self, settings: AdmissionSettings, registry: CollectorRegistry) -> None:
+    def __init__(self, settings: AdmissionSettings, registry: CollectorRegistry,
+                 prefixes: PrefixIndex | None = None) -> None:
         self.settings = settings
+        self._prefixes = prefixes  # the llumlets' prefix caches (None: every prompt predicted whole)
         model = LatencyModel(settings.gpu)
         self._latency = LatencyFns(prefill_s=lambda n: model.prefill_ms(n) / 1e3 if n > 0 else 0.0,
                                    decode_s=lambda bs, ctx: model.decode_ms(bs, ctx) / 1e3)
@@ -86,8 +91,10 @@ class DispatchAdmission:
         live = [load for load in loads if not load.draining and load.instance_id not in request.exclude]
         if not live:  # nothing to predict: dispatch answers as without admission (no instance, not overload)
             return request, None, {}
+        matched = matched_blocks(request, self._prefixes) if self._prefixes is not None else {}
+        cached = {load.instance_id: cached_tokens(load, request, matched) for load in live}
         decision = admit([self._outlook(load) for load in live], request.num_prompt_tokens, request.priority,
-                         self.settings.policy, self.settings.slo, self._latency, self._decode_pool(loads))
+                         self.settings.policy, self.settings.slo, self._latency, self._decode_pool(loads), cached)
         if decision.accepted:
             admitted = set(decision.admitted)
             others = [load.instance_id for load in live if load.instance_id not in admitted]

@@ -65,11 +65,11 @@ class GlobalScheduler:
         self.migration_loop: MigrationLoop | None = None
         self.leadership = Leadership(config.scheduler_id, config.leader_lease_s)
         self.metrics = SchedulerMetrics(self.table.live, self._standing_pairs)
-        self.admission = (DispatchAdmission(config.admission, self.metrics.registry)
-                          if config.admission is not None else None)
         bus_guard.register(self.metrics.registry)
-        # The llumlets' prefix caches (their KV events); dispatch by a policy named other than corral.
+        # The llumlets' prefix caches (their KV events): admission's and a named policy's dispatch.
         self.prefixes = PrefixTracker(lambda: (load.instance_id for load in self.table.live()), self.metrics.registry)
+        self.admission = (DispatchAdmission(config.admission, self.metrics.registry, self.prefixes.index)
+                          if config.admission is not None else None)
         self.named_dispatch = (NamedDispatch(config.dispatch_policy, config.policy, self.table.live,
                                              self.prefixes.index, config.dispatch_gpu, self.metrics.registry,
                                              table=self.table, recompute_weight=config.prefix_recompute_weight,

@@ -299,13 +299,16 @@ class LatencyFns:
 
 
 def predict(outlook: InstanceOutlook, prompt_tokens: int, policy: AdmissionPolicy, latency: LatencyFns,
-            reserve_blocks: int = 0) -> Prediction:
+            reserve_blocks: int = 0, cached_tokens: int = 0) -> Prediction:
+    """`cached_tokens`: of the prompt, held in that instance's prefix cache (they are not
+    prefilled there; its blocks are still counted whole against the room, as a bound)."""
+    assert 0 <= cached_tokens < max(prompt_tokens, 1), (cached_tokens, prompt_tokens)
     running = len(outlook.running_generated)
     step_s = latency.decode_s(running, int(running * outlook.context_tokens_per_request)) if running else 0.0
     queue_s = latency.prefill_s(outlook.queued_prefill_tokens) + _step_in_flight_s(outlook, latency, step_s)
     if -(-(prompt_tokens + 1) // outlook.block_size) + reserve_blocks > outlook.free_blocks_after_queue:
         queue_s = math.inf  # no room now: it would wait for memory (see the module note)
-    ttft = queue_s + latency.prefill_s(prompt_tokens)
+    ttft = queue_s + latency.prefill_s(prompt_tokens - cached_tokens)
     if policy is AdmissionPolicy.PREDICTED and running and math.isfinite(ttft):
         # Decode steps that fit in the TTFT at the instance's measured pace (its steps carry the
         # prefill mixed in: at the decode-only time as many as twice the steps would be counted,
@@ -349,22 +352,29 @@ def admit(
     slo: SloConfig,
     latency: LatencyFns,
     decode: DecodePool | None = None,
+    cached_tokens: Mapping[str, int] | None = None,
 ) -> AdmissionDecision:
     """`decode`: with P/D roles, the decode pool a request on a `hands_off` candidate moves to at
-    its first token; its TBT is then the pool's forecast at that time (`decode_pool.forecast`)."""
+    its first token; its TBT is then the pool's forecast at that time (`decode_pool.forecast`).
+    `cached_tokens`: by instance id, the prompt's tokens its prefix cache holds (none where
+    absent): only the rest is prefilled there, so only the rest is predicted and pushes the
+    requests decoding there."""
+    cached = cached_tokens or {}
     if policy is AdmissionPolicy.NONE:
         return AdmissionDecision(tuple(o.instance_id for o in outlooks), None, ())
     if not outlooks:
         return AdmissionDecision((), RejectReason.NO_INSTANCE, ())
     budgets = [slo.budget_for(priority, o.hands_off) for o in outlooks]
     shares = [slo.reserve_for(priority, o.hands_off) for o in outlooks]
-    predictions = tuple(predict(o, prompt_tokens, policy, latency, int(share * o.total_blocks))
+    predictions = tuple(predict(o, prompt_tokens, policy, latency, int(share * o.total_blocks),
+                                cached.get(o.instance_id, 0))
                         for o, share in zip(outlooks, shares, strict=True))
     if decode is not None and decode.instances:
         predictions = tuple(_on_decode_pool(p, decode, prompt_tokens, policy, latency, share) if o.hands_off else p
                             for o, p, share in zip(outlooks, predictions, shares, strict=True))
     if policy is AdmissionPolicy.PREDICTED:  # and the requests decoding there, which its prefill slows
-        predictions = tuple(replace(p, pushed=expected_pushed_past_tbt(o, prompt_tokens, latency, budget.tbt_s))
+        predictions = tuple(replace(p, pushed=expected_pushed_past_tbt(o, prompt_tokens - cached.get(o.instance_id, 0),
+                                                                       latency, budget.tbt_s))
                             for o, p, budget in zip(outlooks, predictions, budgets, strict=True))
     meets = [(p, budget) for p, budget in zip(predictions, budgets, strict=True) if p.ttft_s <= budget.ttft_s]
     admitted = tuple(p.instance_id for p, budget in meets if p.tbt_s <= budget.tbt_s and p.pushed < MAX_PUSHED)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -13,7 +14,7 @@ from loadgen.simulator.admission import AdmissionModel
 from loadgen.simulator.cluster import ClusterSimulator
 from loadgen.simulator.config import SimConfig
 from loadgen.simulator.slo import per_second, slo_metrics
-from loadgen.simulator.workload import WorkloadSpec, build_workload
+from loadgen.simulator.workload import SimArrival, Workload, WorkloadSpec, build_workload
 from shared.policy.admission import AdmissionPolicy, Slo, SloConfig
 from shared.policy.baselines import get_policy
 from tests.simulator.helpers import workload_of
@@ -101,3 +102,17 @@ def test_a_burst_does_not_leave_its_pace_behind_to_refuse_the_next_one():
     first, second = [i for i in admitted if i < 20], [i for i in admitted if i >= 20]
     assert first and len(second) == len(first)  # the same room again
     assert len(result.rejected) == 40 - len(admitted)
+
+
+def test_a_cached_prefix_is_not_predicted_as_prefill():
+    # One instance; three prompts sharing two 512-token trace blocks, far apart: the second and
+    # third find 1,024 of their 1,100 tokens cached, and the prediction (what admission told the
+    # gateway) is their actual TTFT, not the whole prompt's prefill (~0.3 s more on an A10).
+    rows = [SimArrival(i, 5.0 * i, 1100, 4, 0, hash_ids=(7, 8, 100 + i)) for i in range(3)]
+    base = SimConfig(num_instances=1, admission=AdmissionModel(AdmissionPolicy.PREDICTED, SLO))
+    config = replace(base, scheduler=replace(base.scheduler, enable_prefix_caching=True, max_model_len=16384))
+    result = ClusterSimulator(config, get_policy("corral-prefix"), Workload(rows, "hand-made")).run()
+    ttft = {r.request_id: r.first_token_time - r.arrival_time for r in result.finished}
+    assert sorted(r.num_cached_tokens for r in result.finished) == [0, 1024, 1024]
+    for request_id in ttft:
+        assert abs(result.predicted_ttft_s[request_id] - ttft[request_id]) < 0.05, (request_id, ttft)

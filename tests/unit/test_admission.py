@@ -51,6 +51,20 @@ def test_ttft_is_queued_prefill_plus_own_prompt_plus_half_the_step_in_flight():
     assert idle.ttft_s == pytest.approx(0.2 + 0.5 * 0.020 * 2.0)
 
 
+def test_only_the_uncached_part_of_the_prompt_is_predicted_where_its_prefix_is_cached():
+    # 900 prompt tokens: 0.9 s of prefill; 800 of them cached on "b" (0.1 s left to prefill there).
+    cold = predict(outlook("a"), 900, AdmissionPolicy.PREDICTED, LATENCY)
+    warm = predict(outlook("b"), 900, AdmissionPolicy.PREDICTED, LATENCY, cached_tokens=800)
+    assert cold.ttft_s == pytest.approx(0.9) and warm.ttft_s == pytest.approx(0.1)
+    # Behind a 300-token queue the whole prompt misses the 1 s target; its uncached rest does not.
+    loads = [outlook("a", queued=300), outlook("b", queued=300)]
+    d = admit(loads, 900, 0, AdmissionPolicy.PREDICTED, SLO, LATENCY, cached_tokens={"b": 800})
+    assert d.admitted == ("b",)
+    assert not admit(loads, 900, 0, AdmissionPolicy.PREDICTED, SLO, LATENCY).accepted
+    with pytest.raises(AssertionError):  # at least the last token is prefilled, as the engines do
+        predict(outlook("b"), 900, AdmissionPolicy.PREDICTED, LATENCY, cached_tokens=900)
+
+
 def test_none_admits_everything():
     d = admit([outlook(queued=10**6)], 10**5, 0, AdmissionPolicy.NONE, SLO, LATENCY)
     assert d.accepted and d.admitted == ("a",)

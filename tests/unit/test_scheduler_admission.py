@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import msgspec
 import pytest
 
 from services.global_scheduler import config as scheduler_config
@@ -49,6 +50,21 @@ def test_dispatch_goes_only_to_an_instance_that_can_meet_the_slo():
                   make_load("b", total=300, running={0: (2, 40)}))
     reply = s.decide(DispatchRequest("r0", 100, 16))
     assert reply.instance_id == "b"
+
+
+def test_a_prompt_cached_on_an_instance_is_predicted_there_by_its_uncached_rest():
+    # Behind "b"'s queue (1,024 tokens, ~0.3 s on A10) a 3,200-token prompt (~0.8 s) misses the
+    # 0.9 s budget; with its first 3,072 tokens in "b"'s prefix cache (the scheduler's prefix
+    # index, from the llumlets' KV events) it is admitted there, and its predicted TTFT is short.
+    from shared.messages import KvCacheSnapshot
+
+    chain = list(range(1, 193))  # 192 blocks of 16 tokens
+    s = scheduler(make_load("b", total=4000, waiting=[64]))
+    req = DispatchRequest("r0", 3200, 16, block_hashes=chain + [999] * 8, prefix_block_size=16)
+    assert s.decide(req).reason is Refusal.OVERLOADED
+    s.prefixes.index.restore(KvCacheSnapshot("b", 0, 16, chain))
+    reply = s.decide(msgspec.structs.replace(req, request_id="r1"))
+    assert reply.instance_id == "b" and reply.predicted_ttft_s < 0.5
 
 
 def test_no_room_is_refused_for_normal_priority_before_high():
