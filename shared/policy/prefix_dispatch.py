@@ -169,7 +169,8 @@ def recompute_weight_for(request: DispatchRequest, context: PrefixContext, short
     does not tell its waiting prefill in tokens (one without a prefix cache, an older llumlet)
     has its queue counted in its prompts' blocks, cached ones included, so a holder's queue
     reads longer than it is: an uncapped charge grew with that error and piled a burst onto the
-    holder (26 of 64 where 8 instances share one system prompt; capped, 13; unraised, 9)."""
+    holder (26 of 64 where 8 instances share one system prompt; capped, 13, and 12 with the
+    held-request term now counted there too; unraised, 9)."""
     own_s = context.prefill_s(request.num_prompt_tokens)
     if not context.saturation_weight or shortest_queue_tokens <= 0 or own_s <= 0:
         return context.recompute_weight
