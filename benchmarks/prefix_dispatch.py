@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                              "queued (default %(default)s; 0: never)")
     parser.add_argument("--cached-queue-weight", type=share_of_one, default=DEFAULT_CACHED_QUEUE_WEIGHT,
                         help="corral-prefix: how much a waiting prompt's cached prefix counts in the queue ahead "
-                             "(default %(default)s: only what it will compute; 1: whole, as an instance that does not tell)")
+                             "(default %(default)s: only what it will compute; 1: whole, as an instance that "
+                             "does not tell)")
     parser.add_argument("--held-request-tokens", type=non_negative_number, default=DEFAULT_HELD_REQUEST_TOKENS,
                         help="corral-prefix: the prefill tokens each request held or queued counts for in the "
                              "queue ahead (default %(default)s)")

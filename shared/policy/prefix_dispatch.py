@@ -81,10 +81,11 @@ class PrefixContext:
     # `held_request_tokens` of prefill more (counted only where told, a mixed fleet read the
     # untold instances as emptier: simulated A100s, 4 seeds, P99 TTFT 1.17x with every other
     # instance untold, 0.86x of that once counted on all; an all-untold fleet 0.93x of before;
-    # A10s within 1.00x +- 0.03). That term stands for what a prefill-only prediction lacks: every request there joins
-    # the steps a new one's prefill runs in, and a holder's many cheap prompts make a long decode
-    # batch. Counting cached prefixes whole stood in for it before (B = 1, R = 0): B = 0 alone put
-    # system-prompts' P99 at 1.08x and piled the live burst test 19-20 of 24 onto the holder.
+    # A10s within 1.00x +- 0.03). That term stands for what a prefill-only prediction lacks:
+    # every request there joins the steps a new one's prefill runs in, and a holder's many cheap
+    # prompts make a long decode batch. Counting cached prefixes whole stood in for it before
+    # (B = 1, R = 0): B = 0 alone put system-prompts' P99 at 1.08x and piled the live burst test
+    # 19-20 of 24 onto the holder.
     # B = 0, R = 256 against B = 1, R = 0 (benchmarks/prefix_dispatch.py, 8 seeds, geometric mean
     # of P99 TTFT): A100 0.91x (conversation 0.91x, system-prompts 0.92x; 96-128/s 0.61-0.69x),
     # A10 1.00x (Mooncake 0.96x); R = 128 A100 0.94x, R = 384 0.91x; the burst test 10-15 of 24.
