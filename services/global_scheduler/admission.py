@@ -25,7 +25,9 @@ The chunked-prefill budget a step (for `predicted`'s prefill interference) is no
 the default of `InstanceOutlook` (vLLM's 2,048) is taken.
 
 A prompt's prefix cached on an instance (the scheduler's prefix index, from the llumlets' KV
-events) is not predicted there: only the rest is prefilled, as the dispatch predicts it.
+events) is not predicted there: only the rest is prefilled, as the dispatch predicts it. That
+needs the prompt's block hashes in the dispatch request (the gateway's `--dispatch-prefix-hashes`);
+without them every prompt is predicted whole, as before.
 
 An admitted request's reply carries its predicted TTFT on the chosen instance, which the gateway
 compares with the TTFT it measures (`corral:gateway_ttft_prediction_error_seconds`).
