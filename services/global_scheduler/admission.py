@@ -72,10 +72,9 @@ class AdmissionSettings:
 
 
 class DispatchAdmission:
-    def __init__(self, settings: AdmissionSettings, registry: CollectorRegistry,
-                 prefixes: PrefixIndex | None = None) -> None:
+    def __init__(self, settings: AdmissionSettings, registry: CollectorRegistry, prefixes: PrefixIndex) -> None:
         self.settings = settings
-        self._prefixes = prefixes  # the llumlets' prefix caches (None: every prompt predicted whole)
+        self._prefixes = prefixes  # the llumlets' prefix caches (the scheduler's index of their KV events)
         model = LatencyModel(settings.gpu)
         self._latency = LatencyFns(prefill_s=lambda n: model.prefill_ms(n) / 1e3 if n > 0 else 0.0,
                                    decode_s=lambda bs, ctx: model.decode_ms(bs, ctx) / 1e3)
@@ -93,7 +92,7 @@ class DispatchAdmission:
         live = [load for load in loads if not load.draining and load.instance_id not in request.exclude]
         if not live:  # nothing to predict: dispatch answers as without admission (no instance, not overload)
             return request, None, {}
-        matched = matched_blocks(request, self._prefixes) if self._prefixes is not None else {}
+        matched = matched_blocks(request, self._prefixes)  # ({} for a request without block hashes)
         cached = {load.instance_id: cached_tokens(load, request, matched) for load in live}
         decision = admit([self._outlook(load) for load in live], request.num_prompt_tokens, request.priority,
                          self.settings.policy, self.settings.slo, self._latency, self._decode_pool(loads), cached)
