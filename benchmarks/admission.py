@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                              "in their order and spacing, so a turn finds the one before it cached), not Poisson")
     parser.add_argument("--out", default="results/admission.json")
     args = parser.parse_args(argv)
+    if args.num_blocks is not None and args.num_blocks < 1:
+        parser.error(f"--num-blocks must be at least 1, got {args.num_blocks}")
     seeds = [int(s) for s in args.seeds.split(",")]
     overloads = [float(x) for x in args.overloads.split(",")]
     slo = SloConfig(Slo(args.slo_ttft_s, args.slo_tbt_s), reserve=args.slo_reserve,
