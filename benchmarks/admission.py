@@ -43,12 +43,12 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.prefix_workloads import with_system_prompts
 from loadgen.simulator.admission import AdmissionModel
 from loadgen.simulator.cluster import ClusterSimulator, SimResult
 from loadgen.simulator.config import SimConfig
 from loadgen.simulator.slo import per_second, slo_metrics
 from loadgen.simulator.workload import Workload, WorkloadSpec, build_workload
-from benchmarks.migration_prefix import with_system_prompts
 from shared.policy.admission import ADMISSION_POLICY_NAMES, AdmissionPolicy, Slo, SloConfig
 from shared.policy.baselines import POLICIES, get_policy
 from shared.policy.config import HIGH_PRIORITY

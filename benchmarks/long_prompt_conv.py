@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.prefix_workloads import MOONCAKE
 from benchmarks.ten_percent_rule import average, breaches
 from loadgen.simulator.cluster import ClusterSimulator
 from loadgen.simulator.config import SimConfig
@@ -39,7 +40,6 @@ from loadgen.simulator.workload import WorkloadSpec, build_workload
 from shared.engine_model.block_manager import blocks_for_tokens
 from shared.policy.baselines import get_policy
 
-MOONCAKE = "/work/shared/data/traces/mooncake_synthetic_first400.jsonl"
 WORKLOADS = {
     # name: (dataset, replay the dataset's own (session) timestamps, rescaled to the rate)
     "conversation": ("conversation:long", True),

@@ -16,7 +16,8 @@ same requests for each variant:
 Workloads: `conversation` (conversation:long: each turn re-sends its session so far; no prefix is
 shared between sessions), `system-prompts` (the same sessions, each opening with one of
 `--system-prompts` shared system prompts of `--system-prompt-tokens`, seeded), and `mooncake`
-(the Mooncake-format trace slice in /work/shared/data/traces, its 400 requests once).
+(the Mooncake-format trace slice in /work/shared/data/traces, its 400 requests once; seed 0 its
+own timestamps, other seeds Poisson gaps: benchmarks/prefix_workloads.py).
 
 Per run: migrations committed, blocks copied, blocks the destination's cache held (not copied),
 GiB moved, mean copy time of a migration (start to commit) and downtime (suspend to commit),
@@ -34,39 +35,18 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.prefix_workloads import WORKLOADS, prefix_workload
 from loadgen.simulator.cluster import ClusterSimulator
 from loadgen.simulator.config import SimConfig
-from loadgen.simulator.workload import SimArrival, Workload, WorkloadSpec, build_workload
+from loadgen.simulator.workload import Workload
 from shared.policy.baselines import get_policy
 from shared.policy.migration import CacheAffinity
 
-MOONCAKE = "/work/shared/data/traces/mooncake_synthetic_first400.jsonl"
-TRACE_BLOCK_TOKENS = 512  # a hash id's tokens (loadgen.datasets.PREFIX_BLOCK_TOKENS)
 VARIANTS = {
     "off": (False, CacheAffinity()),
     "skip": (True, CacheAffinity(max_freeness_loss=0.0)),
     "skip+pair": (True, CacheAffinity()),
 }
-
-
-def with_system_prompts(workload: Workload, num_prompts: int, prompt_tokens: int, max_seq_len: int,
-                        seed: int) -> Workload:
-    """Each session (named by its first hash id) opens with one of `num_prompts` shared system
-    prompts, drawn with a seeded Zipf-like skew; prompts cut to leave room for their output."""
-    rng = np.random.default_rng([seed, 18])
-    blocks = -(-prompt_tokens // TRACE_BLOCK_TOKENS)
-    first_free = 1 + max((i for a in workload.arrivals for i in a.hash_ids), default=0)
-    system_ids = [tuple(range(first_free + k * blocks, first_free + (k + 1) * blocks)) for k in range(num_prompts)]
-    weights = 1.0 / np.arange(1, num_prompts + 1)
-    weights /= weights.sum()
-    chosen: dict[int, int] = {}
-    arrivals = []
-    for a in workload.arrivals:
-        session = a.hash_ids[0] if a.hash_ids else -a.index - 1
-        k = chosen.setdefault(session, int(rng.choice(num_prompts, p=weights)))
-        prompt = min(blocks * TRACE_BLOCK_TOKENS + a.prompt_len, max_seq_len - a.output_len)
-        arrivals.append(replace(a, prompt_len=prompt, hash_ids=system_ids[k] + a.hash_ids))
-    return Workload(arrivals, f"{workload.description} + {num_prompts} system prompts of {prompt_tokens}")
 
 
 def run_one(config: SimConfig, policy: str, workload: Workload, variant: str) -> dict:
@@ -94,17 +74,6 @@ def run_one(config: SimConfig, policy: str, workload: Workload, variant: str) ->
     }
 
 
-def build(name: str, args: argparse.Namespace, rate: float, seed: int, max_seq_len: int) -> Workload:
-    if name == "mooncake":
-        spec = WorkloadSpec(f"mooncake:{MOONCAKE}", num_requests=400, rate=rate, trace_timestamps=True, seed=seed)
-        return build_workload(spec, max_seq_len)
-    spec = WorkloadSpec("conversation:long", num_requests=args.requests, rate=rate, trace_timestamps=True, seed=seed)
-    workload = build_workload(spec, max_seq_len)
-    if name == "system-prompts":
-        workload = with_system_prompts(workload, args.system_prompts, args.system_prompt_tokens, max_seq_len, seed)
-    return workload
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--instances", type=int, default=16)
@@ -117,13 +86,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system-prompt-tokens", type=int, default=2048)
     parser.add_argument("--out", default="results/migration_prefix.json")
     args = parser.parse_args(argv)
+    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if unknown := [n for n in names if n not in WORKLOADS]:
+        parser.error(f"unknown workload(s) {', '.join(unknown)}: choose from {', '.join(WORKLOADS)}")
     base = SimConfig(num_instances=args.instances)
     config = replace(base, scheduler=replace(base.scheduler, enable_prefix_caching=True))
     runs, started = [], time.perf_counter()
     for seed in (int(s) for s in args.seeds.split(",")):
-        for name in (w.strip() for w in args.workloads.split(",") if w.strip()):
+        for name in names:
             for rate in (float(r) for r in args.rates.split(",") if r.strip()):
-                workload = build(name, args, rate, seed, config.max_seq_len)
+                workload = prefix_workload(name, rate, seed, config.max_seq_len, conversation_requests=args.requests,
+                                           system_prompts=args.system_prompts,
+                                           system_prompt_tokens=args.system_prompt_tokens)
                 for policy in (p.strip() for p in args.policies.split(",") if p.strip()):
                     for variant in VARIANTS:
                         row = {"workload": name, "rate": rate, "seed": seed,

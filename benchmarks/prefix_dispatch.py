@@ -16,8 +16,9 @@ re-sending the conversation so far; session timestamps rescaled to the rate), `s
 (the same sessions, each opening with one of `--system-prompts` long shared system prompts,
 Zipf-skewed so one dominates: the issue's synthetic workload, where affinity piles) and the
 Mooncake-format trace slice in /work/shared/data/traces (its 400 requests once, never cycled: a
-cycled trace repeats its own prompts and inflates hits; trace timestamps rescaled to the rate;
-each workload has its own rates). Trace `hash_ids` become block-hash chains (shared/prefix_hash.py).
+cycled trace repeats its own prompts and inflates hits; seed 0 replays its timestamps rescaled to
+the rate, other seeds draw Poisson gaps at the rate in the trace's order; each workload has its
+own rates; benchmarks/prefix_workloads.py). Trace `hash_ids` become block-hash chains (shared/prefix_hash.py).
 
 Per run: P50/P99 TTFT, P99 TBT (per request, mean time between its output tokens), goodput
 (requests meeting both SLOs, per second of makespan), prefix hit rate (prompt tokens found cached
@@ -27,8 +28,9 @@ got there). The issue's targets are printed per seed and seed-averaged (the verd
 rule is judged): (1) corral-prefix's P99 TTFT <= 1.05x the best other's at every rate; (2) at the
 load where the cache matters (the first rate at which the best load-only policy breaks the TTFT
 SLO) >= 2x better than every load-only policy; (3) hit rate >= 0.9x prefix-only's at every rate,
-and prefix-only's P99 TTFT >= 2x corral-prefix's at high load (that rate and above). The
-Mooncake slice is a replay (its arrivals and lengths do not depend on the seed).
+and prefix-only's P99 TTFT >= 2x corral-prefix's at high load (that rate and above). On the
+Mooncake slice only the arrival times depend on the seed (its lengths and prefixes are the
+trace's).
 
 `--untold-every N` makes the fleet mixed: every N-th instance's reports leave its waiting prefill
 in tokens untold (as an engine without a prefix cache or an older llumlet), so its queue counts
@@ -46,11 +48,10 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.prefix_workloads import WORKLOADS, prefix_workload
 from loadgen.datasets import PREFIX_BLOCK_TOKENS
 from loadgen.simulator.cluster import ClusterSimulator
 from loadgen.simulator.config import SimConfig
-from loadgen.simulator.workload import WorkloadSpec, build_workload
-from benchmarks.migration_prefix import with_system_prompts
 from shared.config import non_negative_int, non_negative_number, non_negative_or_inf, share_of_one
 from shared.policy.baselines import get_policy
 from shared.policy.prefix_dispatch import (
@@ -59,7 +60,6 @@ from shared.policy.prefix_dispatch import (
 )
 from shared.prefix_hash import trace_block_hashes
 
-MOONCAKE = "/work/shared/data/traces/mooncake_synthetic_first400.jsonl"
 POLICIES = ("round-robin", "infaas++", "llumnix-base", "corral", "prefix-only", "kv-cost", "corral-prefix")
 OURS = "corral-prefix"
 LOAD_ONLY = ("round-robin", "infaas++", "llumnix-base", "corral")  # dispatch blind to the cache
@@ -134,13 +134,18 @@ def main(argv: list[str] | None = None) -> int:
     config = replace(base, scheduler=replace(base.scheduler, enable_prefix_caching=True, num_blocks=args.num_blocks))
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if unknown := [n for n in names if n not in WORKLOADS]:
+        parser.error(f"unknown workload(s) {', '.join(unknown)}: choose from {', '.join(WORKLOADS)}")
     rates = {"mooncake": args.mooncake_rates, "system-prompts": args.system_prompt_rates}
     workloads = [(name, float(r)) for name in names
                  for r in rates.get(name, args.conversation_rates).split(",") if r.strip()]
     runs, started = [], time.perf_counter()
     for seed in (int(s) for s in args.seeds.split(",")):
         for name, rate in workloads:
-            workload = build(name, args, rate, seed, config.max_seq_len)
+            workload = prefix_workload(name, rate, seed, config.max_seq_len,
+                                       conversation_requests=args.conversation_requests,
+                                       system_prompts=args.system_prompts,
+                                       system_prompt_tokens=args.system_prompt_tokens)
             ceiling = hit_ceiling(workload, config.scheduler.block_size)
             print(f"{name:12s} {rate:4g}/s s{seed} hit ceiling (one unbounded cache) {ceiling:5.1%}", flush=True)
             for policy in policies:
@@ -161,20 +166,6 @@ def main(argv: list[str] | None = None) -> int:
                                "wall_s": time.perf_counter() - started}, indent=1))
     print(f"wrote {out}", file=sys.stderr)
     return 0
-
-
-def build(name: str, args: argparse.Namespace, rate: float, seed: int, max_seq_len: int):
-    if name == "mooncake":
-        spec = WorkloadSpec(f"mooncake:{MOONCAKE}", num_requests=400, rate=rate, trace_timestamps=True, seed=seed)
-        return build_workload(spec, max_seq_len)
-    if name not in ("conversation", "system-prompts"):
-        raise SystemExit(f"unknown workload {name!r}: conversation, system-prompts, mooncake")
-    spec = WorkloadSpec("conversation:long", num_requests=args.conversation_requests, rate=rate,
-                        trace_timestamps=True, seed=seed)
-    workload = build_workload(spec, max_seq_len)
-    if name == "system-prompts":
-        workload = with_system_prompts(workload, args.system_prompts, args.system_prompt_tokens, max_seq_len, seed)
-    return workload
 
 
 def hit_ceiling(workload, block_size: int) -> float:

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.migration_prefix import with_system_prompts
+from benchmarks.prefix_workloads import with_system_prompts
 from loadgen.simulator import cli
 from loadgen.simulator.config import SimConfig
 from loadgen.simulator.migration import Migrator
