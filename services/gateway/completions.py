@@ -27,7 +27,7 @@ from services.gateway.metrics import timeline_of
 from services.gateway.middleware import GENERATED_ID_STATE, REQUEST_ID_HEADER  # the header is always there
 from services.gateway.protocol import ParsedRequest, RequestKind, parse_priority
 from services.gateway.responses import SSE_DONE, ResponseFormatter, Usage, json_bytes, sse_error, sse_event
-from services.gateway.prepared import PreparedRequest
+from services.gateway.prepared import PreparedRequest, another_choice
 from services.gateway.service import GatewayService
 from services.gateway.tokenizer import PromptError
 from services.gateway.tracing import RequestTrace
@@ -270,8 +270,9 @@ class CompletionEndpoint:
         # A client's id may repeat or hold anything: the engines see ids of our own. When the id is
         # one we generated, the first choice's request is named like its response (as vLLM's are).
         own_id = response_id if generated_id is not None else None
-        return [self.service.prepare(parsed.kind, prompt_ids, o, priority, response_id, arrival,
-                                     request_id=own_id if i == 0 else None) for i, o in enumerate(per_choice)]
+        first = self.service.prepare(parsed.kind, prompt_ids, per_choice[0], priority, response_id, arrival,
+                                     request_id=own_id)
+        return [first, *(another_choice(first, o, response_id) for o in per_choice[1:])]
 
     async def _tokenize(self, parsed: ParsedRequest) -> list[int]:
         """(A text that cannot fit by its size was refused by body_parsing before it came here.)"""

@@ -3,6 +3,7 @@ the vocabulary, the output budget settled (vLLM 0.32's rules and wording). Pure:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -53,6 +54,15 @@ def prepare_request(kind: RequestKind, prompt_token_ids: list[int], options: Gen
         prompt_token_ids=prompt_token_ids, options=options, priority=priority, max_tokens=min(budget),
         arrival=time.monotonic() if arrival is None else arrival, created=int(time.time()),
     )
+
+
+def another_choice(first: PreparedRequest, options: GenerationOptions, response_id: str | None) -> PreparedRequest:
+    """Choice i > 0 of the request `first` is choice 0 of: the same prompt, not checked again (a
+    long prompt's check takes milliseconds, which n choices would make a stall for every
+    client); only the sampling differs (its seed), so the budget settled for the first holds."""
+    assert options.max_tokens == first.options.max_tokens, (options, first.options)
+    request_id = f"{first.kind.id_prefix}-{uuid.uuid4().hex}"
+    return dataclasses.replace(first, request_id=request_id, response_id=response_id or request_id, options=options)
 
 
 def context_refusal(kind: RequestKind, prompt_len: int, options: GenerationOptions, limit: int) -> ApiError | None:

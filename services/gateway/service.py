@@ -24,7 +24,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.control_channel import ControlChannel
 from services.gateway.dispatcher import Dispatcher
 from services.gateway.instances import GatewayInstances
-from services.gateway.prefix_hashes import prompt_block_hashes
+from services.gateway.prefix_hashes import PromptHasher
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.errors import TRY_ANOTHER_INSTANCE, ApiError, refusal_error
 from services.gateway.prepared import PreparedRequest, prepare_request
@@ -64,6 +64,7 @@ class GatewayService:
         self.body_workers = BodyWorkers(config.body_parse_workers, config.body_offload_bytes)
         bus_guard.register(self.metrics.registry)
         self.instances = GatewayInstances(config.instance_timeout_s)
+        self.prompt_hasher = PromptHasher()
         self.metrics.watch_instances(lambda: [load.instance_id for load in self.instances.live_loads()])
         self.resumer = Resumer(self._place, config.max_resumes, self._spawn,
                                is_open=lambda request_id: self.streams.is_open(request_id),
@@ -250,7 +251,7 @@ class GatewayService:
         assert self._dispatcher is not None
         exclude = list(exclude or ())
         gone: list[str] = []  # why the instances tried so far did not take it
-        hashes, block_size = prompt_block_hashes(
+        hashes, block_size = await self.prompt_hasher.hashes(
             request.prompt_token_ids, self.instances.prefix_block_size() if self.config.dispatch_prefix_hashes else None)
         for _attempt in range(3):  # more tries when the chosen instance is gone or leaving
             dispatch = DispatchRequest(request.request_id, len(request.prompt_token_ids), request.max_tokens,
