@@ -10,11 +10,11 @@ import re
 
 PREFIX = "corral"
 
-_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+_TOKEN = re.compile(r"[A-Za-z0-9_\-]+")
 
 
 def valid_token(value: str) -> str:
-    if not _TOKEN.match(value):
+    if not _TOKEN.fullmatch(value):  # (not `^...$`: `$` also matches before a trailing newline)
         raise ValueError(f"{value!r} is not a valid subject token (letters, digits, '_' and '-')")
     return value
 

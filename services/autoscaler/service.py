@@ -28,7 +28,7 @@ from shared.messages import (
     ScalingAction,
     ScalingEvent,
     decode,
-    decode_or_drop,
+    decode_load_report,
     encode,
 )
 from shared.nats_client import connect, request as nats_request
@@ -74,7 +74,7 @@ class Autoscaler:
             await self.nc.drain()
 
     async def _on_report(self, msg: Msg) -> None:
-        report = decode_or_drop(msg.data, LoadReport, log, "load report", msg.subject)
+        report = decode_load_report(msg.data, log, msg.subject)
         if report is None:
             return
         self.table.update(report)

@@ -34,8 +34,8 @@ from services.gateway.streams import OutputStream, StreamRegistry
 from services.gateway.tokenizer import ModelTokenizer
 from shared import bus_guard, subjects, tracing
 from shared.messages import (
-    AbortRequest, Ack, DispatchRequest, GenerateRequest, LoadReport, Refusal, WireError, decode, decode_chunks,
-    decode_or_drop, encode,
+    AbortRequest, Ack, DispatchRequest, GenerateRequest, Refusal, WireError, decode, decode_chunks, decode_load_report,
+    encode,
 )
 from shared.nats_client import connect, flush_in_order, request as nats_request
 
@@ -163,7 +163,7 @@ class GatewayService:
                 log.debug("chunk for unknown request %s (finished or aborted)", chunk.request_id)
 
     async def _on_load_report(self, msg: Msg) -> None:
-        report = decode_or_drop(msg.data, LoadReport, log, "load report", msg.subject)
+        report = decode_load_report(msg.data, log, msg.subject)
         if report is not None:
             self.instances.update(report)
 

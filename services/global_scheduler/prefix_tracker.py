@@ -7,7 +7,10 @@
   instance's cache has not changed since) is asked for a snapshot too; one whose llumlet does
   not answer that subject (no responders: its engine caches nothing) is asked again only after
   `no_cache_retry_s`.
-- An instance gone from the load table is forgotten.
+- An instance whose events or snapshot would take it past the index's bound (twice the cache size
+  of its load report: `GlobalPrefixIndex.bound`) is out of sync, and asked again only after
+  `no_cache_retry_s` too: asking at once would be refused again (its periodic snapshot still comes).
+- An instance gone from the load table is forgotten, and so is whatever the tracker kept of it.
 
 Its metrics: the index's size, instances out of sync, events by outcome, snapshots.
 """
@@ -28,7 +31,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from shared import subjects
-from shared.messages import KvCacheEvents, KvCacheSnapshot, decode_or_drop
+from shared.messages import HASHES_PER_MESSAGE, KvCacheEvents, KvCacheSnapshot, LoadReport, decode_or_drop
 from shared.nats_client import flush_in_order, request as nats_request
 from shared.prefix_index import GlobalPrefixIndex
 
@@ -42,14 +45,18 @@ TICK_S = 0.25
 
 class PrefixTracker:
     def __init__(self, live_instances: Callable[[], Iterable[str]], registry: CollectorRegistry,
-                 resync_retry_s: float = RESYNC_RETRY_S, no_cache_retry_s: float = NO_CACHE_RETRY_S) -> None:
-        self.index = GlobalPrefixIndex()
+                 resync_retry_s: float = RESYNC_RETRY_S, no_cache_retry_s: float = NO_CACHE_RETRY_S,
+                 load_of: Callable[[str], LoadReport | None] | None = None) -> None:
+        """`load_of`: an instance's latest load report, whose cache size bounds its entries."""
         self._live_instances = live_instances
+        self._load_of = load_of
+        self.index = GlobalPrefixIndex(self._capacity, snapshot_part=HASHES_PER_MESSAGE)
         self.resync_retry_s = resync_retry_s
         self.no_cache_retry_s = no_cache_retry_s
         self._nc: Client | None = None
         self._asked: dict[str, float] = {}  # instance -> when a snapshot was last asked (monotonic)
-        self._no_cache: dict[str, float] = {}  # instance -> when its llumlet had no snapshot subject
+        # instance -> when its llumlet had no snapshot subject, or its cache was past the index's bound
+        self._no_cache: dict[str, float] = {}
         self._requests: set[asyncio.Task] = set()
         self.events = Counter("corral:scheduler_kv_events", "KV-event messages from the llumlets, by outcome "
                               "(applied; gap: out of order, a snapshot asked for; skipped: waiting for that "
@@ -79,7 +86,9 @@ class PrefixTracker:
         live = set(self._live_instances())
         for instance_id in self.index.instances() - live:
             self.index.forget(instance_id)
+        for instance_id in (self._asked.keys() | self._no_cache.keys()) - live:  # (some never were in the index)
             self._asked.pop(instance_id, None)
+            self._no_cache.pop(instance_id, None)
         for instance_id in live:
             if not self.index.in_sync(instance_id):
                 self._ask_snapshot(instance_id)
@@ -106,18 +115,32 @@ class PrefixTracker:
             self.events.labels("applied").inc()
             return
         self.events.labels("skipped" if waiting else "gap").inc()
+        if not waiting and events.instance_id in self.index.over_bound:
+            self._over_bound(events.instance_id, f"{len(events.stored)} blocks stored")
         self._ask_snapshot(events.instance_id)
 
     def _on_snapshot(self, msg: Msg) -> None:
         snapshot = decode_or_drop(msg.data, KvCacheSnapshot, log, "KV snapshot", msg.subject)
         if snapshot is None or msg.subject != subjects.kv_snapshot(snapshot.instance_id):
             return
-        self.index.restore(snapshot)
-        self.snapshots.inc()
         self._asked.pop(snapshot.instance_id, None)
+        if not self.index.restore(snapshot):
+            self._over_bound(snapshot.instance_id, f"a snapshot of {len(snapshot.block_hashes)} blocks")
+            return
+        self.snapshots.inc()
         self._no_cache.pop(snapshot.instance_id, None)
 
     # -- resynchronisation ---------------------------------------------------------------------
+
+    def _capacity(self, instance_id: str) -> int | None:
+        load = self._load_of(instance_id) if self._load_of is not None else None
+        return None if load is None else load.num_blocks_total
+
+    def _over_bound(self, instance_id: str, what: str) -> None:
+        if instance_id not in self._no_cache:
+            log.warning("KV cache of %s past the prefix index's bound of %d blocks (%s): out of sync",
+                        instance_id, self.index.bound(instance_id), what)
+        self._no_cache[instance_id] = time.monotonic()
 
     def _ask_snapshot(self, instance_id: str) -> None:
         now = time.monotonic()

@@ -33,6 +33,7 @@ from shared.messages import (
     SchedulerHeartbeat,
     WireError,
     decode,
+    decode_load_report,
     decode_or_drop,
     encode,
 )
@@ -67,7 +68,8 @@ class GlobalScheduler:
         self.metrics = SchedulerMetrics(self.table.live, self._standing_pairs)
         bus_guard.register(self.metrics.registry)
         # The llumlets' prefix caches (their KV events): admission's and a named policy's dispatch.
-        self.prefixes = PrefixTracker(lambda: (load.instance_id for load in self.table.live()), self.metrics.registry)
+        self.prefixes = PrefixTracker(lambda: (load.instance_id for load in self.table.live()), self.metrics.registry,
+                                      load_of=self.table.get)
         self.admission = (DispatchAdmission(config.admission, self.metrics.registry, self.prefixes.index)
                           if config.admission is not None else None)
         self.named_dispatch = (NamedDispatch(config.dispatch_policy, config.policy, self.table.live,
@@ -134,7 +136,7 @@ class GlobalScheduler:
         if self._reports_since_yield >= REPORTS_PER_YIELD:
             self._reports_since_yield = 0
             await asyncio.sleep(0)
-        report = decode_or_drop(msg.data, LoadReport, log, "load report", msg.subject)
+        report = decode_load_report(msg.data, log, msg.subject)
         if report is None:
             return
         self._heard_a_report.set()

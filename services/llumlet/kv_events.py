@@ -23,14 +23,13 @@ from nats.errors import Error as NatsError
 
 from shared import subjects
 from services.llumlet.kv_journal import KvDelta, KvEventJournal
-from shared.messages import Ack, KvCacheEvents, KvCacheSnapshot, encode
+from shared.messages import HASHES_PER_MESSAGE, Ack, KvCacheEvents, KvCacheSnapshot, encode
 from shared.nats_client import flush_in_order
 
 log = logging.getLogger(__name__)
 
 KV_EVENTS_INTERVAL_S = 0.05  # batching: a step's stores travel together, ~20 messages a second at most
 KV_SNAPSHOT_INTERVAL_S = 10.0  # a lost message the scheduler did not notice (none followed) heals by then
-HASHES_PER_MESSAGE = 50_000  # ~0.5 MB: under NATS's default 1 MiB payload
 
 
 class KvEventPublisher:

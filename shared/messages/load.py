@@ -4,11 +4,13 @@ replies, and the KV-cache events and snapshots prefix-aware dispatch reads."""
 from __future__ import annotations
 
 import enum
+import logging
 from typing import Annotated
 
 from msgspec import Meta
 
-from shared.messages.wire import Count, InstanceId, Refusal, RequestId, Seconds, Struct, _no_nan
+from shared import subjects
+from shared.messages.wire import Count, InstanceId, Refusal, RequestId, Seconds, Struct, _no_nan, decode_own_or_drop
 
 __all__ = [
     "PriorityLoad",
@@ -17,12 +19,14 @@ __all__ = [
     "DrainSource",
     "InstanceRole",
     "LoadReport",
+    "decode_load_report",
     "MAX_BLOCK_HASHES",
     "BlockHash",
     "MAX_PREALLOC_HASHES",
     "MAX_CANDIDATE_HASHES",
     "DispatchRequest",
     "MAX_SNAPSHOT_HASHES",
+    "HASHES_PER_MESSAGE",
     "KvCacheEvents",
     "KvCacheSnapshot",
     "DispatchReply",
@@ -134,6 +138,13 @@ class LoadReport(Struct):
             raise ValueError(f"{self.num_blocks_free} free blocks of {self.num_blocks_total}")
 
 
+def decode_load_report(data: bytes, log: logging.Logger, subject: str) -> LoadReport | None:
+    """A load report heard on `subject`, or None (counted, logged): a bad payload, or one about
+    another instance than the subject's (every subscriber to `LOAD_REPORTS_ALL` reads them so)."""
+    return decode_own_or_drop(data, LoadReport, log, "load report", subject,
+                              lambda report: subjects.load_report(report.instance_id))
+
+
 MAX_BLOCK_HASHES = 1 << 16  # a million-token prompt at 16 tokens a block; ~0.6 MB on the wire
 
 
@@ -159,6 +170,9 @@ class DispatchRequest(Struct):
 
 
 MAX_SNAPSHOT_HASHES = 1 << 20  # a large GPU's KV cache in blocks; a snapshot may need chunking
+# What one KV message carries: a larger snapshot is a `KvCacheSnapshot` of this many, the rest
+# stores numbered after it (the llumlet sends so, the scheduler's index knows a first part by it).
+HASHES_PER_MESSAGE = 50_000  # ~0.5 MB: under NATS's default 1 MiB payload
 
 
 class KvCacheEvents(Struct):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+from collections.abc import Callable
 from typing import Annotated, TypeVar
 
 import msgspec
@@ -30,6 +31,7 @@ __all__ = [
     "encode",
     "decode",
     "decode_or_drop",
+    "decode_own_or_drop",
 ]
 
 
@@ -54,14 +56,15 @@ MAX_PAYLOAD_BYTES = 64 * 1024 * 1024  # NATS' own limit is 1 MiB unless raised; 
 MAX_LIST = 1 << 20  # tokens of one request (context lengths stay far below)
 
 
-InstanceId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_\-]+$", max_length=128)]  # = subjects.valid_token
+# `\Z`, not `$`: a pattern is searched, and `$` matches before a trailing newline too.
+InstanceId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_\-]+\Z", max_length=128)]  # = subjects.valid_token
 
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=256)]
 
 
 # A NATS subject one may publish to: dot-separated non-empty tokens, no whitespace, no wildcard.
-Subject = Annotated[str, Meta(pattern=r"^[^\s.*>]+(\.[^\s.*>]+)*$", max_length=256)]
+Subject = Annotated[str, Meta(pattern=r"^[^\s.*>]+(\.[^\s.*>]+)*\Z", max_length=256)]
 
 
 Count = Annotated[int, Meta(ge=0, le=2**53)]
@@ -134,6 +137,18 @@ def decode_or_drop(data: bytes, type_: type[T], log: logging.Logger, what: str, 
     except WireError as exc:
         bus_guard.rejected(subject, exc.reason, str(exc), log, what)
         return None
+
+
+def decode_own_or_drop(data: bytes, type_: type[T], log: logging.Logger, what: str, subject: str,
+                       own_subject: Callable[[T], str]) -> T | None:
+    """`decode_or_drop` for a message about one instance, which must come on that instance's
+    own subject (`own_subject(message)`): an instance speaks for itself only, and an id the
+    subject does not carry is one no subject can be built for (dropped as `wrong_subject`)."""
+    message = decode_or_drop(data, type_, log, what, subject)
+    if message is not None and own_subject(message) != subject:
+        bus_guard.rejected(subject, "wrong_subject", f"about another instance: {message!r}"[:300], log, what)
+        return None
+    return message
 
 
 _encoder = msgspec.msgpack.Encoder()

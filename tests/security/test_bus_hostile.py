@@ -56,9 +56,10 @@ def hostile_report(**overrides) -> bytes:
 
 
 @pytest.mark.parametrize("overrides", [
-    {"block_size": 0}, {"instance_id": "bad id"}, {"num_blocks_free": -5}, {"num_running": -1},
-    {"freeness": float("nan")}, {"num_blocks_free": 10**6}, {"by_priority": [{"priority": 0}] * 5000},
-], ids=lambda o: next(iter(o)))
+    {"block_size": 0}, {"instance_id": "bad id"}, {"instance_id": "ghost\n"}, {"num_blocks_free": -5},
+    {"num_running": -1}, {"freeness": float("nan")}, {"num_blocks_free": 10**6},
+    {"by_priority": [{"priority": 0}] * 5000},
+], ids=lambda o: f"{next(iter(o))}={next(iter(o.values()))!r}"[:40])
 async def test_impossible_load_report_is_refused(sec_cluster, overrides):
     # was: block_size=0 or instance_id="bad id" made the gateway answer 500 to ordinary requests
     before = {s: sec_cluster.metric(s, REJECTED, subject="corral.load.*", reason="invalid")
@@ -78,6 +79,26 @@ async def test_impossible_load_report_is_refused(sec_cluster, overrides):
     for service, count in before.items():
         assert sec_cluster.metric(service, REJECTED, subject="corral.load.*", reason="invalid") == count + 3, service
     sec_cluster.assert_all_alive()
+
+
+async def test_a_load_report_about_another_instance_is_refused(sec_cluster):
+    # was: taken as the other's (with "ghost\n" as its id, which `$` let through, the gateway then
+    # answered 503 "not connected to NATS" to every request dispatch sent there)
+    before = {s: sec_cluster.metric(s, REJECTED, subject="corral.load.*", reason="wrong_subject")
+              for s in ("gateway", "scheduler")}
+    nc = await nats.connect(sec_cluster.cluster.nats_url)
+    try:
+        for _ in range(3):
+            await nc.publish(subjects.load_report("ghost"), hostile_report(instance_id="phantom"))
+        await flush_in_order(nc)
+    finally:
+        await nc.close()
+    await asyncio.sleep(0.3)
+    health = httpx.get(f"{sec_cluster.base_url}/healthz", timeout=5).json()
+    assert health["instances"] == len(INSTANCES)
+    for service, count in before.items():
+        assert sec_cluster.metric(service, REJECTED, subject="corral.load.*", reason="wrong_subject") == count + 3
+    assert sec_cluster.chat(max_tokens=2).status_code == 200
 
 
 async def test_migrate_order_to_a_bad_id_is_refused_once_and_quietly(sec_cluster):
