@@ -110,3 +110,29 @@ def test_the_kv_event_publisher_feeds_the_journal_and_the_digest_map(setup):
     assert journal.num_held == 2 and [b.block_id for b in cached.cached_prefix(wire, 10)] == earlier_ids[:2]
     publisher.publish(SimpleNamespace(events=[AllBlocksCleared()]))
     assert journal.num_held == 0 and len(cached) == 0
+
+
+@pytest.mark.parametrize("named", ["another prompt's block", "one block three times", "more than the request has"])
+def test_pins_that_are_not_the_requests_prefix_are_not_adopted(setup, named):
+    """A source (buggy or hostile) names cached blocks that do not hold the migrating request's
+    prefix: the add must not run on their KV, nor fail the engine (it was an assertion that
+    ended the llumlet): the lease goes back and vLLM computes the request's KV itself."""
+    from services.llumlet.engines.vllm.state import MigratedLoad
+    from shared.prefix_hash import block_digests, wire_hash
+
+    pool, leases, cached, state, digests, _ = setup
+    other = block_digests(list(range(500, 500 + 2 * BLOCK)), BLOCK)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(FakeRequest("other", other), blocks, 0, 2, BLOCK, 0)
+    pool.free_blocks(reversed(blocks))
+    cached.stored(other)
+    wire = {"another prompt's block": [wire_hash(digests[0]), wire_hash(other[1])],
+            "one block three times": [wire_hash(digests[0])] * 3,
+            "more than the request has": [wire_hash(d) for d in digests[:3]]}[named]
+    migrating = FakeRequest("migrated-1", list(digests[:2]))  # (its own hashes: 2 full blocks so far)
+    free_before = pool.get_num_free_blocks()
+    assert leases.pin("lease", cached.cached_prefix(wire, 10))
+    leases.reserve("lease", 1)
+    assert not leases.adopt("migrated-1", MigratedLoad("lease", 2 * BLOCK + 1), migrating)
+    assert "migrated-1" not in state.loads and not leases.is_adopted("migrated-1")  # computed, not loaded
+    assert pool.get_num_free_blocks() == free_before and leases.release("lease") == 0  # nothing held

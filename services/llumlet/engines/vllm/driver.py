@@ -134,8 +134,9 @@ class VllmDriver:
         self._move(tracked, TrackedStatus.IN_VLLM)
         self._by_internal_id[internal_id] = tracked
         self._by_request_id[tracked.request_id] = tracked
-        if command.load is not None:
-            self.leases.adopt(internal_id, command.load, tracked.vllm_request)
+        if command.load is not None and not self.leases.adopt(internal_id, command.load, tracked.vllm_request):
+            log.warning("migrated request %s: the blocks its source named as cached here are not its prefix; "
+                        "its KV is computed again from its tokens", tracked.request_id)
 
     def _abort(self, command: AbortCommand) -> None:
         tracked = command.tracked

@@ -9,7 +9,9 @@ request took stay its own). Call only on the engine thread.
 A lease may start with pinned blocks (issue 18 §4): blocks of the request's prefix this engine's
 prefix cache holds already (`prefix_pins.py`), referenced here so nothing evicts them; the source
 never sends them. They are cached under the request's hashes already, so only the lease's blocks
-after them join the cache at the add, and the request's first step takes them all as hits.
+after them join the cache at the add, and the request's first step takes them all as hits. The
+add checks that against the hashes vLLM computes for the request; where the source named other
+blocks, the lease is dropped and vLLM computes the request's KV itself (`adopt`).
 """
 
 from __future__ import annotations
@@ -60,15 +62,24 @@ class DestinationLeases:
             self._pool.free_blocks(blocks)
         return len(blocks)
 
-    def adopt(self, internal_id: str, load: MigratedLoad, vllm_request: Any) -> None:
-        """The migrated request was added to vLLM: its first step loads the lease."""
+    def adopt(self, internal_id: str, load: MigratedLoad, vllm_request: Any) -> bool:
+        """The migrated request was added to vLLM: its first step loads the lease. False: the
+        lease's pinned blocks are not cached under the request's own hashes (its source named
+        another prompt's blocks: a bug or a hostile peer), so its KV there is not the request's;
+        the lease goes back to the pool and vLLM computes the request's KV from its tokens."""
         from services.llumlet.engines.vllm.connector import LoadPlan
 
         blocks = self._blocks.get(load.lease_id, [])
-        self._offer_to_prefix_cache(vllm_request, blocks, load.num_tokens, self._pinned.get(load.lease_id, 0))
+        num_pinned = self._pinned.get(load.lease_id, 0)
+        if num_pinned and not (vllm_request is not None and self._pool.enable_caching
+                               and pinned_blocks_match(self._pool, blocks[:num_pinned], vllm_request.block_hashes)):
+            self.release(load.lease_id)
+            return False
+        self._offer_to_prefix_cache(vllm_request, blocks, load.num_tokens, num_pinned)
         self._kv_state.loads[internal_id] = LoadPlan([b.block_id for b in blocks], load.num_tokens)
         self._adopted[internal_id] = load.lease_id
         self._adopted_at[internal_id] = (load.committed_at, time.monotonic())
+        return True
 
     def _offer_to_prefix_cache(self, vllm_request: Any, blocks: list[Any], num_tokens: int, num_pinned: int) -> None:
         """The lease's full blocks (their KV final) into the prefix cache, as the request's own
@@ -79,8 +90,6 @@ class DestinationLeases:
         if vllm_request is None or not self._pool.enable_caching:
             return
         num_full = min(len(blocks), num_tokens // self._block_size, len(vllm_request.block_hashes))
-        assert pinned_blocks_match(self._pool, blocks[:num_pinned], vllm_request.block_hashes), \
-            f"{vllm_request.request_id}: a pinned block is not cached under the request's own hash"
         if num_full > num_pinned:
             self._pool.cache_full_blocks(vllm_request, blocks, num_pinned, num_full, self._block_size, 0)
 
