@@ -128,17 +128,27 @@ class TokenOrderer:
 
 @dataclass
 class HandoverClock:
-    """A migration as the client sees it: the stall from the last new token one instance
-    delivered to the first new token from the next (Llumnix's downtime, ending at the client)."""
+    """A migration as the client sees it: the stall from the last new tokens delivered before
+    the destination's handover chunk to the first delivered after it (Llumnix's downtime, ending
+    at the client). Only a handover starts one: a resume (the request recomputed elsewhere) is
+    not a migration, and a source's late chunks after the handover are not another."""
 
-    last_at: float | None = None
-    last_from: str | None = None
+    last_at: float | None = None  # the latest delivery of new tokens
+    awaiting: bool = False  # a handover chunk came: the next delivery ends its stall
 
-    def delivered(self, instance_id: str, now: float) -> float | None:
-        """New tokens arrived from `instance_id`: the stall if another instance delivered the last ones."""
-        stall = now - self.last_at if self.last_at is not None and instance_id != self.last_from else None
-        self.last_at, self.last_from = now, instance_id
+    def handed_over(self) -> None:
+        self.awaiting = True
+
+    def delivered(self, now: float) -> float | None:
+        """New tokens reached the client now (whichever chunk released them: the source's last
+        may come after the destination's first): the stall, if a handover awaited them."""
+        stall = now - self.last_at if self.awaiting and self.last_at is not None else None
+        self.last_at, self.awaiting = now, False
         return stall
+
+    def reset(self) -> None:
+        """A resume: what comes next is no handover."""
+        self.awaiting = False
 
 
 class OutputStream:
@@ -173,6 +183,9 @@ class OutputStream:
         # Instances whose handover came from one left behind: a migration out of it that committed
         # after the resume, so a second copy, unless a resume then placed the request there.
         self._late_copies: set[str] = set()
+        # Instances a migration moved the request out of: their late chunks do not make them the
+        # holder again (a resumable error from the holder would then go unheard).
+        self._handed_off: set[str] = set()
         self._told_to_drop: set[str] = set()
         self._on_stray = on_stray  # ask that one instance to drop its copy (stream, instance)
         self.resumes = 0
@@ -221,7 +234,13 @@ class OutputStream:
             if chunk.instance_id == self.holder:
                 self._on_lost(self, chunk.instance_id, chunk.error)
             return
-        if chunk.handover or not self.orderer.is_stale(chunk):
+        if chunk.handover:
+            self._handed_off.discard(chunk.instance_id)
+            if chunk.handover_from is not None:
+                self._handed_off.add(chunk.handover_from)
+            self.handover.handed_over()
+            self.set_holder(chunk.instance_id)
+        elif not self.orderer.is_stale(chunk) and chunk.instance_id not in self._handed_off:
             self.set_holder(chunk.instance_id)
         self.heard()
         if chunk.num_prompt_tokens:
@@ -240,7 +259,7 @@ class OutputStream:
             self._overflow()
         self.gap_since = (self.gap_since or time.monotonic()) if self.orderer.pending else None
         if any(d.token_ids for d in deliveries):
-            stall = self.handover.delivered(chunk.instance_id, time.monotonic())
+            stall = self.handover.delivered(time.monotonic())
             if stall is not None and self._on_handover_stall is not None:
                 self._on_handover_stall(stall)
 
@@ -298,6 +317,7 @@ class OutputStream:
         self.left.add(instance_id)
         self.orderer.pending.clear()
         self.gap_since = None
+        self.handover.reset()
 
     def fail(self, message: str, code: int = 503) -> None:
         """End the stream from the gateway's side (holder died, shutdown): an error delivery."""

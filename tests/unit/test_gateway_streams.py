@@ -199,9 +199,42 @@ def test_the_gateway_exports_each_migration_stall():
     assert 'corral:gateway_migration_stall_seconds_count{model_name="m"} 0.0' in metrics.render().decode()
     stream = StreamRegistry(on_handover_stall=metrics.migration_stalled).open("r1")
     stream.feed(chunk(0, [1], instance="src"))
-    stream.feed(chunk(1, [2], instance="dst"))
-    stream.feed(chunk(2, [3], instance="src"))  # and back
+    stream.feed(TokenChunk("r1", "dst", 1, [2], handover=True, handover_from="src"))
+    stream.feed(TokenChunk("r1", "src", 2, [3], handover=True, handover_from="dst"))  # and back
     assert 'corral:gateway_migration_stall_seconds_count{model_name="m"} 2.0' in metrics.render().decode()
+
+
+def test_a_resume_is_no_migration_stall(monkeypatch):
+    # was: the outage (silence detection, then the prefill again elsewhere) counted as a migration's stall
+    now = [100.0]
+    monkeypatch.setattr("services.gateway.streams.time.monotonic", lambda: now[0])
+    stalls: list[float] = []
+    stream = OutputStream("r1", "a", on_handover_stall=stalls.append)
+    stream.feed(chunk(0, [1, 2], instance="a"))
+    now[0] = 102.5
+    stream.abandon("a")  # the holder went silent: resumed on another instance
+    stream.set_holder("d")
+    stream.feed(chunk(2, [3], instance="d"))
+    assert stalls == [] and stream.delivered == [1, 2, 3]
+
+
+def test_a_handover_that_overtook_the_sources_last_chunk_is_one_stall_and_the_source_stays_left(monkeypatch):
+    # was: the delivery was credited to the source, the destination's next ordinary step taken for
+    # the stall, and the source's late chunk made it the holder again
+    now = [100.0]
+    monkeypatch.setattr("services.gateway.streams.time.monotonic", lambda: now[0])
+    stalls: list[float] = []
+    stream = OutputStream("r1", "src", on_handover_stall=stalls.append)
+    stream.feed(chunk(0, [1, 2, 3, 4, 5], instance="src"))
+    now[0] = 100.050
+    stream.feed(TokenChunk("r1", "dst", 6, [7], handover=True, handover_from="src"))  # waits behind token 6
+    now[0] = 100.100
+    stream.feed(chunk(5, [6], instance="src"))  # the source's last: the client gets 6 and 7 now
+    assert stalls == [pytest.approx(0.100)] and stream.holder == "dst"
+    now[0] = 100.110
+    stream.feed(chunk(7, [8], instance="dst"))
+    stream.feed(chunk(8, [9, 10], instance="src"))  # a late source chunk with tokens not yet delivered
+    assert stream.holder == "dst" and stalls == [pytest.approx(0.100)]  # one migration, one stall
 
 
 def test_the_cached_token_count_of_the_first_instance_stays():
