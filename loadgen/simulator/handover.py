@@ -53,6 +53,7 @@ class Handovers:
         # destination id -> its hold: (when it ends at the latest, the ids it waits for, paced)
         self._holds: dict[str, tuple[float, set[str], bool]] = {}
         self._stalled_since: dict[str, float] = {}  # request id -> its last token on the source (committed)
+        self._held_s: dict[str, float] = {}  # migration id -> destination time held for it (its budget)
 
     # -- the source ------------------------------------------------------------------------------
 
@@ -99,7 +100,7 @@ class Handovers:
     def expect_commit(self, migration: Migration, due_at: float) -> None:
         """The migration's commit is due then (expected, or the last stage's end once it runs)."""
         migration.commit_due_at = due_at
-        if not self.hold.enabled:
+        if not self.hold.enabled or self._spent(migration):
             return
         committing = self._committing.setdefault(migration.dst.instance_id, [])
         if migration not in committing:
@@ -109,7 +110,8 @@ class Handovers:
         """Whether the destination's step about to start waits, as the live hold: one hold per
         step, for the commits due within its bound (by the typical step) when it begins, until
         they have all committed or the bound passes. A commit expected later (or noticed during
-        the hold) joins the step after it; one not in by the bound is never held for again."""
+        the hold) joins the step after it; one not in by the bound is not held for again unless
+        noticed again, and none holds more than its budget (`CommitHoldRule.budget_s`) in all."""
         committing = self._committing.get(dst.instance_id)
         if not committing:  # (every step start asks: most have nothing to wait for)
             self._holds.pop(dst.instance_id, None)
@@ -121,8 +123,8 @@ class Handovers:
             if pending and now < ends:
                 return True
             del self._holds[dst.instance_id]
-            if not paced:
-                for migration in pending:  # late past the bound: never held for again
+            for migration in pending:  # late past the bound, or its last step held: not again unless noticed again
+                if not paced or self._spent(migration):
                     committing.remove(migration)
             return False  # the step goes now (no second hold before it)
         typical = dst.typical_step_s
@@ -141,6 +143,8 @@ class Handovers:
         else:  # (a notice a step ahead asks for no pacing)
             return False
         self._holds[dst.instance_id] = (ends, {m.migration_id for m in due}, paced)
+        for migration in due:  # (what the hold may take: a commit cuts it short, the live hold counts that)
+            self._held_s[migration.migration_id] = self._held_s.get(migration.migration_id, 0.0) + ends - now
         self._wake(dst, ends)
         self.stats.holds += 1
         self.stats.held_s += expected_s
@@ -161,8 +165,12 @@ class Handovers:
                 if last is not None:
                     self.stats.stall_s.append(now - last)
 
+    def _spent(self, migration: Migration) -> bool:
+        return self._held_s.get(migration.migration_id, 0.0) >= self.hold.budget_s(migration.dst.typical_step_s)
+
     def forget(self, migration: Migration) -> None:
         """The migration ended (committed or aborted): it waits for no step and holds none."""
+        self._held_s.pop(migration.migration_id, None)
         src_id = migration.src.instance_id
         waiting = self._suspending.get(src_id)
         if waiting is not None:

@@ -37,6 +37,12 @@ DEFAULT_HOLD_STEP_SHARE = 0.5
 # So one by default; `--migration-notice-steps 3` where a request's stall matters more.
 DEFAULT_NOTICE_STEPS = 1
 TYPICAL_STEP_WINDOW = 16  # an engine's typical step: the median of its last this many
+# How long one migration may hold a destination's steps in all, paced and due, in its typical
+# steps: an honest source's holds add up to the phase gap and one due hold (three steps ahead,
+# across simulated fleets: P99 1.5 steps, at most 2.5; benchmarks/commit_hold_sim.py,
+# 2026-12-03), so one past this repeats its notice without committing (a bug, or a hostile peer
+# holding every step): its notices are not believed until it ends.
+HOLD_BUDGET_STEPS = 4.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,11 @@ class CommitHoldRule:
     @property
     def enabled(self) -> bool:
         return self.hold_max_s > 0
+
+    def budget_s(self, typical_step_s: float) -> float:
+        """The most one migration may hold in all (`HOLD_BUDGET_STEPS` steps; the hold's own
+        bound stands for a step until one is known)."""
+        return HOLD_BUDGET_STEPS * (typical_step_s if typical_step_s > 0 else self.hold_max_s)
 
     def bound_s(self, typical_step_s: float) -> float:
         """The longest hold before a step: `hold_max_s`, and `step_share` of the typical step once

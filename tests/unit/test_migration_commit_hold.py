@@ -18,7 +18,7 @@ from services.llumlet.migration.destination import IncomingMigrations
 from services.llumlet.migration.kv_wire import FrameHeader
 from services.llumlet.migration.protocol import MigrationLimits, MigrationStatus, new_migration_id
 from shared.messages import CommitNotice, MigrationAbort, MigrationCommit, PreAlloc, PreAllocReply, WireError, decode, encode
-from shared.policy.commit_hold import CommitHoldRule
+from shared.policy.commit_hold import HOLD_BUDGET_STEPS, CommitHoldRule
 from tests.unit.migration_helpers import expected_tokens, gen, sim_config
 from tests.unit.migration_source_harness import make_harness  # noqa: F401 (fixture)
 
@@ -93,6 +93,21 @@ async def test_a_commit_that_never_comes_releases_the_hold_at_its_bound_and_hold
     assert 0.03 <= held < 0.3
     assert hold.num_released_at_bound == 1 and hold.num_expected == 0
     assert await hold.wait() == 0.0  # the next step is not held for it again
+
+
+async def test_a_source_repeating_its_notice_without_committing_holds_at_most_its_budget() -> None:
+    # was: each notice re-armed the hold, so a source that never committed held every step
+    hold = hold_of(0.003, typical_step_s=0.004)
+    budget = hold.rule.budget_s(0.004)
+    assert budget == pytest.approx(HOLD_BUDGET_STEPS * 0.004)
+    held = 0.0
+    for _step in range(40):
+        hold.expect("m", 0.0)
+        held += await hold.wait()
+    assert budget <= held < budget + 0.01 and hold.num_holds < 40 and hold.num_expected == 0
+    assert not hold.expect("m", 0.0)  # not believed until the migration ends here
+    hold.settle("m")  # (it ended: a migration of that id may hold again)
+    assert hold.expect("m", 0.0) and hold.num_expected == 1
 
 
 async def test_no_hold_for_a_commit_due_after_a_step_started_now_would_end() -> None:

@@ -10,7 +10,9 @@ once and the request is in that step. The price is the hold itself: the destinat
 requests wait for it (their token gap grows by the hold), which is why it is bounded and
 taken only when the commit is due within one of this engine's steps. A commit that never
 comes (aborted migration, source dead) releases the hold at its bound, and its notice is
-dropped: it never holds a step again.
+dropped; a later notice of it (a source noticing steps ahead notices at each) may hold again,
+but no migration holds more than its budget in all (`CommitHoldRule.budget_s`, a few steps):
+past it, its notices are ignored until it ends.
 
 The bound is also a share of this engine's typical step (`shared.policy.commit_hold`, the rule
 the simulator models too). A notice that comes steps ahead (the source's `notice_steps`) paces
@@ -82,6 +84,7 @@ class CommitHold:
         # migration id → (when its commit should land, whether its source asked for pacing: it
         # notices steps ahead)
         self._expected: dict[str, tuple[float, bool]] = {}
+        self._held_s: dict[str, float] = {}  # migration id → seconds held for it (until it settles)
         # What a held step awaits: resolved by a settle or the bound's timer. (A bare future, not
         # `wait_for` on an event: that wakes the loop's task one turn later, behind the commit's
         # own follow-up work.)
@@ -101,15 +104,19 @@ class CommitHold:
     def num_expected(self) -> int:
         return len(self._expected)
 
-    def expect(self, migration_id: str, commit_in_s: float, paced: bool = False) -> None:
+    def expect(self, migration_id: str, commit_in_s: float, paced: bool = False) -> bool:
         """A source's notice: the migration's commit should land in `commit_in_s` (`paced`: the
-        source notices steps ahead, and the steps before the commit may be paced for it)."""
-        if self.enabled:
-            self._expected[migration_id] = (self._clock() + commit_in_s, paced)
+        source notices steps ahead, and the steps before the commit may be paced for it). False:
+        not taken (holds off, or the migration spent its budget)."""
+        if not self.enabled or self._spent(migration_id):
+            return False
+        self._expected[migration_id] = (self._clock() + commit_in_s, paced)
+        return True
 
     def settle(self, migration_id: str) -> None:
         """The migration committed (its request is in the engine now) or ended: a hold waiting
         for it goes on at once. (A migration noticed or not: the call is harmless either way.)"""
+        self._held_s.pop(migration_id, None)
         if self._expected.pop(migration_id, None) is not None:
             _wake(self._waiter)
 
@@ -168,11 +175,18 @@ class CommitHold:
                 timer.cancel()
                 self._waiter = None
         late = [] if paced is not None else [mid for mid in due if mid in self._expected]
-        for mid in late:  # a commit that did not come within the bound: never held for again
+        for mid in late:  # a commit that did not come within the bound: not held for again, unless noticed again
             del self._expected[mid]
         self.num_released_at_bound += bool(late)
         self.last_held_s = self._clock() - started
+        for mid in due:
+            self._held_s[mid] = self._held_s.get(mid, 0.0) + self.last_held_s
+            if self._spent(mid):
+                self._expected.pop(mid, None)
         return self.last_held_s
+
+    def _spent(self, migration_id: str) -> bool:
+        return self._held_s.get(migration_id, 0.0) >= self.rule.budget_s(self.steps.typical_s)
 
 
 def _wake(waiter: asyncio.Future[None] | None) -> None:

@@ -47,8 +47,8 @@ class IncomingMigrations(IncomingLeases):
         may hold its next step for it. Only for a migration running here (a late notice of one
         that ended holds nothing)."""
         m = self._migrations.get(msg.migration_id)
-        if self.hold is not None and m is not None and m.status is MigrationStatus.RUNNING:
-            self.hold.expect(m.migration_id, msg.commit_in_s, paced=msg.paced)
+        if (self.hold is not None and m is not None and m.status is MigrationStatus.RUNNING
+                and self.hold.expect(m.migration_id, msg.commit_in_s, paced=msg.paced)):
             log.info("commit notice %s of %s at %.6f: due in %.2f ms", m.migration_id, m.request_id, time.monotonic(),
                      1e3 * msg.commit_in_s)
 
