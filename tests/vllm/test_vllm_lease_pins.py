@@ -136,3 +136,32 @@ def test_pins_that_are_not_the_requests_prefix_are_not_adopted(setup, named):
     assert not leases.adopt("migrated-1", MigratedLoad("lease", 2 * BLOCK + 1), migrating)
     assert "migrated-1" not in state.loads and not leases.is_adopted("migrated-1")  # computed, not loaded
     assert pool.get_num_free_blocks() == free_before and leases.release("lease") == 0  # nothing held
+
+
+def test_a_removed_copy_of_a_block_another_still_caches_stays_held(setup):
+    """vLLM does not deduplicate cached blocks: a second copy of a digest (a prompt recomputed
+    where its last block could not be reused) outlives the first one's removal, and the journal
+    (what the schedulers' index and every snapshot are built from) must keep the digest."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from services.llumlet.engines.vllm.kv_events import JournalPublisher
+    from services.llumlet.engines.vllm.prefix_pins import CachedDigests
+    from services.llumlet.kv_journal import KvEventJournal
+    from shared.prefix_hash import wire_hash
+
+    pool, _, _, _, digests, earlier_ids = setup
+    copy = pool.get_new_blocks(1)  # block 0 computed again by another request
+    pool.cache_full_blocks(FakeRequest("again", digests[:1]), copy, 0, 1, BLOCK, 0)
+    pool.free_blocks(copy)
+    journal = KvEventJournal()
+    publisher = JournalPublisher(journal, CachedDigests(pool))
+    publisher.publish(SimpleNamespace(events=[BlockStored(digests[:3], None, TOKENS[:3 * BLOCK], BLOCK, None,
+                                                          "GPU", None)]))
+    pool.evict_blocks({earlier_ids[0]})  # the first copy goes; the second still caches block 0
+    publisher.publish(SimpleNamespace(events=[BlockRemoved([digests[0]], "GPU")]))
+    assert wire_hash(digests[0]) in journal._held and journal.num_held == 3  # (was dropped: 2)
+    pool.evict_blocks({copy[0].block_id})
+    publisher.publish(SimpleNamespace(events=[BlockRemoved([digests[0]], "GPU")]))
+    assert wire_hash(digests[0]) not in journal._held and journal.num_held == 2

@@ -62,9 +62,14 @@ class JournalPublisher:
                 if self.digests is not None:
                     self.digests.stored(event.block_hashes)
             elif isinstance(event, BlockRemoved):
-                self.journal.removed(map(to_wire_hash, event.block_hashes))
-                if self.digests is not None:
-                    self.digests.removed(event.block_hashes)
+                # vLLM does not deduplicate cached blocks (a prompt recomputed where the cache
+                # could not be reused, say its last block): one copy's removal leaves the digest
+                # cached by another, and the schedulers must go on hearing it is held here.
+                digests = self.digests
+                gone = [h for h in event.block_hashes if digests is None or not digests.still_cached(h)]
+                self.journal.removed(map(to_wire_hash, gone))
+                if digests is not None:
+                    digests.removed(event.block_hashes)
 
     def shutdown(self) -> None:
         return None

@@ -46,9 +46,14 @@ class CachedDigests:
 
     def removed(self, block_hashes: Iterable[int | bytes]) -> None:
         for block_hash in block_hashes:
-            if isinstance(block_hash, bytes) and self._cached_block(block_hash) is None:
+            if isinstance(block_hash, bytes) and not self.still_cached(block_hash):
                 self._by_wire.pop(wire_hash(block_hash), None)
                 self._digests.discard(block_hash)
+
+    def still_cached(self, block_hash: int | bytes) -> bool:
+        """Whether the pool still caches this digest (vLLM keeps duplicate blocks of one digest,
+        so a removal event may name one another block caches yet). False for an integer hash."""
+        return isinstance(block_hash, bytes) and self._cached_block(block_hash) is not None
 
     def cleared(self) -> None:
         self._by_wire.clear()
