@@ -5,6 +5,11 @@ The journal mirrors the set of hashes held and keeps the net change since the la
 hash stored then evicted between two messages travels as removed, one evicted then stored again as
 stored: the index applies a message's removals before its stores, and the two lists are disjoint,
 so the order inside a batch cannot matter. Locked: vLLM writes from its engine thread.
+
+While nothing is taken (NATS away) the changes pile up here, merged in place; past
+`MAX_CHANGES_OVER_HELD` more than is held (an outage under a cache churning for long), they
+collapse into "cleared, then everything held": one resync instead of a growing list of hashes
+the schedulers may never have heard of.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+MAX_CHANGES_OVER_HELD = 65_536  # net changes kept beyond the number of hashes held (then: a resync)
 
 
 @dataclass(frozen=True)
@@ -38,12 +45,31 @@ class KvEventJournal:
             for block_hash in block_hashes:
                 self._held.add(block_hash)
                 self._changes[block_hash] = True
+            self._bound_changes()
 
     def removed(self, block_hashes: Iterable[int]) -> None:
         with self._lock:
             for block_hash in block_hashes:
                 self._held.discard(block_hash)
                 self._changes[block_hash] = False
+            self._bound_changes()
+
+    def put_back(self, delta: KvDelta) -> None:
+        """A taken delta that could not be sent, back under the changes made since (they win)."""
+        with self._lock:
+            if self._cleared:  # cleared since: what came before it is moot
+                return
+            for block_hash in delta.stored:
+                self._changes.setdefault(block_hash, True)
+            for block_hash in delta.removed:
+                self._changes.setdefault(block_hash, False)
+            self._cleared = delta.cleared
+            self._bound_changes()
+
+    def _bound_changes(self) -> None:
+        if len(self._changes) > len(self._held) + MAX_CHANGES_OVER_HELD:
+            self._changes = dict.fromkeys(self._held, True)
+            self._cleared = True
 
     def cleared(self) -> None:
         with self._lock:

@@ -189,3 +189,69 @@ async def test_a_cache_past_one_message_is_snapshotted_in_parts_the_index_whole_
     index.restore(snapshot)
     assert all(index.apply(events) for events in rest)
     assert index.in_sync("kv-c") and index.matches(list(range(1, 8))) == {"kv-c": 7}
+
+
+async def test_while_nats_is_away_the_journal_merges_in_place_and_a_long_churn_becomes_one_resync(monkeypatch):
+    # was: every 50 ms tick rebuilt the whole held-back delta (100 ms of the loop past 600k
+    # hashes), and every hash evicted during the outage stayed in it
+    from services.llumlet import kv_journal
+    from shared.messages import KvCacheEvents, decode
+
+    monkeypatch.setattr(kv_journal, "MAX_CHANGES_OVER_HELD", 8)
+    bus = _FakeBus()
+    journal = KvEventJournal()
+    publisher = KvEventPublisher("kv-d", 16, journal, lambda: bus)
+    journal.stored([1, 2])
+    await publisher.publish_changes()
+    bus.is_connected = False
+    journal.stored([3])
+    await publisher.publish_changes()
+    assert journal._changes == {3: True}  # not taken: nothing rebuilt per tick
+    for block_hash in range(100, 120):  # churn: stored and evicted while away
+        journal.stored([block_hash])
+        journal.removed([block_hash])
+    assert journal._cleared and journal._changes == {1: True, 2: True, 3: True}  # collapsed: a resync
+    bus.is_connected = True
+    await publisher.publish_changes()
+    resync = decode(bus.sent[-1][1], KvCacheEvents)
+    assert (resync.seq, resync.cleared, sorted(resync.stored), resync.removed) == (2, True, [1, 2, 3], [])
+
+
+def test_a_delta_put_back_goes_under_the_changes_made_since():
+    journal = KvEventJournal()
+    journal.stored([1, 2])
+    taken = journal.take()
+    journal.removed([2])
+    journal.stored([3])
+    journal.put_back(taken)  # (its send failed)
+    delta = journal.take()
+    assert sorted(delta.stored) == [1, 3] and delta.removed == [2] and not delta.cleared
+    journal.stored([4])
+    journal.cleared()
+    journal.put_back(KvDelta(False, [5], []))  # older than the clear: moot
+    assert journal.take() == KvDelta(True, [], [])
+
+
+async def test_snapshot_requests_queued_together_share_one_snapshot():
+    # was: each ask built and sent its own: N schedulers after a blip, N full snapshots to each
+    from types import SimpleNamespace
+
+    from shared.messages import Ack, decode
+
+    bus = _FakeBus()
+    journal = KvEventJournal()
+    journal.stored(list(range(1, 6)))
+    publisher = KvEventPublisher("kv-e", 16, journal, lambda: bus)
+    answers: list[bytes] = []
+
+    async def respond(data: bytes) -> None:
+        answers.append(data)
+
+    for _ in range(8):  # (nats-py hands them over one by one)
+        await publisher._on_snapshot_request(SimpleNamespace(reply="inbox", respond=respond))
+    await _until(lambda: len(answers) == 8)
+    kinds = [subject.rsplit(".", 1)[1] for subject, _ in bus.sent]
+    assert kinds == ["events", "snapshot"] and all(decode(a, Ack).ok for a in answers)
+    await publisher._on_snapshot_request(SimpleNamespace(reply="inbox", respond=respond))  # a later ask: a later one
+    await _until(lambda: len(answers) == 9)
+    assert [subject.rsplit(".", 1)[1] for subject, _ in bus.sent] == ["events", "snapshot", "snapshot"]
