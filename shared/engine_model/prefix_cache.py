@@ -113,7 +113,8 @@ class PrefixCache:
 
     def register(self, block: int, block_hash: int) -> bool:
         """A table's block is full and computed: cache it under `block_hash`, unless another block
-        already holds that prefix (then this one stays plain, as in vLLM). Held by one table."""
+        already holds that prefix (then this one stays plain; vLLM caches it as a second copy,
+        which may outlive the first's eviction: a small difference, not modelled). Held by one table."""
         if block_hash in self._block_of or block in self._hash_of:
             return False
         self._block_of[block_hash] = block
