@@ -36,6 +36,8 @@ def test_migrated_request_adopts_its_full_lease_blocks(tiny_model_dir):
     # Only the partial block goes through the connector; the full ones are the lease's own.
     assert result["copied_blocks"]["migrated"] == 1, result
     assert not result["zeroed_matches"], "zeroed full lease blocks gave the same tokens: they were not read"
+    # Pinned blocks of another prompt: not adopted (it ended the engine), the request computed again.
+    assert result["foreign_pinned"] == 2 and result["foreign_matches"], result
     assert result["free_after"] == result["free_before"] and result["reserved_after"] == 0, result
 
 
@@ -99,6 +101,29 @@ async def _self_check(model_dir: str) -> dict:
         ops.add_migrated(commit, lease)
         return full
 
+    async def migrate_onto_foreign_pins() -> int:
+        """A lease whose first blocks are another prompt's cached ones (a source naming the wrong
+        hashes): the add must not read them; the request is computed again from its tokens."""
+        from shared.prefix_hash import block_hashes
+
+        await empty_prefix_cache()  # (the zeroed request's blocks are cached under the prompt's hashes)
+        add("foreign")
+        await step_until(lambda: len(tokens["foreign"]) >= MOVE_AT)
+        assert await ops.suspend("foreign")
+        blocks = ops.block_ids_of("foreign")
+        payload = bytes(await copier.gather(blocks, 0))
+        commit = ops.migration_commit("foreign", "m-foreign")
+        assert await ops.release_migrated("foreign")
+        await empty_prefix_cache()
+        other = [(11 * i) % 300 + 5 for i in range(70)]
+        engine.add_request(GenerateRequest("other", other, SamplingParams(max_tokens=1, temperature=0.0), "unused"))
+        await step_until(lambda: "other" in finished)
+        pinned = await ops.pin_cached_prefix("lease-foreign", block_hashes(other, BLOCK_SIZE), len(blocks) - 1)
+        reserved = await ops.reserve_blocks("lease-foreign", len(blocks) - len(pinned))
+        await copier.scatter(reserved, payload[len(pinned) * copier.block_bytes:])
+        ops.add_migrated(commit, "lease-foreign")
+        return len(pinned)
+
     add("reference")
     await step_until(lambda: "reference" in finished)
     await empty_prefix_cache()
@@ -110,11 +135,15 @@ async def _self_check(model_dir: str) -> dict:
     add("zeroed")
     await migrate_in_place("zeroed", zero_full_blocks=True)
     await step_until(lambda: "zeroed" in finished)
+    foreign = await migrate_onto_foreign_pins()
+    await step_until(lambda: "foreign" in finished)
     await step_until(lambda: not engine.has_work())
     await engine.on_engine_thread(lambda driver: None)
     result = {
         "migrated_matches": output("migrated") == output("reference"),
         "zeroed_matches": output("zeroed") == output("reference"),
+        "foreign_pinned": foreign,
+        "foreign_matches": output("foreign") == output("reference"),
         "full_blocks": full_blocks,
         "copied_blocks": dict(copied),
         "free_before": free_before,
