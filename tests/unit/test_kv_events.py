@@ -140,15 +140,21 @@ class _FakeBus:
         self.sent.append((subject, data))
 
 
-async def test_changes_made_while_nats_is_away_go_out_later_under_the_next_seq():
-    from shared.messages import KvCacheEvents, KvCacheSnapshot, decode
-
+async def _sent_then_cut_off(instance_id: str) -> tuple[_FakeBus, KvEventJournal, KvEventPublisher]:
+    """A publisher that sent hashes 1 and 2 (seq 1), then lost NATS."""
     bus = _FakeBus()
     journal = KvEventJournal()
-    publisher = KvEventPublisher("kv-b", 16, journal, lambda: bus)
+    publisher = KvEventPublisher(instance_id, 16, journal, lambda: bus)
     journal.stored([1, 2])
     await publisher.publish_changes()
     bus.is_connected = False
+    return bus, journal, publisher
+
+
+async def test_changes_made_while_nats_is_away_go_out_later_under_the_next_seq():
+    from shared.messages import KvCacheEvents, KvCacheSnapshot, decode
+
+    bus, journal, publisher = await _sent_then_cut_off("kv-b")
     journal.stored([3])
     journal.removed([1])
     await publisher.publish_changes()
@@ -198,12 +204,7 @@ async def test_while_nats_is_away_the_journal_merges_in_place_and_a_long_churn_b
     from shared.messages import KvCacheEvents, decode
 
     monkeypatch.setattr(kv_journal, "MAX_CHANGES_OVER_HELD", 8)
-    bus = _FakeBus()
-    journal = KvEventJournal()
-    publisher = KvEventPublisher("kv-d", 16, journal, lambda: bus)
-    journal.stored([1, 2])
-    await publisher.publish_changes()
-    bus.is_connected = False
+    bus, journal, publisher = await _sent_then_cut_off("kv-d")
     journal.stored([3])
     await publisher.publish_changes()
     assert journal._changes == {3: True}  # not taken: nothing rebuilt per tick
