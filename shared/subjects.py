@@ -96,6 +96,6 @@ def pattern_of(subject: str) -> str:
     parts = subject.split(".")
     if len(parts) >= 3 and parts[0] == PREFIX and _PER_ID.get(parts[1]) == len(parts):
         verb = parts[3:]
-        if all(_TOKEN.match(token) and len(token) <= 16 for token in verb):
+        if all(_TOKEN.fullmatch(token) and len(token) <= 16 for token in verb):
             return ".".join([PREFIX, parts[1], "*", *verb])
     return "other"

@@ -45,3 +45,9 @@ def test_a_load_report_is_taken_only_from_its_own_instances_subject():
     before = bus_guard.rejected_count("corral.load.*", "wrong_subject")
     assert decode_load_report(data, log, subjects.load_report("b")) is None
     assert bus_guard.rejected_count("corral.load.*", "wrong_subject") == before + 1
+
+
+def test_a_metric_label_names_only_a_verb_that_is_a_whole_token():
+    assert subjects.pattern_of(subjects.llumlet("i", "generate")) == "corral.llumlet.*.generate"
+    assert subjects.pattern_of("corral.llumlet.i.gen erate") == "other"  # (any label would be a new series)
+    assert subjects.pattern_of("corral.llumlet.i.generate\n") == "other"
