@@ -134,9 +134,8 @@ class GlobalPrefixIndex:
             return False
         held = self._held.get(iid, set())
         if not (self.in_sync(iid) and snapshot.seq == self._seq[iid] and self._agrees(held, hashes)):
-            stale, fresh = held - hashes, hashes - held
-            self._remove(iid, stale)
-            self._add(iid, fresh)
+            self._remove(iid, held - hashes)
+            self._add(iid, hashes)  # (only what is not held yet)
         self._seq[iid] = snapshot.seq
         self.out_of_sync.discard(iid)
         self.over_bound.discard(iid)

@@ -31,7 +31,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from shared import subjects
-from shared.messages import HASHES_PER_MESSAGE, KvCacheEvents, KvCacheSnapshot, LoadReport, decode_or_drop
+from shared.messages import HASHES_PER_MESSAGE, KvCacheEvents, KvCacheSnapshot, LoadReport, decode_own_or_drop
 from shared.nats_client import flush_in_order, request as nats_request
 from shared.prefix_index import GlobalPrefixIndex
 
@@ -107,9 +107,10 @@ class PrefixTracker:
             self._on_snapshot(msg)
 
     def _on_events(self, msg: Msg) -> None:
-        events = decode_or_drop(msg.data, KvCacheEvents, log, "KV events", msg.subject)
-        if events is None or msg.subject != subjects.kv_events(events.instance_id):
-            return  # (an instance speaks for itself only)
+        events = decode_own_or_drop(msg.data, KvCacheEvents, log, "KV events", msg.subject,
+                                    lambda e: subjects.kv_events(e.instance_id))
+        if events is None:
+            return
         waiting = events.instance_id in self.index.out_of_sync
         if self.index.apply(events):
             self.events.labels("applied").inc()
@@ -120,8 +121,9 @@ class PrefixTracker:
         self._ask_snapshot(events.instance_id)
 
     def _on_snapshot(self, msg: Msg) -> None:
-        snapshot = decode_or_drop(msg.data, KvCacheSnapshot, log, "KV snapshot", msg.subject)
-        if snapshot is None or msg.subject != subjects.kv_snapshot(snapshot.instance_id):
+        snapshot = decode_own_or_drop(msg.data, KvCacheSnapshot, log, "KV snapshot", msg.subject,
+                                      lambda s: subjects.kv_snapshot(s.instance_id))
+        if snapshot is None:
             return
         self._asked.pop(snapshot.instance_id, None)
         if not self.index.restore(snapshot):

@@ -46,3 +46,17 @@ def test_an_instance_past_its_reported_cache_is_not_indexed_nor_asked_again_soon
     assert tracker.snapshots._value.get() == 0 and not tracker.index.in_sync("a")
     tracker._on_snapshot(_snapshot("a", 1, list(range(10))))  # within: applied
     assert tracker.index.in_sync("a") and "a" not in tracker._no_cache and tracker.index.num_blocks("a") == 10
+
+
+def test_kv_messages_about_another_instance_are_refused_and_counted():
+    from shared import bus_guard
+
+    tracker = PrefixTracker(lambda: {"a", "b"}, CollectorRegistry())
+    before = bus_guard.rejected_count("corral.kv.*.events", "wrong_subject")
+    forged = SimpleNamespace(subject=subjects.kv_events("b"), data=encode(KvCacheEvents("a", 1, 16, [1])))
+    tracker._on_events(forged)
+    assert tracker.index.num_blocks("a") == 0 and not tracker.index.in_sync("a")
+    assert bus_guard.rejected_count("corral.kv.*.events", "wrong_subject") == before + 1
+    forged = SimpleNamespace(subject=subjects.kv_snapshot("b"), data=encode(KvCacheSnapshot("a", 0, 16, [1])))
+    tracker._on_snapshot(forged)
+    assert tracker.index.num_blocks("a") == 0 and tracker.snapshots._value.get() == 0
