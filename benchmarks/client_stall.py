@@ -40,8 +40,11 @@ class Chunks:
         chunk = decode(msg.data[_STAMP.size:], TokenChunk)
         rid = chunk.request_id
         self.by_request[rid].append((now, chunk))
-        if any(d.token_ids for d in self._orderers[rid].accept(chunk)):  # (as `OutputStream.feed`)
-            stall = self._clocks[rid].delivered(chunk.instance_id, now)
+        clock = self._clocks[rid]
+        if chunk.handover:  # (as `OutputStream.feed`: only a handover starts a stall)
+            clock.handed_over()
+        if any(d.token_ids for d in self._orderers[rid].accept(chunk)):
+            stall = clock.delivered(now)
             if stall is not None:
                 self.stalls[rid].append(stall)
                 self.handovers[rid].append((now - stall, now))
