@@ -86,6 +86,21 @@ async def test_a_step_waits_for_a_commit_due_and_goes_the_moment_it_lands() -> N
     assert hold.num_holds == 1 and hold.num_released_at_bound == 0 and hold.num_expected == 0
 
 
+async def test_a_migration_that_commits_during_its_hold_leaves_no_budget_behind() -> None:
+    # was: the hold charged its time to every migration it waited for after the wait, those that
+    # had settled meanwhile too, and nothing removed them again (an entry per held commit, for ever)
+    hold = hold_of(1.0)
+    for n in range(20):
+        hold.expect(f"m{n}", 0.001)
+        asyncio.get_running_loop().call_later(0.002, hold.settle, f"m{n}")
+        assert await hold.wait() > 0.0
+    assert hold.num_holds == 20 and hold.num_expected == 0 and hold.num_budgeted == 0
+    hold.expect("late", 0.001)  # (one that does not come within the bound keeps its charge)
+    hold.rule = CommitHoldRule(0.003, 1.0)
+    await hold.wait()
+    assert hold.num_budgeted == 1
+
+
 async def test_a_commit_that_never_comes_releases_the_hold_at_its_bound_and_holds_nothing_again() -> None:
     hold = hold_of(0.03)
     hold.expect("m", 0.001)  # then the source died, or the migration ended without a word here

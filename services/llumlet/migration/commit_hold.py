@@ -104,6 +104,11 @@ class CommitHold:
     def num_expected(self) -> int:
         return len(self._expected)
 
+    @property
+    def num_budgeted(self) -> int:
+        """Migrations whose holds so far count against their budget (until they settle)."""
+        return len(self._held_s)
+
     def expect(self, migration_id: str, commit_in_s: float, paced: bool = False) -> bool:
         """A source's notice: the migration's commit should land in `commit_in_s` (`paced`: the
         source notices steps ahead, and the steps before the commit may be paced for it). False:
@@ -180,6 +185,8 @@ class CommitHold:
         self.num_released_at_bound += bool(late)
         self.last_held_s = self._clock() - started
         for mid in due:
+            if mid not in self._expected and mid not in late:
+                continue  # it settled during the hold: its budget went with it (`settle`)
             self._held_s[mid] = self._held_s.get(mid, 0.0) + self.last_held_s
             if self._spent(mid):
                 self._expected.pop(mid, None)
