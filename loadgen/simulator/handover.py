@@ -50,10 +50,16 @@ class Handovers:
         self._wake = wake  # kick this instance at that time (a hold's bound)
         self._suspending: dict[str, list[_Countdown]] = {}  # source id -> last stages waiting for its steps
         self._committing: dict[str, list[Migration]] = {}  # destination id -> migrations in their last stage
-        # destination id -> its hold: (when it ends at the latest, the ids it waits for, paced)
-        self._holds: dict[str, tuple[float, set[str], bool]] = {}
+        # destination id -> its hold: (when it started, when it ends at the latest, the ids it waits
+        # for, paced)
+        self._holds: dict[str, tuple[float, float, set[str], bool]] = {}
         self._stalled_since: dict[str, float] = {}  # request id -> its last token on the source (committed)
         self._held_s: dict[str, float] = {}  # migration id -> destination time held for it (its budget)
+
+    @property
+    def num_budgeted(self) -> int:
+        """Migrations whose holds so far count against their budget (until they end)."""
+        return len(self._held_s)
 
     # -- the source ------------------------------------------------------------------------------
 
@@ -111,18 +117,21 @@ class Handovers:
         step, for the commits due within its bound (by the typical step) when it begins, until
         they have all committed or the bound passes. A commit expected later (or noticed during
         the hold) joins the step after it; one not in by the bound is not held for again unless
-        noticed again, and none holds more than its budget (`CommitHoldRule.budget_s`) in all."""
+        noticed again, and none holds more than its budget (`CommitHoldRule.budget_s`) in all: what
+        its holds took, charged as each ends, to the migrations still waiting then."""
         committing = self._committing.get(dst.instance_id)
         if not committing:  # (every step start asks: most have nothing to wait for)
             self._holds.pop(dst.instance_id, None)
             return False
         hold = self._holds.get(dst.instance_id)
         if hold is not None:
-            ends, due, paced = hold
+            started, ends, due, paced = hold
             pending = [m for m in committing if m.migration_id in due]
             if pending and now < ends:
                 return True
             del self._holds[dst.instance_id]
+            for migration in pending:  # (one that committed meanwhile was forgotten, budget and all)
+                self._held_s[migration.migration_id] = self._held_s.get(migration.migration_id, 0.0) + now - started
             for migration in pending:  # late past the bound, or its last step held: not again unless noticed again
                 if not paced or self._spent(migration):
                     committing.remove(migration)
@@ -142,9 +151,7 @@ class Handovers:
             self.stats.paced_holds += 1
         else:  # (a notice a step ahead asks for no pacing)
             return False
-        self._holds[dst.instance_id] = (ends, {m.migration_id for m in due}, paced)
-        for migration in due:  # (what the hold may take: a commit cuts it short, the live hold counts that)
-            self._held_s[migration.migration_id] = self._held_s.get(migration.migration_id, 0.0) + ends - now
+        self._holds[dst.instance_id] = (now, ends, {m.migration_id for m in due}, paced)
         self._wake(dst, ends)
         self.stats.holds += 1
         self.stats.held_s += expected_s

@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,6 +16,7 @@ from loadgen.simulator.config import SimConfig
 from loadgen.simulator.handover import Handovers
 from loadgen.simulator.instance import SimInstance
 from loadgen.simulator.migration import Migrator
+from loadgen.simulator.migration_state import MigrationStats
 from shared.engine_model.config import SchedulerConfig
 from shared.policy.baselines import get_policy
 from shared.policy.commit_hold import CommitHoldRule
@@ -76,7 +78,7 @@ def run_recording(monkeypatch, rule: CommitHoldRule, seed: int, notice_steps: in
         held_before = dst.instance_id in self._holds
         waiting = holds_step(self, dst, now)
         if waiting and not held_before:
-            ends, due, paced = self._holds[dst.instance_id]
+            _, ends, due, paced = self._holds[dst.instance_id]
             holds.append((dst, now, ends - now, set(due), paced, rule.bound_s(dst.typical_step_s)))
         return waiting
 
@@ -166,3 +168,31 @@ def test_noticing_steps_ahead_shortens_the_stall_more_than_a_step_ahead(seed):
     assert len(one) > 10 and len(three) > 10
     assert statistics.median(three) <= statistics.median(one)
     assert statistics.quantiles(three, n=10)[-1] < statistics.quantiles(one, n=10)[-1]
+
+
+def test_a_migrations_holds_are_charged_what_they_took_as_each_ends_and_stop_at_its_budget():
+    """As the live hold (`CommitHold`): charged at the hold's end, to the migrations it still
+    waits for; one that commits meanwhile is forgotten, budget and all."""
+    rule = CommitHoldRule(hold_max_s=1.0, step_share=0.5)  # a 40 ms step: 20 ms holds, 160 ms in all
+    handovers = Handovers(rule, MigrationStats(), 1, wake=lambda instance, at: None)
+    dst = SimpleNamespace(instance_id="d", typical_step_s=0.040, scheduler=SimpleNamespace(running=[]))
+
+    def migration(mid: str) -> SimpleNamespace:
+        return SimpleNamespace(migration_id=mid, dst=dst, src=SimpleNamespace(instance_id="s"), commit_due_at=0.0)
+
+    honest = migration("honest")
+    handovers.expect_commit(honest, 1.001)
+    assert handovers.holds_step(dst, 1.000)
+    handovers.forget(honest)  # (its commit at 1.001)
+    assert not handovers.holds_step(dst, 1.001) and handovers.num_budgeted == 0
+
+    stuck, now, held = migration("stuck"), 2.0, 0
+    for _ in range(20):  # a source noticing at each step and never committing
+        handovers.expect_commit(stuck, now + 0.001)
+        if handovers.holds_step(dst, now):
+            held += 1
+            assert handovers.holds_step(dst, now + 0.010)  # (still within its bound)
+            now += 0.030  # woken 10 ms past the bound: that is what it held
+            assert not handovers.holds_step(dst, now)
+        now += 0.040
+    assert held == 6 and handovers.num_budgeted == 1  # 6 x 30 ms >= 160 ms (charged by the bound: 8)
