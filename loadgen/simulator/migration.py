@@ -298,7 +298,8 @@ class Migrator:
         assert request is not None and request.status is RequestStatus.SUSPENDED, migration
         src, dst, sim = migration.src, migration.dst, self.sim
         clone = clone_for_destination(request)
-        dst.scheduler.add_migrated(clone, migration.lease_id)
+        adopted = dst.scheduler.add_migrated(clone, migration.lease_id)
+        assert adopted, migration  # (its pins were looked up by the request's own hashes)
         released = src.scheduler.release_migrated(migration.request_id, sim.now)
         assert released, migration
         sim.placed_at[migration.request_id] = sim.now

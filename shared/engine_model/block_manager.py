@@ -165,6 +165,10 @@ class BlockManager:
         """Cached blocks pinned by every lease."""
         return {b for blocks in self._pinned.values() for b in blocks}
 
+    def pinned_of(self, lease_id: str) -> list[int]:
+        """The lease's pinned cached blocks (the request's leading prefix, as its source named it)."""
+        return list(self._pinned.get(lease_id, ()))
+
     def reserved_blocks(self, lease_id: str) -> list[int]:
         """The lease's blocks in the request's order: the pinned cached prefix, then the reserved."""
         return self._pinned.get(lease_id, []) + self._reserved.get(lease_id, [])

@@ -51,9 +51,13 @@ class MigrationVerbs:
         self._finish(request, RequestStatus.FINISHED_MIGRATED, now)
         return True
 
-    def add_migrated(self: SimScheduler, request: SimRequest, lease_id: str) -> None:
+    def add_migrated(self: SimScheduler, request: SimRequest, lease_id: str) -> bool:
         """Destination commit: the lease's reserved blocks become the request's block table and
-        it joins the running batch with `num_computed_tokens` already computed."""
+        it joins the running batch with `num_computed_tokens` already computed. False: the
+        lease's pinned blocks are not cached under the request's own prefix hashes (its source
+        named another prompt's blocks: a bug or a hostile peer); as vLLM's destination does
+        (`DestinationLeases.adopt`), the lease goes back and the request queues to compute its
+        KV from its tokens, its output so far kept."""
         self._validate(request)
         request.set_stop(self.max_seq_len)
         reserved = len(self.block_manager.reserved_blocks(lease_id))
@@ -63,11 +67,27 @@ class MigrationVerbs:
             raise EngineError(f"migrated request {request.request_id} has nothing left to generate")
         if reserved < blocks_for_tokens(request.num_computed_tokens, self.block_size):
             raise EngineError(f"lease {lease_id} holds {reserved} blocks, too few for request {request.request_id}")
+        if not self._pins_are_its_prefix(lease_id, request):
+            self.block_manager.release(lease_id)
+            request.num_computed_tokens = 0
+            self.requests[request.request_id] = request
+            self.counts.count_live(request, +1)
+            self._push_waiting(request, front=False)
+            return False
         self.block_manager.adopt(lease_id, request.request_id, group=request.priority)
         request.start_migrated_in()
         self.requests[request.request_id] = request
         self.counts.count_live(request, +1)
         self.running.append(request)
+        return True
+
+    def _pins_are_its_prefix(self: SimScheduler, lease_id: str, request: SimRequest) -> bool:
+        pinned = self.block_manager.pinned_of(lease_id)
+        if not pinned:
+            return True
+        cache, hashes = self.prefix_cache, request.block_hashes
+        return cache is not None and len(pinned) <= len(hashes) and all(
+            cache.hash_of(block) == block_hash for block, block_hash in zip(pinned, hashes))
 
     def block_ids_of(self: SimScheduler, request_id: str) -> list[int]:
         return self.block_manager.blocks_of(request_id)

@@ -59,6 +59,10 @@ class PrefixCache:
     def is_cached(self, block: int) -> bool:
         return block in self._hash_of
 
+    def hash_of(self, block: int) -> int | None:
+        """The hash the block is cached under (None: not cached)."""
+        return self._hash_of.get(block)
+
     def longest_hit(self, hashes: Sequence[int], max_blocks: int) -> list[int]:
         """Block ids of the longest cached leading run of `hashes`, at most `max_blocks`."""
         hit: list[int] = []

@@ -34,7 +34,7 @@ def test_the_lease_pins_the_cached_prefix_and_the_table_starts_with_it():
     assert dst.block_manager.num_free == free_before - 2  # the evictable hits are held now
     assert dst.block_manager.reserve("lease", 2) is not None  # the rest: blocks 2 and 3
     dst.check_invariants()
-    dst.add_migrated(moving(), "lease")
+    assert dst.add_migrated(moving(), "lease")
     assert dst.block_ids_of("m")[:2] == cached
     dst.check_invariants()
     run_until_done(dst)
@@ -82,3 +82,35 @@ def test_the_hit_is_bounded_by_the_sources_full_blocks_and_a_cold_cache_pins_not
     assert cold.block_manager.reserved_blocks("lease") == []
     no_cache = make(16, enable_prefix_caching=False)
     assert no_cache.pin_cached_prefix("lease", moving().block_hashes, max_blocks=3) == 0
+
+
+def test_a_source_naming_another_prompts_blocks_gets_its_request_computed_again():
+    """As vLLM's destination (`tests/vllm/test_vllm_lease_adoption.py`): the pins are checked
+    against the request's own prefix hashes at the commit; where they differ, the lease goes back
+    and the request queues to compute its KV from its tokens, its output so far kept."""
+    dst = warm_destination()
+    free_before = dst.block_manager.num_free
+    other = request("other", list(range(700, 710)), max_tokens=8)  # (not PROMPT: its hashes differ)
+    assert dst.pin_cached_prefix("lease", moving().block_hashes, max_blocks=2) == 2  # PROMPT's blocks
+    dst.block_manager.reserve("lease", 2)
+    foreign = moving("m")
+    foreign.block_hashes = other.block_hashes  # what the commit says the request is
+    assert not dst.add_migrated(foreign, "lease")
+    assert dst.block_manager.num_free == free_before and dst.prefix_cache.num_evictable == 2  # lease back
+    assert foreign.num_computed_tokens == 0 and foreign in list(dst.waiting) and foreign not in dst.running
+    dst.check_invariants()
+    run_until_done(dst)
+    assert foreign.num_output_tokens == 8 and foreign.num_recomputed_tokens == 0
+    assert dst.block_manager.num_used == 0
+    dst.check_invariants()
+
+
+def test_a_pin_longer_than_the_requests_prefix_is_refused_too():
+    dst = warm_destination()
+    assert dst.pin_cached_prefix("lease", moving().block_hashes, max_blocks=2) == 2
+    dst.block_manager.reserve("lease", 2)
+    short = moving("m")
+    short.block_hashes = short.block_hashes[:1]
+    assert not dst.add_migrated(short, "lease")
+    assert short.num_computed_tokens == 0 and short in list(dst.waiting)
+    dst.check_invariants()

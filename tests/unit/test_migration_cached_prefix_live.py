@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
+
 from services.llumlet.migration.protocol import DestinationSlow, MigrationLimits, MigrationStatus
 from tests.unit.migration_helpers import BLOCK_SIZE, expected_tokens, gen
 from tests.unit.migration_source_harness import make_harness  # noqa: F401 (fixture)
@@ -92,3 +94,35 @@ async def test_the_source_names_the_prefix_of_the_request_it_would_move_next(mak
     assert len(hashes) == 40 // BLOCK_SIZE
     assert h.coordinator.next_candidate_hashes(256) == hashes
     assert h.coordinator.next_candidate_hashes(3) == hashes[:3]
+
+
+async def test_a_source_naming_another_prompts_blocks_gets_the_request_computed_again(make_harness) -> None:
+    """A buggy or hostile source's first PRE-ALLOC names blocks the destination holds for another
+    prompt: the destination pins them, finds at the commit that they are not the request's
+    prefix, gives them back and computes the request's KV from its tokens (as vLLM's does); the
+    stream goes on unchanged."""
+    h = await make_harness(enable_prefix_caching=True)
+    other = gen("other", PROMPT, 2)
+    h.dst.add_request(msgspec.structs.replace(other, prompt_token_ids=[t + 1000 for t in other.prompt_token_ids]))
+    async with asyncio.timeout(5):
+        while h.dst.get_request("other") is not None:
+            await asyncio.sleep(0.001)
+    other_hashes = list(h.dst.scheduler.prefix_cache.held_hashes())
+    await h.decoding("r", prompt=PROMPT + 32, max_tokens=300)
+    own = list(h.src.scheduler.get("r").block_hashes)
+    assert not set(other_hashes) & set(own)
+
+    async def name_the_other_prompt(msg) -> None:
+        if msg.stage == 0:
+            msg.block_hashes = other_hashes
+
+    h.link.before["prealloc"] = name_the_other_prompt
+    m = await h.coordinator.migrate("r", "dst")
+    assert m.status is MigrationStatus.FINISHED, m.reason
+    assert m.cached_blocks == len(other_hashes) > 0  # pinned as named
+    await h.wait_finished("r")
+    assert h.stream("r") == expected_tokens(h.src, "r", 300)
+    # computed here: its prompt's blocks are cached under its own hashes (adopted, the other
+    # prompt's blocks would have stood for its first ones)
+    assert len(h.dst.scheduler.prefix_cache.longest_hit(own, len(own))) == len(own)
+    h.assert_blocks_back()

@@ -9,9 +9,9 @@ live in `migration.py` (`migration_ops()`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
-
 
 from shared.prefix_hash import block_hashes
 from shared.engine_model.views import EngineError, RequestView, StepOutput
@@ -23,6 +23,8 @@ from shared.engine_model.scheduler import SimScheduler
 from services.llumlet.engines.sim.migration import SimMigration
 from services.llumlet.kv_journal import KvEventJournal
 from shared.messages import GenerateRequest
+
+log = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
 _IDLE_STEP_S = 0.005  # unscaled pause of a step that could schedule nothing (e.g. blocks reserved)
@@ -209,8 +211,9 @@ class SimEngine:
         """Into the scheduler: a new request, or a migrated one on the lease's blocks."""
         if migrated_lease is None:
             self.scheduler.add_request(sim)
-        else:
-            self.scheduler.add_migrated(sim, migrated_lease)
+        elif not self.scheduler.add_migrated(sim, migrated_lease):
+            log.warning("migrated request %s: the blocks its source named as cached here are not its prefix; "
+                        "its KV is computed again from its tokens", request.request_id)
         self._inputs[request.request_id] = request
         self._keys[request.request_id] = self.tokens.key(request.request_id)
 
