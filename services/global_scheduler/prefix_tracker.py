@@ -60,12 +60,13 @@ class PrefixTracker:
         self._requests: set[asyncio.Task] = set()
         self.events = Counter("corral:scheduler_kv_events", "KV-event messages from the llumlets, by outcome "
                               "(applied; gap: out of order, a snapshot asked for; skipped: waiting for that "
-                              "snapshot)", ["outcome"], registry=registry)
+                              "snapshot; over_bound: past the index's bound for the instance, out of sync)",
+                              ["outcome"], registry=registry)
         self.snapshots = Counter("corral:scheduler_kv_snapshots", "KV-cache snapshots applied", registry=registry)
         self.snapshot_requests = Counter("corral:scheduler_kv_snapshot_requests",
                                          "Snapshots asked of a llumlet (a gap, or an instance not yet heard)",
                                          registry=registry)
-        for outcome in ("applied", "gap", "skipped"):
+        for outcome in ("applied", "gap", "skipped", "over_bound"):
             self.events.labels(outcome)
         registry.register(_IndexCollector(self.index))
 
@@ -115,9 +116,11 @@ class PrefixTracker:
         if self.index.apply(events):
             self.events.labels("applied").inc()
             return
-        self.events.labels("skipped" if waiting else "gap").inc()
         if not waiting and events.instance_id in self.index.over_bound:
+            self.events.labels("over_bound").inc()
             self._over_bound(events.instance_id, f"{len(events.stored)} blocks stored")
+        else:
+            self.events.labels("skipped" if waiting else "gap").inc()
         self._ask_snapshot(events.instance_id)
 
     def _on_snapshot(self, msg: Msg) -> None:
@@ -179,6 +182,10 @@ class _IndexCollector(Collector):
         yield GaugeMetricFamily("corral:scheduler_prefix_index_out_of_sync",
                                 "Instances whose KV events had a gap, waiting for a snapshot",
                                 value=len(self.index.out_of_sync))
+        yield GaugeMetricFamily("corral:scheduler_prefix_index_over_bound",
+                                "Of them, instances whose events or snapshot went past the index's bound "
+                                "(twice the cache their load report tells): not indexed until a snapshot within it",
+                                value=len(self.index.over_bound))
         family = GaugeMetricFamily("corral:instance_prefix_cache_blocks",
                                    "KV blocks the prefix index holds for the instance", labels=["instance_id"])
         for instance_id in sorted(self.index.instances()):

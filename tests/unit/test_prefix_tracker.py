@@ -36,16 +36,22 @@ def test_instances_that_left_leave_nothing_behind():
 
 def test_an_instance_past_its_reported_cache_is_not_indexed_nor_asked_again_soon():
     loads = {"a": make_load("a", total=10)}
-    tracker = PrefixTracker(lambda: loads, CollectorRegistry(), load_of=loads.get)
+    registry = CollectorRegistry()
+    tracker = PrefixTracker(lambda: loads, registry, load_of=loads.get)
     bound = 2 * 10 + SLACK_BLOCKS
     assert tracker.index.bound("a") == bound
     tracker._on_events(_events("a", 1, list(range(bound + 1))))
-    assert tracker.events.labels("gap")._value.get() == 1 and tracker.index.num_blocks("a") == 0
+    assert tracker.events.labels("over_bound")._value.get() == 1 and tracker.events.labels("gap")._value.get() == 0
+    assert tracker.index.num_blocks("a") == 0
     assert "a" in tracker._no_cache and not tracker.index.in_sync("a")  # (asked again after no_cache_retry_s)
+    assert registry.get_sample_value("corral:scheduler_prefix_index_over_bound") == 1
+    tracker._on_events(_events("a", 2, [1]))  # (waiting for a snapshot now: skipped)
+    assert tracker.events.labels("skipped")._value.get() == 1
     tracker._on_snapshot(_snapshot("a", 1, list(range(bound + 1))))
     assert tracker.snapshots._value.get() == 0 and not tracker.index.in_sync("a")
     tracker._on_snapshot(_snapshot("a", 1, list(range(10))))  # within: applied
     assert tracker.index.in_sync("a") and "a" not in tracker._no_cache and tracker.index.num_blocks("a") == 10
+    assert registry.get_sample_value("corral:scheduler_prefix_index_over_bound") == 0
 
 
 def test_kv_messages_about_another_instance_are_refused_and_counted():
