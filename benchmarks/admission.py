@@ -65,16 +65,28 @@ def simulate(config: SimConfig, workload: Workload, policy: AdmissionPolicy, slo
     return ClusterSimulator(admitting, get_policy(dispatch), workload).run()
 
 
+class TooSmallToSaturate(Exception):
+    """The whole workload, arriving at once, keeps P99 TTFT within the SLO: no rate saturates it."""
+
+
 def saturating_rate(config: SimConfig, workload_at: Callable[[float], Workload], slo: SloConfig,
                     dispatch: str = "corral") -> float:
     """The highest offered rate (steps of 0.25 req/s; past 8 req/s, of 1/32 of the rate: a run per
-    step) at which the cluster, admitting everything, still keeps P99 TTFT within the SLO."""
+    step) at which the cluster, admitting everything, still keeps P99 TTFT within the SLO.
+    TooSmallToSaturate where it keeps it even with every request arriving within a thousandth of
+    the SLO (a higher rate would load it no more: the search would never end)."""
     rate = 0.25
     while True:
         step = 0.25 if rate < 8 else rate / 32
-        result = simulate(config, workload_at(rate + step), AdmissionPolicy.NONE, slo, dispatch)
-        if slo_metrics(result, slo).accepted_ttft_p99_s > slo.default.ttft_s:
+        workload = workload_at(rate + step)
+        result = simulate(config, workload, AdmissionPolicy.NONE, slo, dispatch)
+        p99 = slo_metrics(result, slo).accepted_ttft_p99_s
+        if p99 > slo.default.ttft_s:
             return rate
+        times = [arrival.time_s for arrival in workload.arrivals]
+        if max(times) - min(times) < 1e-3 * slo.default.ttft_s:
+            raise TooSmallToSaturate(f"{len(times)} requests arriving at once keep P99 TTFT at {p99:.2f} s, within "
+                                     f"the {slo.default.ttft_s:g} s SLO: raise --requests or lower --slo-ttft-s")
         rate += step
 
 
@@ -176,8 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         config = config.with_scheduler(num_blocks=args.num_blocks)
     probe = WorkloadSpec(args.dataset, num_requests=args.requests, seed=seeds[0],
                          trace_timestamps=args.trace_timestamps)
-    saturation = saturating_rate(config, lambda rate: workload_of(probe.with_rate(rate), config, args.system_prompts),
-                                 slo, args.dispatch)
+    try:
+        saturation = saturating_rate(config, lambda rate: workload_of(probe.with_rate(rate), config,
+                                                                      args.system_prompts), slo, args.dispatch)
+    except TooSmallToSaturate as error:
+        parser.error(str(error))
     roles = f" (P/D {args.prefill}:{args.decode})" if config.disaggregated else ""
     caching = ", prefix caching" if args.prefix_caching else ""
     print(f"{args.instances} x {args.gpu}{roles}{caching}, {args.dataset}, {args.dispatch} dispatch, saturating rate "

@@ -33,7 +33,7 @@ def _reports(n: int, rounds: int) -> list[bytes]:
     for _ in range(rounds):
         for instance in fleet:
             instance.drift()
-            out.append(instance.report(headroom))
+            out.append(instance.report(headroom, heartbeat_s=0.0))  # (0: every report is due, none skipped)
     return out
 
 

@@ -171,6 +171,10 @@ def client_stall(arrivals: list[float], handover: Handover | None, within_s: flo
     return right - left if left is not None and right is not None else None
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.1f} ms"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=12)
@@ -254,9 +258,8 @@ def main() -> None:
     if bus:
         print(f"on the bus (seen in this process): {len(bus)} handovers, stall P50 {1e3 * b['stall_p50_s']:.1f} ms, "
               f"P90 {1e3 * b['stall_p90_s']:.1f} ms")
-    print(f"client: own gap median {1e3 * c['own_gap_median_s']:.1f} ms; stall P50 "
-          f"{1e3 * (c['stall_p50_s'] or 0):.1f} ms, P90 {1e3 * (c['stall_p90_s'] or 0):.1f} ms, "
-          f"measured on {len(stalls)} of {len(prompts)} streams")
+    print(f"client: own gap median {1e3 * c['own_gap_median_s']:.1f} ms; stall P50 {_ms(c['stall_p50_s'])}, "
+          f"P90 {_ms(c['stall_p90_s'])}, measured on {len(stalls)} of {len(prompts)} streams")
     o = report["others"]
     if others_at_handover:
         print(f"the destination's other requests (the price): gap median {1e3 * o['gap_median_s']:.1f} ms, across a "
