@@ -121,11 +121,11 @@ def rebalancing_pairs(
     loads: Sequence[LoadReport], config: PolicyConfig, guard: MigrationGuard | None,
     cached_prefix: CachedPrefixOf | None = None, affinity: CacheAffinity = DEFAULT_AFFINITY,
 ) -> list[MigrationPair]:
-    """The load-balancing pairs (`pair_migrations`) minus those into a prefill instance: its
+    """The load-balancing pairs (`pair_migrations`) with no prefill instance as a destination: its
     memory is for prompts, and a request moved there would decode beside them, the interference
-    disaggregation exists to avoid. A prefill instance may still be a source (requests that
-    degraded to mixed there leave by the ordinary rounds). Without prefill instances this is
-    exactly `pair_migrations`."""
-    pairs = pair_migrations(loads, config, guard, cached_prefix, affinity)
-    prefill = {l.instance_id for l in loads if l.role is InstanceRole.PREFILL}
-    return [p for p in pairs if p.dst not in prefill] if prefill else pairs
+    disaggregation exists to avoid. Left out before pairing, not after: the prefill instances are
+    often the freest, and a source paired with one would get no pair at all. A prefill instance
+    may still be a source (requests that degraded to mixed there leave by the ordinary rounds).
+    Without prefill instances this is exactly `pair_migrations`."""
+    prefill = frozenset(l.instance_id for l in loads if l.role is InstanceRole.PREFILL)
+    return pair_migrations(loads, config, guard, cached_prefix, affinity, no_destinations=prefill)

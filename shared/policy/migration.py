@@ -6,7 +6,7 @@ the migration the llumlets run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from shared.messages import LoadReport
@@ -153,6 +153,7 @@ CachedPrefixOf = Callable[[str], Mapping[str, int]]
 def pair_migrations(
     loads: Sequence[LoadReport], config: PolicyConfig, guard: MigrationGuard | None,
     cached_prefix: CachedPrefixOf | None = None, affinity: CacheAffinity = DEFAULT_AFFINITY,
+    no_destinations: Collection[str] = frozenset(),
 ) -> list[MigrationPair]:
     """Sources: head-of-line freeness below the low threshold (draining instances always are);
     destinations: above the high threshold and not draining. Pair the lowest source with the
@@ -165,7 +166,9 @@ def pair_migrations(
 
     With `cached_prefix`, each source takes, among the remaining destinations that keep the gap
     and are within `affinity` of the freest, the one holding most of its request's prefix
-    (`CacheAffinity`); without it (or with no hit anywhere) the freest, as above."""
+    (`CacheAffinity`); without it (or with no hit anywhere) the freest, as above.
+
+    `no_destinations` may be sources but are never destinations (prefill instances)."""
     scored = [(freeness(l, config.headroom_blocks, QueueDemand.HEAD), l) for l in loads]
     sources = sorted((f, l.instance_id) for f, l in scored if l.num_running > 0 and f < config.migrate_out_freeness)
     max_waiting = guard.dest_max_waiting if guard is not None else None
@@ -173,7 +176,8 @@ def pair_migrations(
         (
             (f, l.instance_id)
             for f, l in scored
-            if not l.draining and f > config.migrate_in_freeness and (max_waiting is None or l.num_waiting <= max_waiting)
+            if not l.draining and f > config.migrate_in_freeness and l.instance_id not in no_destinations
+            and (max_waiting is None or l.num_waiting <= max_waiting)
         ),
         key=lambda item: (-item[0], item[1]),
     )

@@ -140,6 +140,16 @@ def test_rebalancing_never_moves_a_request_into_a_prefill_instance():
     assert rebalancing_pairs(loads, config, GUARD) == pair_migrations(loads, config, GUARD)
 
 
+def test_a_freer_prefill_instance_does_not_take_a_sources_pair_from_a_decode_instance():
+    # was: prefill destinations were dropped after pairing, so the source the freest (idle
+    # prefill) instance was paired with got no pair at all, though a decode instance had room
+    config = PolicyConfig(headroom_blocks={})
+    full_decode = load("d1", D, running={0: (10, 100)})
+    idle_prefill = load("p", P)
+    roomy_decode = load("d2", D, running={0: (1, 10)})
+    assert rebalancing_pairs([full_decode, idle_prefill, roomy_decode], config, GUARD) == [MigrationPair("d1", "d2")]
+
+
 def test_a_decode_instance_whose_context_is_too_short_is_passed_over():
     source = msgspec.structs.replace(load("p", P), max_model_len=8192)
     short = msgspec.structs.replace(load("d1", D), max_model_len=2048)
