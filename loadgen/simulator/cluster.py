@@ -297,7 +297,10 @@ class ClusterSimulator:
         fleet = loads
         if self.config.num_prefill:  # new requests go to prefill (and mixed) instances only
             loads = dispatch_pool(loads)
-        if self.admission is not None:  # early rejection: before any prefill is spent
+        self._predictions = {}
+        # Early rejection, before any prefill is spent; with every instance draining nothing to
+        # predict: dispatch answers as without admission (as the live scheduler's `check`).
+        if self.admission is not None and any(not load.draining for load in loads):
             matched = matched_blocks(message, self.prefix.index)  # (none without prefix caching)
             cached = {load.instance_id: cached_tokens(load, message, matched) for load in loads}
             admitted = self.admission.decide(loads, arrival.prompt_len, priority, fleet, cached)

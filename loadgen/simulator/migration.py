@@ -30,6 +30,7 @@ from loadgen.simulator.migration_state import (
     is_decoding,
 )
 from shared.engine_model.request import RequestStatus, SimRequest
+from shared.messages import MAX_CANDIDATE_HASHES, MAX_PREALLOC_HASHES
 from shared.engine_model.scheduler import SimScheduler
 from shared.policy.disaggregation import rebalancing_pairs
 from shared.policy.freeness import QueueDemand, freeness
@@ -39,7 +40,6 @@ from shared.policy.migration import (
     may_migrate_into,
     may_move,
     next_stage,
-    pair_migrations,
     select_request_to_migrate,
 )
 
@@ -100,12 +100,10 @@ class Migrator:
         sim.events.push(sim.now + sim.config.migration_interval_s, self.on_round)
         loads = sim.loads()
         config = sim.policy_config
-        if sim.config.disaggregated:
-            pairs = rebalancing_pairs(loads, config, self.guard)
-        elif self.cache_aware:
-            pairs = pair_migrations(loads, config, self.guard, self._cached_prefix, self.model.affinity)
-        else:
-            pairs = pair_migrations(loads, config, self.guard)
+        # (as the live pairer: `rebalancing_pairs` for every fleet, exactly `pair_migrations` without
+        # prefill instances; the caches matched where the engines cache)
+        cached_prefix = self._cached_prefix if self.cache_aware else None
+        pairs = rebalancing_pairs(loads, config, self.guard, cached_prefix, self.model.affinity)
         self.pairs = {pair.src: pair.dst for pair in pairs}
         self.stats.rounds += 1
         self.stats.pairs += len(pairs)
@@ -124,7 +122,9 @@ class Migrator:
         if chosen is None:
             return {}
         request = src.scheduler.get(chosen.request_id)
-        hashes = request.block_hashes[:request.num_computed_tokens // src.scheduler.block_size]
+        # (a live source reports at most MAX_CANDIDATE_HASHES in its load report)
+        hashes = request.block_hashes[:min(request.num_computed_tokens // src.scheduler.block_size,
+                                           MAX_CANDIDATE_HASHES)]
         if not hashes:
             return {}
         held = {}
@@ -194,7 +194,9 @@ class Migrator:
         they count as on the destination already (sent and leased), so no stage copies them."""
         request = migration.src.scheduler.get(migration.request_id)
         full = request.num_computed_tokens // migration.src.scheduler.block_size
-        pinned = migration.dst.scheduler.pin_cached_prefix(migration.lease_id, request.block_hashes, full)
+        # (a live source's first PRE-ALLOC names at most MAX_PREALLOC_HASHES)
+        pinned = migration.dst.scheduler.pin_cached_prefix(migration.lease_id, request.block_hashes,
+                                                           min(full, MAX_PREALLOC_HASHES))
         migration.cached_blocks = migration.blocks_sent = migration.lease_blocks = pinned
         self.stats.cached_blocks += pinned
 

@@ -116,3 +116,17 @@ def test_a_cached_prefix_is_not_predicted_as_prefill():
     assert sorted(r.num_cached_tokens for r in result.finished) == [0, 1024, 1024]
     for request_id in ttft:
         assert abs(result.predicted_ttft_s[request_id] - ttft[request_id]) < 0.05, (request_id, ttft)
+
+
+def test_with_every_instance_draining_dispatch_answers_as_the_live_scheduler_lets_it(monkeypatch):
+    # was: the simulator refused as overloaded (no instance to predict on); the live scheduler's
+    # check leaves such a request to dispatch, which falls back to a draining instance
+    import msgspec
+
+    config = SimConfig(num_instances=2, admission=AdmissionModel(AdmissionPolicy.PREDICTED, SLO))
+    loads = ClusterSimulator.loads
+    monkeypatch.setattr(ClusterSimulator, "loads",
+                        lambda self: [msgspec.structs.replace(load, draining=True) for load in loads(self)])
+    rows = [SimArrival(i, 1.0 * i, 100, 4, 0) for i in range(3)]
+    result = ClusterSimulator(config, get_policy("corral"), Workload(rows, "hand-made")).run()
+    assert len(result.finished) == 3 and not result.rejected

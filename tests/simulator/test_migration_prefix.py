@@ -95,3 +95,23 @@ def test_loadgen_simulate_has_the_flag():
     assert cli.build_config(parser.parse_args(argv)).migration.cache_aware  # (as the services)
     assert cli.build_config(parser.parse_args([*argv, "--cache-aware-migration"])).migration.cache_aware
     assert not cli.build_config(parser.parse_args([*argv, "--no-cache-aware-migration"])).migration.cache_aware
+
+
+def test_pairing_matches_at_most_the_candidate_prefix_a_live_load_report_carries(monkeypatch):
+    # was: the whole prefix (a live source reports MAX_CANDIDATE_HASHES leading hashes at most,
+    # so the simulator preferred destinations holding more than the live pairer can see)
+    from shared.messages import MAX_CANDIDATE_HASHES
+
+    matched: list[int] = []
+    cached_prefix = Migrator._cached_prefix
+
+    def recorded(self, src_id):
+        held = cached_prefix(self, src_id)
+        matched.extend(held.values())
+        return held
+
+    monkeypatch.setattr(Migrator, "_cached_prefix", recorded)
+    config = replace(CACHING, scheduler=replace(CACHING.scheduler, block_size=8))  # (longer prefixes in blocks)
+    base = synthetic("conversation:long", 120, 1.0, config, trace_timestamps=True)
+    simulate(aware(config), "corral", with_system_prompts(base, 2, 3000, config.max_seq_len, seed=0))
+    assert matched and max(matched) == MAX_CANDIDATE_HASHES
