@@ -105,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--prefix-cached-queue-weight", type=share_of_one,
                          default=defaults_sim.prefix_cached_queue_weight, metavar="B",
                          help="corral-prefix: a waiting prompt's cached prefix counts B of its prefill in the queue "
-                              "ahead (default %(default)s: counted whole; 0: only what it will compute)")
+                              "ahead (default %(default)s: only what it will compute; 1: counted whole)")
     cluster.add_argument("--prefix-held-request-tokens", type=non_negative_number,
                          default=defaults_sim.prefix_held_request_tokens, metavar="R",
                          help="corral-prefix: each request an instance holds or queues counts as R tokens of "

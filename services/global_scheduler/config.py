@@ -94,12 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=env("PREFIX_CACHED_QUEUE_WEIGHT", str(DEFAULT_CACHED_QUEUE_WEIGHT)), metavar="B",
                         help="corral-prefix: a waiting prompt's cached prefix counts B of its prefill in the queue "
                              "ahead, where the instance tells its waiting prefill in tokens (default %(default)s: "
-                             "counted whole; 0: only what it will compute)")
+                             "only what it will compute; 1: counted whole)")
     parser.add_argument("--prefix-held-request-tokens", type=non_negative_number,
                         default=env("PREFIX_HELD_REQUEST_TOKENS", str(DEFAULT_HELD_REQUEST_TOKENS)), metavar="R",
                         help="corral-prefix: each request an instance holds or queues counts as R tokens of prefill "
-                             "in the queue ahead, where the instance tells its waiting prefill in tokens "
-                             "(default %(default)s)")
+                             "in the queue ahead, on every instance, told or not (default %(default)s)")
     gate = parser.add_argument_group("admission control (429 when no instance can meet the SLO)")
     gate.add_argument("--admission", choices=ADMISSION_POLICY_NAMES, default=env("ADMISSION", "none"))
     gate.add_argument("--slo-ttft-s", type=float, default=env("SLO_TTFT_S", None), help="TTFT target")

@@ -95,8 +95,8 @@ class LoadReport(Struct):
     # Tokens the waiting requests will prefill, each less the prefix this instance's cache holds
     # for it now (None: not told, an engine without a prefix cache or an older llumlet; the
     # waiting demand's blocks, cached ones included, stand in). Prefix-aware dispatch counts the
-    # prefixes left out at `--prefix-cached-queue-weight`, and each request held or queued as
-    # `--prefix-held-request-tokens` more, where told (`shared.policy.prefix_dispatch`).
+    # prefixes left out at `--prefix-cached-queue-weight` where told, and each request held or
+    # queued as `--prefix-held-request-tokens` more on every instance (`shared.policy.prefix_dispatch`).
     waiting_prefill_tokens: Count | None = None
     draining: bool = False
     drained_by: DrainSource | None = None  # set while draining
