@@ -3,8 +3,9 @@ migration rounds, scaling ticks and timeline samples, in virtual time.
 
 Dispatch sees each instance's last load report (at most `report_interval_s` old) plus its own
 `account_dispatch` bookkeeping since, as the global scheduler does. A report is produced the
-first time a policy looks after the previous one has aged out, so staleness stays bounded
-without paying for reports nobody reads.
+first time a policy looks after the previous one has aged out, or after a step that moved the
+instance's free blocks by `report_change_fraction` of them (a live llumlet reports those at once),
+so staleness stays bounded without paying for reports nobody reads.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from loadgen.simulator.migration_state import MigrationStats
 from loadgen.simulator.timeline import Timeline
 from loadgen.simulator.workload import SimArrival, Workload
 from shared.engine_model.latency import LatencyModel
+from shared.engine_model.report_cadence import blocks_moved
 from shared.engine_model.request import SimRequest
 from shared.engine_model.scheduler import SimScheduler
 from shared.messages import DispatchRequest, LoadReport, Refusal
@@ -208,6 +210,9 @@ class ClusterSimulator:
     def _on_step_end(self, instance: SimInstance) -> None:
         step, instance.step = instance.step, None
         events = instance.scheduler.update_from_output(step, self.now)
+        if events.new_token and blocks_moved(instance.report, instance.scheduler.block_manager.num_free,
+                                             instance.scheduler.config.num_blocks, self.config.report_change_fraction):
+            instance.build_report(self.now, self.config.max_seq_len)  # (reported at once, as a live llumlet)
         finished = events.finished
         if self.admission is not None:
             self.admission.observe_step(instance.instance_id, step)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from loadgen.simulator.admission import AdmissionModel
 from shared.engine_model.latency import SIMPLE_MODELS
 from shared.engine_model.config import SchedulerConfig
+from shared.engine_model.report_cadence import DEFAULT_CHANGE_FRACTION
 from shared.messages import InstanceRole
 from shared.policy.config import PolicyConfig, ScalingConfig
 from shared.policy.migration import (
@@ -99,6 +100,8 @@ class SimConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_bytes_per_token: int = KV_BYTES_PER_TOKEN_LLAMA_7B
     report_interval_s: float = 0.05  # a policy sees reports at most this old (+ its own dispatches)
+    # ... or this share of an instance's blocks freed or taken since: reported at once (`blocks_moved`)
+    report_change_fraction: float = DEFAULT_CHANGE_FRACTION
     migration_interval_s: float = 0.1
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     # The policy's anti-thrash guard, as the scheduler and the llumlets apply it (None: pair on

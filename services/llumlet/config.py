@@ -11,7 +11,7 @@ from shared import subjects
 from shared.config import add_nats_argument, env, short_id
 from shared.engine_model.config import QUEUE_POLICIES, STEP_MODES, SchedulerConfig
 from shared.engine_model.latency import SIMPLE_MODELS
-from shared.engine_model.report_cadence import DEFAULT_HEARTBEAT_S, MAX_HEARTBEAT_S
+from shared.engine_model.report_cadence import DEFAULT_CHANGE_FRACTION, DEFAULT_HEARTBEAT_S, MAX_HEARTBEAT_S
 from shared.messages import InstanceRole
 from shared.policy.config import PolicyConfig
 
@@ -39,7 +39,7 @@ class LlumletConfig:
     stop_grace_s: float = 10.0
     metrics_port: int = 0  # Prometheus /metrics (0: off; several llumlets on one host would collide)
     # Publish a report at once when free blocks moved by this fraction of the capacity.
-    report_change_fraction: float = 0.05
+    report_change_fraction: float = DEFAULT_CHANGE_FRACTION
     seed: int = 0
     # Prefill/decode disaggregation (issue 19 §2): a prefill instance hands each request, at its
     # first token, to a decode instance by live migration (`handoff_concurrency` at a time);

@@ -23,7 +23,7 @@ from services.llumlet.served import ServedTally
 from shared import subjects
 from shared.cancellation import wait_set
 from shared.engine_model.load_report import aggregate_views, build_load_report
-from shared.engine_model.report_cadence import report_due
+from shared.engine_model.report_cadence import blocks_moved, report_due
 from shared.messages import DrainSource, InstanceRole, LoadReport, encode
 
 
@@ -113,8 +113,8 @@ class LoadReporter:
         """After a step: report now if the free blocks moved by `report_change_fraction` of them
         since the last report."""
         engine = self.llumlet.engine
-        threshold = max(1, int(engine.num_blocks_total * self.llumlet.config.report_change_fraction))
-        if self.last is None or abs(self.last.num_blocks_free - engine.num_free_blocks()) >= threshold:
+        if blocks_moved(self.last, engine.num_free_blocks(), engine.num_blocks_total,
+                        self.llumlet.config.report_change_fraction):
             self._now.set()
 
     async def run(self) -> None:

@@ -16,7 +16,7 @@ from services.llumlet.engines.sim.engine import SimEngine
 from services.llumlet.service import Llumlet
 from shared import subjects
 from shared.engine_model.load_report import aggregate_views, build_load_report
-from shared.engine_model.report_cadence import report_due, says_the_same
+from shared.engine_model.report_cadence import blocks_moved, report_due, says_the_same
 from shared.messages import LoadReport, decode
 from tests.unit.migration_helpers import gen, sim_config
 
@@ -25,6 +25,15 @@ def report(seq: int = 1, sent_at: float = 100.0, free: int = 10, accepted: int =
     return build_load_report(instance_id="i", seq=seq, sent_at=sent_at, requests=aggregate_views([]),
                              num_blocks_total=10, num_blocks_free=free, block_size=16, num_preemptions_total=0,
                              headroom_blocks=None, num_accepted_total=accepted)
+
+
+def test_a_step_that_moved_a_share_of_the_blocks_is_reported_at_once():
+    last = build_load_report(instance_id="i", seq=1, sent_at=1.0, requests=aggregate_views([]), num_blocks_total=1000,
+                             num_blocks_free=600, block_size=16, num_preemptions_total=0, headroom_blocks=None)
+    assert blocks_moved(None, 600, 1000, 0.05)  # (nothing reported yet)
+    assert not blocks_moved(last, 649, 1000, 0.05) and not blocks_moved(last, 551, 1000, 0.05)
+    assert blocks_moved(last, 650, 1000, 0.05) and blocks_moved(last, 550, 1000, 0.05)
+    assert blocks_moved(last, 601, 10, 0.05)  # (at least one block)
 
 
 def test_a_report_that_differs_only_in_its_number_and_time_says_the_same():
