@@ -17,6 +17,7 @@ from shared.policy.migration import (
     DEFAULT_MAX_IN,
     DEFAULT_MAX_OUT,
     DEFAULT_STAGES,
+    REFUSED_BACKOFF_S,
     CacheAffinity,
     MigrationGuard,
     StageRule,
@@ -59,6 +60,9 @@ class MigrationModel:
     # A source notices its commit this many of its steps ahead (the llumlets'
     # `--migration-notice-steps`), and the destination paces its steps to meet it.
     notice_steps: int = DEFAULT_NOTICE_STEPS
+    # A source whose destination refused (its guard at the first grant) or ran out of blocks
+    # starts no migration to it for this long while the pair stands, as a llumlet.
+    refused_backoff_s: float = REFUSED_BACKOFF_S
 
     def __post_init__(self) -> None:
         if not (self.bandwidth_gbps > 0 and math.isfinite(self.bandwidth_gbps)):

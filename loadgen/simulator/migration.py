@@ -77,6 +77,7 @@ class Migrator:
         self.guard = sim.config.guard
         self.block_bytes = sim.config.block_bytes
         self.pairs: dict[str, str] = {}  # source -> destination, as of the last round
+        self._refused: dict[str, tuple[str, float]] = {}  # source -> (destination, backing off until)
         self.active: dict[str, Migration] = {}  # migration id -> migration
         self.stats = MigrationStats()
         self.left_at: dict[str, dict[str, float]] = {}  # request id -> instance -> when it left it
@@ -105,6 +106,8 @@ class Migrator:
         cached_prefix = self._cached_prefix if self.cache_aware else None
         pairs = rebalancing_pairs(loads, config, self.guard, cached_prefix, self.model.affinity)
         self.pairs = {pair.src: pair.dst for pair in pairs}
+        # (a back-off lasts while its pair stands: a live source's is on the pair it was ordered)
+        self._refused = {src: refused for src, refused in self._refused.items() if self.pairs.get(src) == refused[0]}
         self.stats.rounds += 1
         self.stats.pairs += len(pairs)
         for pair in pairs:
@@ -134,6 +137,15 @@ class Migrator:
                 held[instance.instance_id] = cache.matched_blocks(hashes)
         return held
 
+    def _backing_off(self, src: SimInstance, dst: SimInstance) -> bool:
+        refused = self._refused.get(src.instance_id)
+        return refused is not None and refused[0] == dst.instance_id and self.sim.now < refused[1]
+
+    def _refused_by(self, src: SimInstance, dst: SimInstance) -> None:
+        """The destination refused or aborted a migration: none to it for a while, while the pair stands."""
+        if self.pairs.get(src.instance_id) == dst.instance_id:
+            self._refused[src.instance_id] = (dst.instance_id, self.sim.now + self.model.refused_backoff_s)
+
     def _pair_stands(self, src: SimInstance, dst: SimInstance) -> bool:
         """The source keeps migrating while it is still short of memory and the destination
         still has plenty, as its own fresh load shows."""
@@ -147,6 +159,8 @@ class Migrator:
 
     def _try_start(self, src: SimInstance, dst: SimInstance) -> bool:
         if src.migrations_out >= self.model.max_out or dst.migrations_in >= self.model.max_in or not dst.serving:
+            return False
+        if self._backing_off(src, dst):
             return False
         sim = self.sim
         busy = {m.request_id for m in self.active.values()}
@@ -163,6 +177,7 @@ class Migrator:
                                     num_blocks_total=report.num_blocks_total, num_waiting=report.num_waiting,
                                     guard=self.guard, draining=report.draining,
                                     num_blocks_committed=report.committed_blocks):
+                self._refused_by(src, dst)
                 return False
         self.start(src, dst, chosen.request_id)
         return True
@@ -261,6 +276,7 @@ class Migrator:
         held = migration.src.scheduler.block_manager.num_blocks_of(migration.request_id)
         more = held - migration.lease_blocks
         if more > 0 and migration.dst.scheduler.reserve(migration.lease_id, more) is None:
+            self._refused_by(migration.src, migration.dst)
             self._abort(migration, "destination out of blocks")
             return False
         migration.lease_blocks = max(held, migration.lease_blocks)

@@ -74,6 +74,9 @@ DEFAULT_STAGES = StageRule()
 # its link and its steps. Two in: a destination is where the freeness rule sends several sources.
 DEFAULT_MAX_OUT = 1
 DEFAULT_MAX_IN = 2
+# After a destination refused or aborted a migration, its source starts none to it for this long
+# while that pair stands (the llumlets' and the simulator's): the next round may pair elsewhere.
+REFUSED_BACKOFF_S = 0.5
 
 
 def next_stage(rule: StageRule, stages_done: int, full_blocks: int, blocks_sent: int) -> int | None:

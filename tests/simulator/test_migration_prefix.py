@@ -55,10 +55,10 @@ def test_only_the_blocks_the_destination_lacks_are_copied(monkeypatch):
     # Every block a request held crossed the wire or was already on the destination, never both.
     assert all(cached + copied == held for cached, copied, held in copies)
     assert sum(c for c, _, _ in copies) == result.migrations.cached_blocks
+    # (copied blocks, not durations: a migration's duration is mostly the source steps its last
+    # stage waits for, and a dozen migrations' mean moves with which requests moved)
     per_migration = lambda r: r.migrations.copied_blocks / r.migrations.committed  # noqa: E731
     assert per_migration(result) < 0.9 * per_migration(plain)
-    assert sum(result.migrations.duration_s) / result.migrations.committed < (
-        sum(plain.migrations.duration_s) / plain.migrations.committed)
 
 
 def test_a_migrated_request_produces_what_it_would_have():
