@@ -272,15 +272,29 @@ class Migrator:
 
     def _reserve_held_blocks(self, migration: Migration) -> bool:
         """Top the lease up to every block the request holds, the partial one included (as a
-        live PRE-ALLOC does); False (aborted) when the destination is out of blocks."""
+        live PRE-ALLOC does); False (aborted) when the destination refuses them or is out of
+        blocks. Blocks past the first grant pass the guard the first did, on the destination's
+        state now (as a live destination's `_guard_more`)."""
         held = migration.src.scheduler.block_manager.num_blocks_of(migration.request_id)
         more = held - migration.lease_blocks
+        if more > 0 and migration.stages and not self._may_take_more(migration.dst, more):
+            self._refused_by(migration.src, migration.dst)
+            self._abort(migration, "destination refused more blocks")
+            return False
         if more > 0 and migration.dst.scheduler.reserve(migration.lease_id, more) is None:
             self._refused_by(migration.src, migration.dst)
             self._abort(migration, "destination out of blocks")
             return False
         migration.lease_blocks = max(held, migration.lease_blocks)
         return True
+
+    def _may_take_more(self, dst: SimInstance, num_blocks: int) -> bool:
+        if self.guard is None:
+            return True
+        scheduler = dst.scheduler
+        return may_migrate_into(num_blocks=num_blocks, num_blocks_free=scheduler.block_manager.num_free,
+                                num_blocks_total=scheduler.config.num_blocks, num_waiting=len(scheduler.waiting),
+                                guard=self.guard, num_blocks_committed=scheduler.committed_blocks())
 
     def _start_stage(self, migration: Migration, num_blocks: int, overhead_s: float) -> float:
         """Copy a stage; when it ends."""

@@ -31,3 +31,26 @@ def test_a_refused_pair_is_tried_again_only_after_the_back_off(monkeypatch):
     assert SMALL.migration.refused_backoff_s == REFUSED_BACKOFF_S
     with_back_off, without = tries(REFUSED_BACKOFF_S), tries(0.0)
     assert 0 < with_back_off < without / 3
+
+
+def test_blocks_past_the_first_grant_pass_the_destinations_guard_on_its_state_now():
+    """As a live destination's top-up (`leases._guard_more`): a queue there, or too few blocks
+    left free, refuses them (the simulator used to check only that the blocks exist)."""
+    from types import SimpleNamespace
+
+    from loadgen.simulator.migration import Migrator
+    from shared.policy.migration import DEFAULT_GUARD
+
+    def destination(free: int, waiting: int) -> SimpleNamespace:
+        scheduler = SimpleNamespace(block_manager=SimpleNamespace(num_free=free),
+                                    config=SimpleNamespace(num_blocks=1000), waiting=[object()] * waiting,
+                                    committed_blocks=lambda: 0)
+        return SimpleNamespace(scheduler=scheduler)
+
+    migrator = Migrator.__new__(Migrator)
+    migrator.guard = DEFAULT_GUARD
+    assert migrator._may_take_more(destination(free=800, waiting=0), 3)
+    assert not migrator._may_take_more(destination(free=800, waiting=1), 3)  # a queue there
+    assert not migrator._may_take_more(destination(free=100, waiting=0), 50)  # under 10 % left
+    migrator.guard = None
+    assert migrator._may_take_more(destination(free=800, waiting=1), 3)  # (no guard: the bands alone)
