@@ -55,11 +55,12 @@ def read_stalls(path: Path, start: float, end: float) -> list[tuple[float, float
 def main() -> int:
     import uvloop
 
-    from services.gateway.server import config_from_argv
-
     if len(sys.argv) < 2 or sys.argv[1].startswith("-"):  # (-h too: not a file to append to)
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2
+
+    from services.gateway.server import config_from_argv
+
     log_path, gateway_args = sys.argv[1], sys.argv[2:]
     config = config_from_argv(gateway_args, prog="python -m benchmarks.loop_stalls STALL_LOG")
     with open(log_path, "a") as log:

@@ -3,9 +3,9 @@ pure policy (`shared.policy.admission`) which instances may take an arriving req
 
 The queued prefill comes from the load report dispatch sees (`prefix_dispatch.queued_prefill_tokens`,
 the function predicted-TTFT dispatch uses, equally stale, at admission's own weights: the plain
-count, every queued block whole and no per-request term, as the live admission); the output produced so far by each
-running request is read from the instance's scheduler (live, from the load report's
-`running_output_tokens`). Each instance's output-length estimate (a histogram of served output
+count, every queued block whole and no per-request term, as the live admission); the output
+produced so far by each running request is read from the instance's scheduler (live, from the
+load report's `running_output_tokens`). Each instance's output-length estimate (a histogram of served output
 lengths; live, the one the load reports carry) learns from the requests it finishes, its step
 inflation (step time over decode-only time, an exponential average over its decoding steps) from
 the steps it runs. With P/D roles the decode pool comes from the decode instances and the

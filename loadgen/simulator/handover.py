@@ -130,9 +130,10 @@ class Handovers:
             if pending and now < ends:
                 return True
             del self._holds[dst.instance_id]
-            for migration in pending:  # (one that committed meanwhile was forgotten, budget and all)
+            # (one that committed meanwhile was forgotten, budget and all; one late past the bound,
+            # or whose last step was held, is not held for again unless noticed again)
+            for migration in pending:
                 self._held_s[migration.migration_id] = self._held_s.get(migration.migration_id, 0.0) + now - started
-            for migration in pending:  # late past the bound, or its last step held: not again unless noticed again
                 if not paced or self._spent(migration):
                     committing.remove(migration)
             return False  # the step goes now (no second hold before it)

@@ -30,8 +30,8 @@ from loadgen.simulator.migration_state import (
     is_decoding,
 )
 from shared.engine_model.request import RequestStatus, SimRequest
-from shared.messages import MAX_CANDIDATE_HASHES, MAX_PREALLOC_HASHES
 from shared.engine_model.scheduler import SimScheduler
+from shared.messages import MAX_CANDIDATE_HASHES, MAX_PREALLOC_HASHES
 from shared.policy.disaggregation import rebalancing_pairs
 from shared.policy.freeness import QueueDemand, freeness
 from shared.policy.migration import (
@@ -277,14 +277,16 @@ class Migrator:
         state now (as a live destination's `_guard_more`)."""
         held = migration.src.scheduler.block_manager.num_blocks_of(migration.request_id)
         more = held - migration.lease_blocks
-        if more > 0 and migration.stages and not self._may_take_more(migration.dst, more):
-            self._refused_by(migration.src, migration.dst)
-            self._abort(migration, "destination refused more blocks")
-            return False
-        if more > 0 and migration.dst.scheduler.reserve(migration.lease_id, more) is None:
-            self._refused_by(migration.src, migration.dst)
-            self._abort(migration, "destination out of blocks")
-            return False
+        if more > 0:
+            refusal = None
+            if migration.stages and not self._may_take_more(migration.dst, more):
+                refusal = "destination refused more blocks"
+            elif migration.dst.scheduler.reserve(migration.lease_id, more) is None:
+                refusal = "destination out of blocks"
+            if refusal is not None:
+                self._refused_by(migration.src, migration.dst)
+                self._abort(migration, refusal)
+                return False
         migration.lease_blocks = max(held, migration.lease_blocks)
         return True
 
