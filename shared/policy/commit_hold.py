@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 DEFAULT_HOLD_STEP_SHARE = 0.5
 # A source tells the destination its commit is coming this many of its own steps ahead, the
-# step in flight the first where more than one (1: a step ahead, as it suspends; the destination
-# then holds or not, and never paces). Three lets the destination's first
+# step in flight the first (1: in that step, as it suspends after it; the destination then holds
+# or not, and never paces). Three lets the destination's first
 # step start after the notice be one or two whole steps before the commit, so every commit is
 # paced, each hold at most half a step: the migrating request's stall met one step + 2 ms on the
 # simulated engine (benchmarks/migration_sim.py, 2026-12-02: +1.2-2.5 ms at the median, P90 within

@@ -352,12 +352,22 @@ async def test_the_source_notices_the_commit_steps_ahead_where_the_destination_h
             steps.ended(time.monotonic())
 
     h.src.step = timed_step
+    notify, due_in_step = h.coordinator.notices.notice, []
+
+    async def in_a_step(m, check):  # the last stage comes due while a step of ours is in flight
+        while steps.started_at is None:
+            await asyncio.sleep(0)
+        due_in_step.append(started)
+        return await notify(m, check)
+
+    h.coordinator.notices.notice = in_a_step
     await h.decoding("r", prompt=50, max_tokens=300)
     m = await h.coordinator.migrate("r", "dst")
     assert m.status is MigrationStatus.FINISHED, m.reason
     assert m.dst_hold_max_s == 0.05 and len(notices) == notice_steps
-    # One at the start of each of as many consecutive steps, each due a step sooner than the last.
-    assert [step for step, _ in notices] == list(range(notices[0][0], notices[0][0] + notice_steps))
+    # The first in the step in flight (the suspend waits for it anyway; was: one step ahead, the
+    # next step's start, a step later), then one at the start of each next step, each due sooner.
+    assert [step for step, _ in notices] == list(range(due_in_step[0], due_in_step[0] + notice_steps))
     due = [msg.commit_in_s for _, msg in notices]
     assert all(later < earlier for earlier, later in zip(due, due[1:])), due
     assert {msg.migration_id for _, msg in notices} == {m.migration_id}

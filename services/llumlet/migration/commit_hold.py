@@ -3,16 +3,16 @@
 A request that commits while the destination's step is in flight can only join the step after
 it: up to a whole step more on the client's stall (half a step on average). So the source tells
 the destination ahead (`CommitNotice`: "the commit lands in about X s", sent as it asks to
-suspend the request, right after one of its own steps started, so the notice comes about a
-step early), and the destination's engine loop, before it starts a step, waits for a commit
-due before that step would end, at most `hold_max_s`; the commit (or its abort) wakes it at
-once and the request is in that step. The price is the hold itself: the destination's other
-requests wait for it (their token gap grows by the hold), which is why it is bounded and
-taken only when the commit is due within one of this engine's steps. A commit that never
-comes (aborted migration, source dead) releases the hold at its bound, and its notice is
-dropped; a later notice of it (a source noticing steps ahead notices at each) may hold again,
-but no migration holds more than its budget in all (`CommitHoldRule.budget_s`, a few steps):
-past it, its notices are ignored until it ends.
+suspend the request after its own step in flight: the notice leads by what is left of that
+step and the last stage), and the destination's engine loop, before it starts a step, waits
+for a commit due before that step would end, at most `hold_max_s`; the commit (or its abort)
+wakes it at once and the request is in that step. The price is the hold itself: the
+destination's other requests wait for it (their token gap grows by the hold), which is why it
+is bounded and taken only when the commit is due within one of this engine's steps. A commit
+that never comes (aborted migration, source dead) releases the hold at its bound, and its
+notice is dropped; a later notice of it (a source noticing steps ahead notices at each) may
+hold again, but no migration holds more than its budget in all (`CommitHoldRule.budget_s`, a
+few steps): past it, its notices are ignored until it ends.
 
 The bound is also a share of this engine's typical step (`shared.policy.commit_hold`, the rule
 the simulator models too). A notice that comes steps ahead (the source's `notice_steps`) paces

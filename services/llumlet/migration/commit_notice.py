@@ -42,18 +42,18 @@ class CommitNotifier:
 
     async def notice(self, m: OutgoingMigration, check: Callable[[], object]) -> bool:
         """At each of our next `notice_steps` steps (the request keeps decoding meanwhile; the
-        step in flight is the first, where more than one), tell the destination the commit is due
-        when the last of them ends and the last stage is through; the caller suspends at once
-        after the last starts, so the last notice comes about a step ahead. `check` raises when
+        step in flight is the first), tell the destination the commit is due when the last of
+        them ends and the last stage is through; the caller suspends at once after, so the last
+        notice leads by what is left of its step and the last stage. `check` raises when
         the request can no longer move (it finished meanwhile). False: no notice (the destination
         does not hold, or the commit's time cannot be told)."""
         if self.steps is None or m.dst_hold_max_s <= 0:
             return False
         for steps_left in range(self.notice_steps, 0, -1):
-            # Steps ahead, the step in flight counts as the first (as the simulator counts it):
-            # the notice's lead is the steps after it. One step ahead, the notice waits for the
-            # next start, or it could come too late for the destination's next step.
-            first_in_flight = steps_left == self.notice_steps > 1 and self.steps.started_at is not None
+            # The step in flight counts as the first (as the simulator counts it): the suspend
+            # waits for it either way, so the notice's lead is what is left of it plus the steps
+            # after it. Between steps, the next start is the first.
+            first_in_flight = steps_left == self.notice_steps and self.steps.started_at is not None
             if not first_in_flight:
                 typical = self.steps.typical_s
                 await self.steps.next_start(timeout_s=max(0.5, 4 * typical))  # (none: the notice is just shorter)
