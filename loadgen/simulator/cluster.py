@@ -208,7 +208,7 @@ class ClusterSimulator:
         return True
 
     def _on_step_end(self, instance: SimInstance) -> None:
-        step, instance.step = instance.step, None
+        step = instance.end_step()
         events = instance.scheduler.update_from_output(step, self.now)
         if events.new_token and blocks_moved(instance.report, instance.scheduler.block_manager.num_free,
                                              instance.scheduler.config.num_blocks, self.config.report_change_fraction):

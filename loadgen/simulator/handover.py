@@ -4,9 +4,12 @@ source lets go and the destination takes over, by the llumlets' rules.
 - The source's suspend waits for its step in flight when the request is in it, and the request
   keeps that step's token (as the live engines: `SimEngine.suspend`, vLLM's).
 - The source's notice: as a live source, it suspends the request after `notice_steps` of its
-  steps (the one in flight when the last stage is due, then the next ones), and the commit is
-  expected from the first of them: at each step start, when that step ends plus the typical
-  step for each one left plus the last stage's copy; exactly once the request is suspended.
+  steps (the one in flight when the last stage is due, then the next ones), and tells the commit
+  from the first of them, again at each step start, by the live estimate (`CommitNotifier`):
+  the step's start plus the typical step (the steps before it), the typical step for each one
+  left, and the last stage's copy. Nothing more once the request is suspended (a live source
+  sends nothing after it); a request suspended at once (not in the step in flight, or a
+  hand-off) is expected when its last stage will end.
 - The destination's commit hold (`shared.policy.commit_hold`): a step about to start waits for a
   commit due within the rule's bound, and the commit's kick starts it with the request in it;
   for a commit whole steps off, where the source notices steps ahead, it waits its paced share
@@ -63,7 +66,8 @@ class Handovers:
 
     # -- the source ------------------------------------------------------------------------------
 
-    def suspend_waits(self, migration: Migration, request: SimRequest | None, last_stage_s: float) -> bool:
+    def suspend_waits(self, migration: Migration, request: SimRequest | None, last_stage_s: float,
+                      now: float) -> bool:
         """Whether the last stage waits for the source's steps: the one in flight (the request is
         in it) and `notice_steps - 1` after it; `after_step` hands it back when the last ends.
         The commit is expected from now."""
@@ -72,18 +76,23 @@ class Handovers:
             return False
         countdown = _Countdown(migration, self.notice_steps, last_stage_s)
         self._suspending.setdefault(src.instance_id, []).append(countdown)
-        self._expect_after(src, countdown)
+        self._expect_after(src, countdown, now)
         return True
 
     def step_started(self, src: SimInstance) -> None:
         """A step of this instance started: the notices of its waiting last stages again, as a
         live source's at each of its steps."""
         for countdown in self._suspending.get(src.instance_id, ()):
-            self._expect_after(src, countdown)
+            self._expect_after(src, countdown, src.step_started_at)
 
-    def _expect_after(self, src: SimInstance, countdown: _Countdown) -> None:
-        more_steps = (countdown.steps_left - 1) * src.typical_step_s
-        self.expect_commit(countdown.migration, src.step_ends_at + more_steps + countdown.last_stage_s)
+    def _expect_after(self, src: SimInstance, countdown: _Countdown, now: float) -> None:
+        """The live source's estimate (`CommitNotifier.notice`): the step in flight ends a typical
+        step after its start (not when it will: the source cannot know), then a typical step for
+        each one left, then the last stage."""
+        typical = src.typical_step_s
+        step_ends_at = max(now, src.step_started_at + typical)
+        self.expect_commit(countdown.migration, step_ends_at + (countdown.steps_left - 1) * typical
+                           + countdown.last_stage_s)
 
     def after_step(self, src: SimInstance) -> list[Migration]:
         """The last stages whose steps to wait for ended with this instance's step just now, and

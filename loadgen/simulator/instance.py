@@ -42,7 +42,8 @@ class SimInstance:
     migrations_in: int = 0
     num_steps: int = 0
     busy_s: float = 0.0
-    step_ends_at: float = 0.0  # the step in flight's (or the latest one's) end
+    step_started_at: float = 0.0  # the step in flight's (or the latest one's) start
+    step_ends_at: float = 0.0  # and its end
     # The latest steps' durations: their median is the typical step a commit hold is bounded by
     # (as the llumlet's `StepClock`).
     recent_steps_s: collections.deque[float] = field(
@@ -68,13 +69,21 @@ class SimInstance:
                 self.step = out
                 self.num_steps += 1
                 self.busy_s += duration
-                self.step_ends_at = now + duration
-                self.recent_steps_s.append(duration)
+                self.step_started_at, self.step_ends_at = now, now + duration
                 return duration
             if not out.preempted:
                 return None  # blocked on blocks (reserved for a migration, or the head is too big)
             # Everything that ran was preempted; the next schedule admits again (as vLLM v1).
         return None
+
+    def end_step(self) -> SchedulerOutput:
+        """The step in flight ended: it counts among the recent ones from now (as `StepClock`
+        counts a step when it ends: a source's notice in its step goes by the steps before it)."""
+        step = self.step
+        assert step is not None, "a step ended that never started"
+        self.step = None
+        self.recent_steps_s.append(self.step_ends_at - self.step_started_at)
+        return step
 
     @property
     def typical_step_s(self) -> float:

@@ -239,7 +239,8 @@ class Migrator:
         src = migration.src
         last_stage_s = self.model.commit_overhead_s + self.model.copy_s(
             migration.lease_blocks - migration.blocks_sent, self.block_bytes)
-        if self.handovers.suspend_waits(migration, src.scheduler.get(migration.request_id), last_stage_s):
+        if self.handovers.suspend_waits(migration, src.scheduler.get(migration.request_id), last_stage_s,
+                                        self.sim.now):
             return  # (`on_step_end` comes back here)
         if not self._reserve_held_blocks(migration):
             return
@@ -249,7 +250,7 @@ class Migrator:
         migration.suspended_at = self.sim.now
         ends_at = self._start_stage(migration, migration.lease_blocks - migration.blocks_sent,
                                     self.model.commit_overhead_s)
-        if noticed:
+        if noticed and migration.commit_due_at is None:  # (noticed while it decoded: that estimate stands)
             self.handovers.expect_commit(migration, ends_at)
 
     def on_step_end(self, instance: SimInstance, new_token: list[SimRequest]) -> None:

@@ -52,7 +52,7 @@ def test_the_source_suspends_a_request_only_between_its_steps(monkeypatch):
     suspends, mid_step = suspends_mid_step(CONFIG)
     assert suspends > 0 and mid_step == 0
     # Without the wait, last stages suspend requests in the step in flight (whose token is lost).
-    monkeypatch.setattr(Handovers, "suspend_waits", lambda self, migration, request, last_stage_s: False)
+    monkeypatch.setattr(Handovers, "suspend_waits", lambda self, migration, request, last_stage_s, now: False)
     assert suspends_mid_step(CONFIG)[1] > 0
 
 
@@ -168,6 +168,46 @@ def test_noticing_steps_ahead_shortens_the_stall_more_than_a_step_ahead(seed):
     assert len(one) > 10 and len(three) > 10
     assert statistics.median(three) <= statistics.median(one)
     assert statistics.quantiles(three, n=10)[-1] < statistics.quantiles(one, n=10)[-1]
+
+
+def test_the_commit_is_expected_by_the_live_sources_estimate_not_by_when_its_step_will_end():
+    """As `CommitNotifier.notice`: the step in flight ends a typical step after its start (the
+    source cannot know when it will), then a typical step for each one left, then the last
+    stage; at each next start again. (Was: the step's actual end, which only the simulator knows.)"""
+    rule = CommitHoldRule(hold_max_s=1.0, step_share=0.5)
+    request = object()
+    src = SimpleNamespace(instance_id="s", step=SimpleNamespace(requests=[request]), typical_step_s=0.040,
+                          step_started_at=1.000, step_ends_at=1.100)  # a long step: a prefill chunk in it
+    dst = SimpleNamespace(instance_id="d", typical_step_s=0.040)
+    for notice_steps, expected in ((1, 1.040 + 0.005), (3, 1.040 + 2 * 0.040 + 0.005)):
+        handovers = Handovers(rule, MigrationStats(), notice_steps, wake=lambda instance, at: None)
+        migration = SimpleNamespace(migration_id="m", src=src, dst=dst, commit_due_at=None)
+        assert handovers.suspend_waits(migration, request, last_stage_s=0.005, now=1.010)
+        assert migration.commit_due_at == pytest.approx(expected)
+        # Past the typical end, the step is expected to end now.
+        handovers = Handovers(rule, MigrationStats(), notice_steps, wake=lambda instance, at: None)
+        assert handovers.suspend_waits(migration, request, last_stage_s=0.005, now=1.060)
+        assert migration.commit_due_at == pytest.approx(expected + 0.020)
+    src.step_started_at, src.step_ends_at = 1.100, 1.130  # the next step starts (three steps ahead)
+    handovers.step_started(src)  # (uncounted here: `after_step` counts the steps down)
+    assert migration.commit_due_at == pytest.approx(1.140 + 2 * 0.040 + 0.005)
+
+
+def test_a_suspended_request_is_not_noticed_again(monkeypatch):
+    """A live source sends nothing after the suspend: the commit stays expected when its notice
+    said, not when the last stage will end (was: noticed again, exactly, at the suspend)."""
+    expected: dict[str, list[bool]] = defaultdict(list)  # migration id -> suspended yet, per expectation
+    expect_commit = Handovers.expect_commit
+
+    def recording(self, migration, due_at):
+        expected[migration.migration_id].append(migration.suspended_at is not None)
+        expect_commit(self, migration, due_at)
+
+    monkeypatch.setattr(Handovers, "expect_commit", recording)
+    result = ClusterSimulator(held(CommitHoldRule(0.05)), get_policy("corral"), workload(0)).run()
+    assert result.migrations.committed > 0
+    noticed = [marks for marks in expected.values() if not marks[0]]
+    assert noticed and all(not any(marks) for marks in noticed)
 
 
 def test_a_migrations_holds_are_charged_what_they_took_as_each_ends_and_stop_at_its_budget():
