@@ -17,6 +17,7 @@ from shared.policy.migration import (
     DEFAULT_MAX_IN,
     DEFAULT_MAX_OUT,
     DEFAULT_STAGES,
+    IDLE_POLL_S,
     REFUSED_BACKOFF_S,
     CacheAffinity,
     MigrationGuard,
@@ -63,6 +64,9 @@ class MigrationModel:
     # A source whose destination refused (its guard at the first grant) or ran out of blocks
     # starts no migration to it for this long while the pair stands, as a llumlet.
     refused_backoff_s: float = REFUSED_BACKOFF_S
+    # While its pair stands, a source starts the next migration as a slot frees (after a commit or
+    # an abort), and with nothing it may start looks again after this long, as a llumlet.
+    idle_poll_s: float = IDLE_POLL_S
 
     def __post_init__(self) -> None:
         if not (self.bandwidth_gbps > 0 and math.isfinite(self.bandwidth_gbps)):
@@ -71,6 +75,8 @@ class MigrationModel:
             raise ValueError("migration overheads must be >= 0")
         if self.max_out < 1 or self.max_in < 1 or self.handoff_concurrency < 1:
             raise ValueError("migrations per instance and hand-off concurrency must be positive")
+        if not self.idle_poll_s > 0:
+            raise ValueError("a source's idle poll must be a positive time")
         if self.notice_steps < 1:
             raise ValueError("a commit's notice must come at least one step ahead (--migration-notice-steps >= 1)")
 

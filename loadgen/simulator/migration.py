@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from loadgen.simulator.handover import Handovers
-from loadgen.simulator.instance import InstanceState, SimInstance
+from loadgen.simulator.instance import SimInstance
 from loadgen.simulator.migration_state import (
     Migration,
     MigrationStats,
@@ -33,7 +33,6 @@ from shared.engine_model.request import RequestStatus, SimRequest
 from shared.engine_model.scheduler import SimScheduler
 from shared.messages import MAX_CANDIDATE_HASHES, MAX_PREALLOC_HASHES
 from shared.policy.disaggregation import rebalancing_pairs
-from shared.policy.freeness import QueueDemand, freeness
 from shared.policy.migration import (
     MigrationCandidate,
     MigrationGuard,
@@ -78,6 +77,7 @@ class Migrator:
         self.block_bytes = sim.config.block_bytes
         self.pairs: dict[str, str] = {}  # source -> destination, as of the last round
         self._refused: dict[str, tuple[str, float]] = {}  # source -> (destination, backing off until)
+        self._polling: dict[str, str] = {}  # source -> the destination it looks again for, soon
         self.active: dict[str, Migration] = {}  # migration id -> migration
         self.stats = MigrationStats()
         self.left_at: dict[str, dict[str, float]] = {}  # request id -> instance -> when it left it
@@ -111,7 +111,7 @@ class Migrator:
         self.stats.rounds += 1
         self.stats.pairs += len(pairs)
         for pair in pairs:
-            self._try_start(sim.instances[pair.src], sim.instances[pair.dst])
+            self._keep_migrating(sim.instances[pair.src], sim.instances[pair.dst])
 
     def _cached_prefix(self, src_id: str) -> dict[str, int]:
         """Destination -> leading blocks of the request `src_id` would move (by the selection
@@ -146,16 +146,24 @@ class Migrator:
         if self.pairs.get(src.instance_id) == dst.instance_id:
             self._refused[src.instance_id] = (dst.instance_id, self.sim.now + self.model.refused_backoff_s)
 
-    def _pair_stands(self, src: SimInstance, dst: SimInstance) -> bool:
-        """The source keeps migrating while it is still short of memory and the destination
-        still has plenty, as its own fresh load shows."""
-        if self.pairs.get(src.instance_id) != dst.instance_id or dst.state is not InstanceState.LIVE:
-            return False
-        config = self.sim.policy_config
-        src_f = freeness(self.sim.report_of(src, fresh=True), config.headroom_blocks, QueueDemand.HEAD)
-        dst_f = freeness(self.sim.report_of(dst, fresh=True), config.headroom_blocks, QueueDemand.HEAD)
-        gap = self.guard.min_freeness_gap if self.guard else 0.0
-        return src_f < config.migrate_out_freeness and dst_f > config.migrate_in_freeness and dst_f - src_f >= gap
+    def _keep_migrating(self, src: SimInstance, dst: SimInstance) -> None:
+        """As a live source's loop while its pair stands (until the next round pairs otherwise):
+        the next migration starts as soon as a slot is free, and where none may start (no
+        candidate decoding, a back-off), it looks again after `idle_poll_s`. (A slot taken: the
+        migration's end comes back here.)"""
+        if self.sim.done or self.pairs.get(src.instance_id) != dst.instance_id:
+            return
+        if src.migrations_out >= self.model.max_out or self._try_start(src, dst):
+            return
+        if self._polling.get(src.instance_id) != dst.instance_id:
+            self._polling[src.instance_id] = dst.instance_id
+            self.sim.events.push(self.sim.now + self.model.idle_poll_s, self._poll, (src, dst))
+
+    def _poll(self, pair: tuple[SimInstance, SimInstance]) -> None:
+        src, dst = pair
+        if self._polling.get(src.instance_id) == dst.instance_id:
+            del self._polling[src.instance_id]
+        self._keep_migrating(src, dst)
 
     def _try_start(self, src: SimInstance, dst: SimInstance) -> bool:
         if src.migrations_out >= self.model.max_out or dst.migrations_in >= self.model.max_in or not dst.serving:
@@ -345,8 +353,7 @@ class Migrator:
         self.handovers.committed(request)
         self.stats.duration_s.append(sim.now - migration.started_at)
         self._finish(migration)
-        if self._pair_stands(src, dst):
-            self._try_start(src, dst)
+        self._keep_migrating(src, dst)
 
     def _abort(self, migration: Migration, reason: str) -> None:
         migration.dst.scheduler.release(migration.lease_id)
@@ -355,6 +362,8 @@ class Migrator:
         migration.status = MigrationStatus.ABORTED
         self.stats.aborted[reason] += 1
         self._finish(migration)
+        if not migration.handoff:
+            self._keep_migrating(migration.src, migration.dst)
 
     def _finish(self, migration: Migration) -> None:
         del self.active[migration.migration_id]

@@ -77,6 +77,9 @@ DEFAULT_MAX_IN = 2
 # After a destination refused or aborted a migration, its source starts none to it for this long
 # while that pair stands (the llumlets' and the simulator's): the next round may pair elsewhere.
 REFUSED_BACKOFF_S = 0.5
+# A source with a pair but nothing it may start (no candidate, a back-off) looks again after this
+# long, while the pair stands (the llumlets' and the simulator's).
+IDLE_POLL_S = 0.02
 
 
 def next_stage(rule: StageRule, stages_done: int, full_blocks: int, blocks_sent: int) -> int | None:

@@ -40,6 +40,7 @@ from shared.policy.migration import (
     DEFAULT_MAX_IN,
     DEFAULT_MAX_OUT,
     DEFAULT_STAGES,
+    IDLE_POLL_S,
     REFUSED_BACKOFF_S,
     MigrationGuard,
     StageRule,
@@ -143,7 +144,7 @@ class MigrationLimits:
     max_in: int = DEFAULT_MAX_IN
     pair_ttl_s: float = 1.0  # an order not re-confirmed for this long lapses (scheduler gone)
     refused_backoff_s: float = REFUSED_BACKOFF_S  # after the destination refused, wait before trying it again
-    idle_poll_s: float = 0.02  # with a pair but nothing to migrate, look again after this
+    idle_poll_s: float = IDLE_POLL_S  # with a pair but nothing to migrate, look again after this
     # Destination: hold the next engine step up to this long for a commit the source said is
     # imminent (`CommitNotice`), so the request joins that step instead of the one after (0: never
     # hold), and at most this share of the destination's typical step. The price: the other
