@@ -231,7 +231,13 @@ class Migrator:
         scheduler = migration.src.scheduler
         request = scheduler.get(migration.request_id)
         full = request.num_computed_tokens // scheduler.block_size  # blocks whose content is final
-        num_blocks = next_stage(self.model.stages, migration.stage, full, migration.blocks_sent)
+        if migration.stage == 0:
+            # A live source decides its first stage before it learns what the destination holds
+            # cached (that stage's grant tells it): it copies what the cache lacks, if nothing.
+            first = next_stage(self.model.stages, 0, full, 0)
+            num_blocks = None if first is None else full - migration.blocks_sent
+        else:
+            num_blocks = next_stage(self.model.stages, migration.stage, full, migration.blocks_sent)
         if num_blocks is None:
             self._last_stage(migration)
             return

@@ -14,7 +14,7 @@ from loadgen.simulator import cli
 from loadgen.simulator.config import SimConfig
 from loadgen.simulator.migration import Migrator
 from shared.engine_model.config import SchedulerConfig
-from shared.policy.migration import CacheAffinity
+from shared.policy.migration import CacheAffinity, StageRule
 from tests.simulator.helpers import simulate, synthetic
 
 CACHING = SimConfig(num_instances=4, scheduler=SchedulerConfig(num_blocks=1000, max_model_len=8192,
@@ -115,3 +115,37 @@ def test_pairing_matches_at_most_the_candidate_prefix_a_live_load_report_carries
     base = synthetic("conversation:long", 120, 1.0, config, trace_timestamps=True)
     simulate(aware(config), "corral", with_system_prompts(base, 2, 3000, config.max_seq_len, seed=0))
     assert matched and max(matched) == MAX_CANDIDATE_HASHES
+
+
+def test_the_first_stage_is_decided_before_the_destinations_cache_is_known_as_a_live_source_does(monkeypatch):
+    """A live source sizes its stage 0 by the request's full blocks, then learns from that stage's
+    grant what the destination holds cached and copies only the rest, perhaps nothing; so a
+    request cached there in full (or all but a last stage's blocks) still runs a stage 0 before
+    its last (was: straight to the last stage in the simulator)."""
+    at_start: dict[str, tuple[int, int]] = {}  # migration id -> (full blocks, cached blocks)
+    firsts: list[tuple[int, int, tuple[int, bool]]] = []  # (full, cached, first stage) per commit
+    pin, commit = Migrator._pin_cached_prefix, Migrator._commit
+
+    def recording_pin(self, migration):
+        pin(self, migration)
+        scheduler = migration.src.scheduler
+        full = scheduler.get(migration.request_id).num_computed_tokens // scheduler.block_size
+        at_start[migration.migration_id] = (full, migration.cached_blocks)
+
+    def recording_commit(self, migration, request):
+        if not migration.handoff:
+            firsts.append((*at_start[migration.migration_id], migration.stages[0]))
+        commit(self, migration, request)
+
+    monkeypatch.setattr(Migrator, "_pin_cached_prefix", recording_pin)
+    monkeypatch.setattr(Migrator, "_commit", recording_commit)
+    # (a last stage of up to 64 blocks, so that "all but a last stage's" is common here; at the
+    # default 0 it is a request cached there in full, which this workload seldom moves)
+    config = aware(CACHING)
+    config = replace(config, migration=replace(config.migration, stages=StageRule(last_stage_blocks=64)))
+    simulate(config, "corral", workload())
+    last = config.migration.stages.last_stage_blocks
+    staged = [(full, cached, first) for full, cached, first in firsts if full > last]
+    assert staged and all(not stopped for _, _, (_, stopped) in staged)  # a live stage 0 first
+    assert all(blocks == full - cached for full, cached, (blocks, _) in staged)
+    assert any(full - cached <= last for full, cached, _ in staged)  # (where the two differed)
