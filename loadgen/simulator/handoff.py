@@ -4,11 +4,13 @@ live migration (`Migrator.start`: the same stages, KV copy cost from its bytes a
 migration bandwidth, the same commit that frees the prompt's blocks on the source).
 
 The destination comes from the shared policy (`handoff_destination`, under the one migration
-guard). A request waits for a hand-off while the migration slots are busy (the source's
-`handoff_concurrency` hand-offs, as the llumlet's, or every destination's way in), and it decodes
-meanwhile. "No room" and an aborted hand-off are asked about again `HANDOFF_ATTEMPTS` times in
-all, `HANDOFF_RETRY_AFTER_S` apart, as the llumlet does; after the last it stays for good
-(degrades to mixed) rather than wait.
+guard), over the reports as the scheduler holds them; the destination grants or refuses on its
+state then (its limit of migrations in, its guard), as a live one. A request waits for a
+hand-off while its source's `handoff_concurrency` hand-offs run, as the llumlet's, and it decodes
+meanwhile. "No room" and a destination's refusal are asked about again `HANDOFF_ATTEMPTS` times
+in all, `HANDOFF_RETRY_AFTER_S` apart, as the llumlet does; after the last it stays for good
+(degrades to mixed) rather than wait. A hand-off its source gave up (the request finished or was
+preempted there) is not asked about again, as live.
 """
 
 from __future__ import annotations
@@ -109,7 +111,10 @@ class Handoffs:
                 self.stats.downtime_s.append(self.migrator.stats.downtime_s[-1])
             else:
                 self.stats.aborted += 1
-                self._again_later(migration.src, migration.request_id)
+                if migration.refused_by_destination:
+                    self._again_later(migration.src, migration.request_id)
+                else:  # the source gave up (it finished or was preempted there): not asked again, as live
+                    self._stays(migration.src, migration.request_id)
         elif migration.status is MigrationStatus.COMMITTED:  # a load-balancing round moved it first
             waiting = self.pending.get(migration.src.instance_id, {})
             if migration.request_id in waiting:
@@ -148,38 +153,45 @@ class Handoffs:
             return False
         if not is_decoding(request) or self._moving(request_id) or self.sim.now < self.not_before.get(request_id, 0.0):
             return True  # recomputing after a preemption, already moving, or asked about again later
-        targets = [i for i in self.sim.serving if i.role in HANDOFF_ROLES]
-        free = [i for i in targets if i.migrations_in < model.max_in]
-        loads = [self.sim.report_of(i, fresh=True) for i in free]
+        # The scheduler chooses from its table (the reports), as live; the destination then
+        # grants or refuses on its state (its limit of migrations in, its guard), and a refusal
+        # is an attempt, as a live ABORTED_DST.
+        loads = [self.sim.report_of(i) for i in self.sim.serving if i.role in HANDOFF_ROLES]
         blocks = src.scheduler.block_manager.num_blocks_of(request_id)
-        dst = handoff_destination(self.sim.report_of(src, fresh=True), loads, blocks, self.guard, self.headroom,
-                                  request.prompt_len + request.max_tokens)
-        if dst is None:
-            if len(free) < len(targets):
-                return False  # a busy destination may have room once its migration ends
-            del waiting[request_id]
+        dst_id = handoff_destination(self.sim.report_of(src), loads, blocks, self.guard, self.headroom,
+                                     request.prompt_len + request.max_tokens)
+        del waiting[request_id]
+        if dst_id is None:
             self._again_later(src, request_id)
             return True
-        del waiting[request_id]
+        dst = self.sim.instances[dst_id]
         self.stats.started += 1
         self.stats.wait_s.append(self.sim.now - self.first_token_at[request_id])
-        self.migrator.start(src, self.sim.instances[dst], request_id, handoff=True)
+        if not self.migrator.destination_grants(dst, blocks):
+            self.stats.aborted += 1
+            self._again_later(src, request_id)
+            return True
+        self.migrator.start(src, dst, request_id, handoff=True)
         return True
 
     def _again_later(self, src: SimInstance, request_id: str) -> None:
         """No room, or the hand-off failed: ask again later while attempts remain (if the request
         still decodes there), else it stays on its prefill instance."""
         attempts = self.attempts[request_id] = self.attempts.get(request_id, 0) + 1
-        if src.scheduler.get(request_id) is None:  # finished there while its hand-off ran
-            self.stats.finished_waiting += 1
-            return
-        if attempts >= HANDOFF_ATTEMPTS:
-            self.stats.degraded += 1
+        if attempts >= HANDOFF_ATTEMPTS or src.scheduler.get(request_id) is None:
+            self._stays(src, request_id)
             return
         self.stats.retried += 1
         self.not_before[request_id] = self.sim.now + HANDOFF_RETRY_AFTER_S
         self.pending.setdefault(src.instance_id, {})[request_id] = self.first_token_at[request_id]
         self.sim.events.push(self.sim.now + HANDOFF_RETRY_AFTER_S, self._on_retry_due)
+
+    def _stays(self, src: SimInstance, request_id: str) -> None:
+        """No more hand-off attempts: it decodes on its prefill instance (or finished there)."""
+        if src.scheduler.get(request_id) is None:
+            self.stats.finished_waiting += 1
+        else:
+            self.stats.degraded += 1
 
     def _on_retry_due(self, _: object) -> None:
         if not self.sim.done:

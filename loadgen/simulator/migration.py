@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from loadgen.simulator.handover import Handovers
-from loadgen.simulator.instance import SimInstance
+from loadgen.simulator.instance import InstanceState, SimInstance
 from loadgen.simulator.migration_state import (
     Migration,
     MigrationStats,
@@ -166,9 +166,7 @@ class Migrator:
         self._keep_migrating(src, dst)
 
     def _try_start(self, src: SimInstance, dst: SimInstance) -> bool:
-        if src.migrations_out >= self.model.max_out or dst.migrations_in >= self.model.max_in or not dst.serving:
-            return False
-        if self._backing_off(src, dst):
+        if src.migrations_out >= self.model.max_out or not dst.serving or self._backing_off(src, dst):
             return False
         sim = self.sim
         busy = {m.request_id for m in self.active.values()}
@@ -178,17 +176,18 @@ class Migrator:
         chosen = select_request_to_migrate(candidates)
         if chosen is None:
             return False
-        if self.guard is not None:
-            blocks = src.scheduler.block_manager.num_blocks_of(chosen.request_id)
-            report = sim.report_of(dst)
-            if not may_migrate_into(num_blocks=blocks, num_blocks_free=report.num_blocks_free,
-                                    num_blocks_total=report.num_blocks_total, num_waiting=report.num_waiting,
-                                    guard=self.guard, draining=report.draining,
-                                    num_blocks_committed=report.committed_blocks):
-                self._refused_by(src, dst)
-                return False
+        if not self.destination_grants(dst, src.scheduler.block_manager.num_blocks_of(chosen.request_id)):
+            self._refused_by(src, dst)
+            return False
         self.start(src, dst, chosen.request_id)
         return True
+
+    def destination_grants(self, dst: SimInstance, num_blocks: int) -> bool:
+        """Whether the destination grants a new migration's first PRE-ALLOC, as a live one
+        decides it (`IncomingMigrations._refuse_new`): not draining, under its limit of migrations
+        in, and past its guard on its state now (not on the report the pairing went by)."""
+        return (dst.state is InstanceState.LIVE and dst.migrations_in < self.model.max_in
+                and self._may_take_more(dst, num_blocks))
 
     def start(self, src: SimInstance, dst: SimInstance, request_id: str, *, handoff: bool = False) -> Migration:
         """Move a decoding request from `src` to `dst`, stage by stage; the caller checked the
@@ -300,6 +299,7 @@ class Migrator:
                 refusal = "destination out of blocks"
             if refusal is not None:
                 self._refused_by(migration.src, migration.dst)
+                migration.refused_by_destination = True
                 self._abort(migration, refusal)
                 return False
         migration.lease_blocks = max(held, migration.lease_blocks)

@@ -36,6 +36,7 @@ class Migration:
     suspended_at: float | None = None
     commit_due_at: float | None = None  # the last stage ends then, and the request commits
     handoff: bool = False  # a P/D hand-off at the first token, not a load-balancing move
+    refused_by_destination: bool = False  # aborted: the destination refused blocks (else the source gave up)
 
     @property
     def lease_id(self) -> str:

@@ -203,3 +203,45 @@ def test_a_hand_off_that_starts_at_the_first_token_moves_in_one_stage(monkeypatc
     assert all(m.stages == [(m.stages[0][0], True)] and m.status is MigrationStatus.COMMITTED for m in at_once)
     # The request left before decoding there: it has its first token only, from the prefill instance.
     assert all(m.stages[0][0] == -(-(300 + 40 * int(m.request_id[1:]) + 1) // 16) for m in at_once)
+
+
+def test_a_destination_at_its_limit_of_migrations_in_refuses_a_hand_off_and_that_is_an_attempt(monkeypatch):
+    """As live: the scheduler chooses from its table, which does not know a destination's
+    migrations in; the destination refuses at its limit (ABORTED_DST), and the source asks again
+    later, an attempt spent (was: the simulator skipped it and waited without counting)."""
+    granted: list[bool] = []
+    grants = Migrator.destination_grants
+
+    def recording(self, dst, num_blocks):
+        granted.append(grants(self, dst, num_blocks))
+        return granted[-1]
+
+    monkeypatch.setattr(Migrator, "destination_grants", recording)
+    config = replace(small(num_instances=2, num_prefill=1, num_decode=1, step_mode="v1", num_blocks=400),
+                     migration=MigrationModel(bandwidth_gbps=0.5, max_in=1, handoff_concurrency=4))
+    sim = run(config, "infaas++", workload_of([(0.0, 600, 200, 0), (0.0, 600, 200, 0), (0.0, 600, 200, 0)]))
+    assert_nothing_lost(sim, 3)
+    s = sim.handoffs.stats
+    assert False in granted and s.aborted == granted.count(False) and s.retried > 0
+    assert s.committed + s.degraded + s.finished_waiting + s.rebalanced == s.prefilled == 3
+
+
+def test_a_hand_off_its_source_gave_up_is_not_asked_about_again(monkeypatch):
+    """As live (the source's abort is not ABORTED_DST: GONE): a request whose hand-off its
+    prefill instance gave up stays there (was: asked about again)."""
+    aborted: list[bool] = []
+    stage_end = Migrator._on_stage_end
+
+    def the_source_gives_up_once(self, migration):
+        if migration.handoff and not aborted:
+            self._abort(migration, "preempted on the source")  # (what the source's check raises)
+            aborted.append(migration.refused_by_destination)
+            return
+        stage_end(self, migration)
+
+    monkeypatch.setattr(Migrator, "_on_stage_end", the_source_gives_up_once)
+    config = small(num_instances=2, num_prefill=1, num_decode=1, step_mode="v1", num_blocks=400)
+    sim = run(config, "infaas++", workload_of([(0.0, 500, 200, 0)]))
+    assert_nothing_lost(sim, 1)
+    s = sim.handoffs.stats
+    assert aborted == [False] and (s.aborted, s.retried, s.degraded, s.committed) == (1, 0, 1, 0)

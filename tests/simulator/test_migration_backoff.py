@@ -54,3 +54,44 @@ def test_blocks_past_the_first_grant_pass_the_destinations_guard_on_its_state_no
     assert not migrator._may_take_more(destination(free=100, waiting=0), 50)  # under 10 % left
     migrator.guard = None
     assert migrator._may_take_more(destination(free=800, waiting=1), 3)  # (no guard: the bands alone)
+
+
+def test_a_destination_refuses_a_new_migration_at_its_limit_or_by_its_state_not_by_its_report(monkeypatch):
+    """As a live destination's first grant (`IncomingMigrations._refuse_new`): draining, at its
+    limit of migrations in, or failing the guard on its state then refuses, and the source backs
+    off (was: a destination at its limit was skipped without a back-off, and the guard read the
+    report the pairing went by)."""
+    from types import SimpleNamespace
+
+    from loadgen.simulator.instance import InstanceState
+    from loadgen.simulator.migration import Migrator
+    from shared.policy.migration import DEFAULT_GUARD
+
+    migrator = Migrator.__new__(Migrator)
+    migrator.guard, migrator.model = DEFAULT_GUARD, SMALL.migration
+
+    def destination(state=InstanceState.LIVE, migrations_in=0, free=800, waiting=0) -> SimpleNamespace:
+        scheduler = SimpleNamespace(block_manager=SimpleNamespace(num_free=free),
+                                    config=SimpleNamespace(num_blocks=1000), waiting=[object()] * waiting,
+                                    committed_blocks=lambda: 0)
+        return SimpleNamespace(state=state, migrations_in=migrations_in, scheduler=scheduler)
+
+    assert migrator.destination_grants(destination(), 10)
+    assert not migrator.destination_grants(destination(state=InstanceState.DRAINING), 10)
+    assert not migrator.destination_grants(destination(migrations_in=SMALL.migration.max_in), 10)
+    assert not migrator.destination_grants(destination(waiting=1), 10)  # a queue there now
+    assert not migrator.destination_grants(destination(free=100), 50)  # under 10 % left now
+
+    at_limit = [0]
+    refused_by = Migrator._refused_by
+
+    def recording(self, src, dst):
+        at_limit[0] += dst.migrations_in >= self.model.max_in
+        refused_by(self, src, dst)
+
+    monkeypatch.setattr(Migrator, "_refused_by", recording)
+    # (slow copies: a round pairs a source with a destination whose last migration in still runs)
+    config = replace(SMALL, migration=replace(SMALL.migration, max_in=1, bandwidth_gbps=0.1))
+    result = simulate(config, "corral", synthetic("synthetic:L-L", 200, rate=12.0, seed=0))
+    assert result.migrations.committed > 0 and len(result.finished) == 200
+    assert at_limit[0] > 0
