@@ -154,7 +154,8 @@ class ClusterSimulator:
         scheduler = SimScheduler(self.config.scheduler_config(self.policy.queue_policy))
         instance = SimInstance(instance_id, scheduler, self.latency, launched_at=self.now,
                                role=self.config.role_of(len(self.instances)),
-                               tells_prefill_tokens=self.config.tells_prefill_tokens(len(self.instances)))
+                               tells_prefill_tokens=self.config.tells_prefill_tokens(len(self.instances)),
+                               max_migrations_in=self.config.migration.max_in)
         if self.indexed is not None:
             instance.on_report = self.indexed.reported
         self.instances[instance_id] = instance

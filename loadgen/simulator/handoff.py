@@ -24,7 +24,7 @@ from loadgen.simulator.migration_state import Migration, MigrationStatus, is_dec
 from shared.engine_model.request import SimRequest
 from shared.messages import InstanceRole
 from shared.policy.disaggregation import (
-    HANDOFF_ATTEMPTS, HANDOFF_RETRY_AFTER_S, HANDOFF_ROLES, handoff_destination, wants_handoff,
+    HANDOFF_ATTEMPTS, HANDOFF_RETRY_AFTER_S, HANDOFF_ROLES, account_handoff, handoff_destination, wants_handoff,
 )
 from shared.policy.migration import MigrationGuard
 
@@ -165,6 +165,10 @@ class Handoffs:
             self._again_later(src, request_id)
             return True
         dst = self.sim.instances[dst_id]
+        if dst.report is not None:  # the scheduler accounts its answer, as for a dispatch
+            dst.report = account_handoff(dst.report, blocks)
+            if self.sim.indexed is not None:
+                self.sim.indexed.accounted(dst)
         self.stats.started += 1
         self.stats.wait_s.append(self.sim.now - self.first_token_at[request_id])
         if not self.migrator.destination_grants(dst, blocks):

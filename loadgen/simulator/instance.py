@@ -40,6 +40,7 @@ class SimInstance:
     report_at: float = -math.inf
     migrations_out: int = 0
     migrations_in: int = 0
+    max_migrations_in: int = 0  # as its report tells (the llumlet's --migration-max-in; 0: not told)
     num_steps: int = 0
     busy_s: float = 0.0
     step_started_at: float = 0.0  # the step in flight's (or the latest one's) start
@@ -120,6 +121,8 @@ class SimInstance:
             committed_blocks=scheduler.committed_blocks(),
             waiting_prefill_tokens=scheduler.waiting_prefill_tokens() if self.tells_prefill_tokens else None,
             num_migrating=self.migrations_in + self.migrations_out,
+            num_migrating_in=self.migrations_in,
+            max_migrations_in=self.max_migrations_in,
             max_model_len=max_model_len,
             engine="sim",
             role=self.role,

@@ -72,6 +72,8 @@ class LoadReporter:
             committed_blocks=engine.num_committed_blocks(),
             waiting_prefill_tokens=engine.waiting_prefill_tokens(),
             num_migrating=migration.num_migrating if migration is not None else 0,
+            num_migrating_in=migration.num_migrating_in if migration is not None else 0,
+            max_migrations_in=migration.limits.max_in if migration is not None else 0,
             kv_address=migration.kv_address if migration is not None else "",
             max_model_len=engine.max_model_len,
             model=engine.model_name,

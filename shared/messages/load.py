@@ -88,6 +88,11 @@ class LoadReport(Struct):
     num_preemptions_total: Count
     by_priority: Annotated[list[PriorityLoad], Meta(max_length=1024)] = []
     num_migrating: Count = 0
+    # Of them, migrations into it (P/D hand-offs among them), and how many it takes at once (its
+    # --migration-max-in; 0: not told, an older llumlet): at its limit it refuses the next one,
+    # so a hand-off goes elsewhere.
+    num_migrating_in: Count = 0
+    max_migrations_in: Count = 0
     reserved_blocks: Count = 0
     # Blocks that admitted prompts still have to claim: admission checked their whole sequence
     # fits, chunked prefill allocates it chunk by chunk. Spoken for, though still free.
@@ -136,6 +141,8 @@ class LoadReport(Struct):
         _no_nan(freeness=self.freeness, dispatch_freeness=self.dispatch_freeness)
         if self.num_blocks_free > self.num_blocks_total:
             raise ValueError(f"{self.num_blocks_free} free blocks of {self.num_blocks_total}")
+        if self.num_migrating_in > self.num_migrating:
+            raise ValueError(f"{self.num_migrating_in} migrations in of {self.num_migrating}")
 
 
 def decode_load_report(data: bytes, log: logging.Logger, subject: str) -> LoadReport | None:

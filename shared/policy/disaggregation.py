@@ -60,8 +60,12 @@ def dispatch_pool(loads: Sequence[LoadReport]) -> list[LoadReport]:
 
 
 def may_take_handoff(load: LoadReport, request_blocks: int, guard: MigrationGuard) -> bool:
-    """The destination side of the guard, exactly as a migration's PRE-ALLOC is checked: no
-    queue there, and `request_blocks` leave its guard margin free."""
+    """The destination side of the guard, exactly as a migration's PRE-ALLOC is checked: under
+    its limit of migrations in (where it tells it), no queue there, and `request_blocks` leave its
+    guard margin free. (At its limit it would refuse: the attempt spent, the request waiting for
+    the next, when another destination may take it now.)"""
+    if load.max_migrations_in and load.num_migrating_in >= load.max_migrations_in:
+        return False
     return may_migrate_into(
         num_blocks=request_blocks, num_blocks_free=load.num_blocks_free, num_blocks_total=load.num_blocks_total,
         num_waiting=load.num_waiting, guard=guard, draining=load.draining,
@@ -114,6 +118,7 @@ def account_handoff(load: LoadReport, num_blocks: int) -> LoadReport:
         num_blocks_free=max(0, load.num_blocks_free - num_blocks),
         reserved_blocks=load.reserved_blocks + num_blocks,
         num_migrating=load.num_migrating + 1,
+        num_migrating_in=load.num_migrating_in + 1,
     )
 
 

@@ -23,6 +23,7 @@ from services.llumlet.engines import model_vocabulary
 from services.llumlet.engines.sim.engine import SyntheticTokens
 from shared.embedded_nats import start_nats
 from shared.messages import InstanceRole
+from shared.policy.migration import DEFAULT_MAX_IN
 from tests.e2e.test_corral_up import stop_up
 from tests.e2e.test_corral_up_metrics import free_port_run
 from tests.e2e.test_migration_sim import Watch, all_free, model_name, stream_chat, wait_ready
@@ -109,6 +110,8 @@ async def test_requests_stream_unbroken_across_the_handoff_and_free_their_prefil
         # busy (asked again): the scheduler counts its hand-offs off by it.
         assert watch.latest[decode].num_migrations_asked_total >= 3
         assert watch.latest[prefill].num_migrations_asked_total == 0
+        # And how many it takes in at once: the scheduler hands off only to one under it.
+        assert watch.latest[decode].max_migrations_in == DEFAULT_MAX_IN and watch.latest[decode].num_migrating_in == 0
 
 
 async def test_with_no_room_on_the_decode_instance_the_request_finishes_on_its_prefill_instance(

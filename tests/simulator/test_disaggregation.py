@@ -205,10 +205,11 @@ def test_a_hand_off_that_starts_at_the_first_token_moves_in_one_stage(monkeypatc
     assert all(m.stages[0][0] == -(-(300 + 40 * int(m.request_id[1:]) + 1) // 16) for m in at_once)
 
 
-def test_a_destination_at_its_limit_of_migrations_in_refuses_a_hand_off_and_that_is_an_attempt(monkeypatch):
-    """As live: the scheduler chooses from its table, which does not know a destination's
-    migrations in; the destination refuses at its limit (ABORTED_DST), and the source asks again
-    later, an attempt spent (was: the simulator skipped it and waited without counting)."""
+@pytest.mark.parametrize("told", [True, False])
+def test_a_hand_off_goes_to_a_destination_under_its_limit_of_migrations_in(monkeypatch, told):
+    """Reports tell each instance's migrations in and its limit, and the scheduler hands off only
+    to one under it (`may_take_handoff`). Where a report does not tell (an older llumlet), the
+    destination refuses at its limit (ABORTED_DST, as live) and that is an attempt spent."""
     granted: list[bool] = []
     grants = Migrator.destination_grants
 
@@ -219,11 +220,18 @@ def test_a_destination_at_its_limit_of_migrations_in_refuses_a_hand_off_and_that
     monkeypatch.setattr(Migrator, "destination_grants", recording)
     config = replace(small(num_instances=2, num_prefill=1, num_decode=1, step_mode="v1", num_blocks=400),
                      migration=MigrationModel(bandwidth_gbps=0.5, max_in=1, handoff_concurrency=4))
-    sim = run(config, "infaas++", workload_of([(0.0, 600, 200, 0), (0.0, 600, 200, 0), (0.0, 600, 200, 0)]))
+    sim = ClusterSimulator(config, get_policy("infaas++"),
+                           workload_of([(0.0, 600, 200, 0), (0.0, 600, 200, 0), (0.0, 600, 200, 0)]))
+    for instance in sim.instances.values():
+        instance.max_migrations_in = instance.max_migrations_in if told else 0
+    sim.run()
     assert_nothing_lost(sim, 3)
     s = sim.handoffs.stats
-    assert False in granted and s.aborted == granted.count(False) and s.retried > 0
     assert s.committed + s.degraded + s.finished_waiting + s.rebalanced == s.prefilled == 3
+    if told:
+        assert granted and all(granted) and s.aborted == 0  # never asked one at its limit
+    else:
+        assert False in granted and s.aborted == granted.count(False) and s.retried > 0
 
 
 def test_a_hand_off_its_source_gave_up_is_not_asked_about_again(monkeypatch):

@@ -4,10 +4,13 @@ after its prefill (freest decode instance under the one migration guard, else mi
 from __future__ import annotations
 
 import msgspec
+import pytest
 
-from shared.messages import InstanceRole, LoadReport
+from shared.messages import InstanceRole, LoadReport, WireError, decode
 from shared.policy.config import PolicyConfig
-from shared.policy.disaggregation import dispatch_pool, handoff_destination, rebalancing_pairs, wants_handoff
+from shared.policy.disaggregation import (
+    account_handoff, dispatch_pool, handoff_destination, rebalancing_pairs, wants_handoff,
+)
 from shared.policy.migration import MigrationGuard, MigrationPair, pair_migrations
 from tests.unit.policy_helpers import make_load
 
@@ -62,6 +65,30 @@ def test_freest_decode_instance_is_chosen():
     loads = [source, load("d1", D, running={0: (2, 60)}), load("d2", D, running={0: (2, 20)})]
     assert dest(source, loads) == "d2"
 
+
+
+def test_a_decode_instance_at_its_limit_of_migrations_in_is_passed_over_and_accounting_fills_it():
+    # was: chosen, and it refused the PRE-ALLOC (the hand-off's attempt spent)
+    source = load("p", P, running={0: (1, 10)})
+    full = msgspec.structs.replace(load("d2", D, running={0: (2, 20)}), num_migrating=2, num_migrating_in=2,
+                                   max_migrations_in=2)
+    loads = [source, load("d1", D, running={0: (2, 60)}), full]
+    assert dest(source, loads) == "d1"
+    untold = msgspec.structs.replace(full, max_migrations_in=0)  # an older llumlet: no limit known
+    assert dest(source, [source, loads[1], untold]) == "d2"
+    one_short = msgspec.structs.replace(full, num_migrating=1, num_migrating_in=1)
+    assert dest(source, [source, loads[1], one_short]) == "d2"
+    accounted = account_handoff(one_short, 10)  # the scheduler's answer, as its table keeps it
+    assert (accounted.num_migrating_in, accounted.num_migrating) == (2, 2)
+    assert dest(source, [source, loads[1], accounted]) == "d1"
+
+
+def test_a_report_cannot_have_more_migrations_in_than_migrations():
+    with pytest.raises(ValueError, match="migrations in"):
+        msgspec.structs.replace(make_load("d"), num_migrating=1, num_migrating_in=2)
+    wire = msgspec.msgpack.encode({**msgspec.structs.asdict(make_load("d")), "num_migrating_in": 1})
+    with pytest.raises(WireError, match="migrations in"):  # (what a llumlet sends is checked too)
+        decode(wire, LoadReport)
 
 def test_decode_instances_come_before_a_freer_mixed_one():
     source = load("p", P, running={0: (1, 10)})

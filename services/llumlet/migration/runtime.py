@@ -143,6 +143,10 @@ class LlumletMigration:
         return outgoing + (self.incoming.num_active if self.incoming is not None else 0)
 
     @property
+    def num_migrating_in(self) -> int:
+        return self.incoming.num_active if self.incoming is not None else 0
+
+    @property
     def num_migrations_asked_total(self) -> int:
         return self.incoming.num_asked_total if self.incoming is not None else 0
 
