@@ -80,6 +80,7 @@ class Handoffs:
         self.attempts: dict[str, int] = {}  # request id -> attempts that found no room or were refused
         self.not_before: dict[str, float] = {}  # request id -> when it may be asked about again
         self.first_token_at: dict[str, float] = {}
+        self._left_to_rebalancing: set[str] = set()  # hand-offs that ended for a load-balancing move
         self._retrying = False
         self._again = False
         migrator.on_finished = self._on_migration_finished
@@ -115,6 +116,12 @@ class Handoffs:
                     self._again_later(migration.src, migration.request_id)
                 else:  # the source gave up (it finished or was preempted there): not asked again, as live
                     self._stays(migration.src, migration.request_id)
+        elif migration.request_id in self._left_to_rebalancing:  # the hand-off ended for this migration
+            self._left_to_rebalancing.discard(migration.request_id)
+            if migration.status is MigrationStatus.COMMITTED:
+                self.stats.rebalanced += 1
+            else:
+                self._stays(migration.src, migration.request_id)
         elif migration.status is MigrationStatus.COMMITTED:  # a load-balancing round moved it first
             waiting = self.pending.get(migration.src.instance_id, {})
             if migration.request_id in waiting:
@@ -151,8 +158,16 @@ class Handoffs:
         model = self.migrator.model
         if src.migrations_out >= model.handoff_concurrency:
             return False
-        if not is_decoding(request) or self._moving(request_id) or self.sim.now < self.not_before.get(request_id, 0.0):
-            return True  # recomputing after a preemption, already moving, or asked about again later
+        if self.sim.now < self.not_before.get(request_id, 0.0):
+            return True  # asked about again later
+        if self._moving(request_id):  # a load-balancing migration holds it: the hand-off ends, as live
+            del waiting[request_id]
+            self._left_to_rebalancing.add(request_id)
+            return True
+        if not is_decoding(request):  # preempted meanwhile: an attempt, asked about again later, as live
+            del waiting[request_id]
+            self._again_later(src, request_id)
+            return True
         # The scheduler chooses from its table (the reports), as live; the destination then
         # grants or refuses on its state (its limit of migrations in, its guard), and a refusal
         # is an attempt, as a live ABORTED_DST.
@@ -173,6 +188,7 @@ class Handoffs:
         self.stats.wait_s.append(self.sim.now - self.first_token_at[request_id])
         if not self.migrator.destination_grants(dst, blocks):
             self.stats.aborted += 1
+            self.migrator.refused_by(src, dst)  # (the source's back-off, where that is its pair)
             self._again_later(src, request_id)
             return True
         self.migrator.start(src, dst, request_id, handoff=True)

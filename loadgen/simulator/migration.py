@@ -141,7 +141,7 @@ class Migrator:
         refused = self._refused.get(src.instance_id)
         return refused is not None and refused[0] == dst.instance_id and self.sim.now < refused[1]
 
-    def _refused_by(self, src: SimInstance, dst: SimInstance) -> None:
+    def refused_by(self, src: SimInstance, dst: SimInstance) -> None:
         """The destination refused or aborted a migration: none to it for a while, while the pair stands."""
         if self.pairs.get(src.instance_id) == dst.instance_id:
             self._refused[src.instance_id] = (dst.instance_id, self.sim.now + self.model.refused_backoff_s)
@@ -153,11 +153,19 @@ class Migrator:
         migration's end comes back here.)"""
         if self.sim.done or self.pairs.get(src.instance_id) != dst.instance_id:
             return
-        if src.migrations_out >= self.model.max_out or self._try_start(src, dst):
+        while src.migrations_out < self.model.max_out and self._try_start(src, dst):
+            pass  # (every free slot, as the live loop fills them)
+        if src.migrations_out >= self.model.max_out:
             return
         if self._polling.get(src.instance_id) != dst.instance_id:
             self._polling[src.instance_id] = dst.instance_id
             self.sim.events.push(self.sim.now + self.model.idle_poll_s, self._poll, (src, dst))
+
+    def _slot_freed(self, src: SimInstance) -> None:
+        """A migration of this source ended (a hand-off too): its loop wakes for its pair now."""
+        dst_id = self.pairs.get(src.instance_id)
+        if dst_id is not None:
+            self._keep_migrating(src, self.sim.instances[dst_id])
 
     def _poll(self, pair: tuple[SimInstance, SimInstance]) -> None:
         src, dst = pair
@@ -177,7 +185,7 @@ class Migrator:
         if chosen is None:
             return False
         if not self.destination_grants(dst, src.scheduler.block_manager.num_blocks_of(chosen.request_id)):
-            self._refused_by(src, dst)
+            self.refused_by(src, dst)
             return False
         self.start(src, dst, chosen.request_id)
         return True
@@ -200,6 +208,7 @@ class Migrator:
         src.migrations_out += 1
         dst.migrations_in += 1
         self.stats.started += 1
+        self._report(src)  # (the destination's, once its blocks are reserved)
         if self.cache_aware:
             self._pin_cached_prefix(migration)
         if handoff and src.step is None:
@@ -221,6 +230,8 @@ class Migrator:
                                                            min(full, MAX_PREALLOC_HASHES))
         migration.cached_blocks = migration.blocks_sent = migration.lease_blocks = pinned
         self.stats.cached_blocks += pinned
+        if pinned:
+            self._report(migration.dst)
 
     # -- stages ----------------------------------------------------------------------------------
 
@@ -298,10 +309,11 @@ class Migrator:
             elif migration.dst.scheduler.reserve(migration.lease_id, more) is None:
                 refusal = "destination out of blocks"
             if refusal is not None:
-                self._refused_by(migration.src, migration.dst)
+                self.refused_by(migration.src, migration.dst)
                 migration.refused_by_destination = True
                 self._abort(migration, refusal)
                 return False
+            self._report(migration.dst)
         migration.lease_blocks = max(held, migration.lease_blocks)
         return True
 
@@ -359,7 +371,7 @@ class Migrator:
         self.handovers.committed(request)
         self.stats.duration_s.append(sim.now - migration.started_at)
         self._finish(migration)
-        self._keep_migrating(src, dst)
+        self._slot_freed(src)
 
     def _abort(self, migration: Migration, reason: str) -> None:
         migration.dst.scheduler.release(migration.lease_id)
@@ -368,14 +380,20 @@ class Migrator:
         migration.status = MigrationStatus.ABORTED
         self.stats.aborted[reason] += 1
         self._finish(migration)
-        if not migration.handoff:
-            self._keep_migrating(migration.src, migration.dst)
+        self._slot_freed(migration.src)
+
+    def _report(self, *instances: SimInstance) -> None:
+        """A llumlet reports at once when a migration starts, takes blocks or ends (its hooks'
+        `changed`; the destination's grants and ends): the scheduler's table sees it then."""
+        for instance in instances:
+            instance.build_report(self.sim.now, self.sim.config.max_seq_len)
 
     def _finish(self, migration: Migration) -> None:
         del self.active[migration.migration_id]
         self.handovers.forget(migration)
         migration.src.migrations_out -= 1
         migration.dst.migrations_in -= 1
+        self._report(migration.src, migration.dst)
         for instance in (migration.src, migration.dst):
             self.sim.kick(instance)  # blocks were freed or a request joined the batch
             self.sim.maybe_stop(instance)

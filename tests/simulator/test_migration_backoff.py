@@ -83,13 +83,13 @@ def test_a_destination_refuses_a_new_migration_at_its_limit_or_by_its_state_not_
     assert not migrator.destination_grants(destination(free=100), 50)  # under 10 % left now
 
     at_limit = [0]
-    refused_by = Migrator._refused_by
+    refused_by = Migrator.refused_by
 
     def recording(self, src, dst):
         at_limit[0] += dst.migrations_in >= self.model.max_in
         refused_by(self, src, dst)
 
-    monkeypatch.setattr(Migrator, "_refused_by", recording)
+    monkeypatch.setattr(Migrator, "refused_by", recording)
     # (slow copies: a round pairs a source with a destination whose last migration in still runs)
     config = replace(SMALL, migration=replace(SMALL.migration, max_in=1, bandwidth_gbps=0.1))
     result = simulate(config, "corral", synthetic("synthetic:L-L", 200, rate=12.0, seed=0))
